@@ -1,0 +1,1 @@
+"""Small CLI commands that have no package of their own."""

@@ -1,0 +1,374 @@
+"""One validated configuration tree.
+
+Primitives: frozen dataclasses (`OffloadConfig` and its sections) built by `load_offload(dict)`,
+`load_file(path)` and `load_text(str)`. Every problem found is reported at once as a `ConfigError`
+whose lines name the YAML key path, the bad value and what is allowed. Unknown keys are errors.
+Sizes accept plain bytes or a number with a unit (`512MiB`, `2TiB`, `1.5GB`).
+
+Precedence (CLI > environment > file > default) is applied in one place: `apply_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from offload.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class Size(int):
+    """A byte count parsed from `512MiB`, `2TiB`, `1.5GB` or a plain integer."""
+
+    @classmethod
+    def parse(cls, value: object) -> "Size":
+        if isinstance(value, bool):
+            raise ValueError("a size, not a boolean")
+        if isinstance(value, int):
+            if value < 0:
+                raise ValueError("a size cannot be negative")
+            return cls(value)
+        if isinstance(value, str):
+            m = _SIZE_RE.match(value)
+            if m and m.group(2).lower() in _UNITS:
+                return cls(int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+        raise ValueError("a size: bytes or a number with a unit, e.g. 512MiB, 2TiB, 1.5GB")
+
+    def __str__(self) -> str:
+        return format_size(int(self))
+
+
+def format_size(n: int) -> str:
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.2f}{unit}"
+    return f"{n}B"
+
+
+OnOffAuto = Literal["on", "off", "auto"]
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return field(metadata={"doc": text}, **kw)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    path: str = _doc("cache directory (local NVMe); shared by every process that opens it",
+                     default="/var/cache/sglang-offload")
+    capacity: Size = _doc("one cap for the whole directory, all processes together",
+                          default=Size(100 << 30))
+    high_watermark: float = _doc("start evicting when use would pass this fraction of capacity",
+                                 default=0.95)
+    low_watermark: float = _doc("evict least-recently-used blocks down to this fraction", default=0.85)
+    min_free: Size = _doc("always leave this much free on the file system", default=Size(1 << 30))
+    segment_size: Size = _doc("size of one slab file (sparse; slots are allocated inside)",
+                              default=Size(4 << 30))
+    o_direct: OnOffAuto = _doc("O_DIRECT I/O: on (fail if refused), off, auto (fall back, logged)",
+                               default="auto")
+    io_threads: int = _doc("I/O threads per process keeping the device queue busy", default=8)
+    salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier)",
+                     default="")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    path: Literal["auto", "cpu", "gds", "dpu"] = _doc(
+        "how blocks move: auto (decided by detection), cpu staging, gds, dpu agent", default="auto")
+    numa_node: int | None = _doc("pin I/O threads to this NUMA node (default: the GPU's)", default=None)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    address: str | None = _doc("HOST:PORT of the DPU / storage agent", default=None)
+    transport: Literal["ucx", "tcp"] = _doc("ucx (NIXL moves the bytes) or tcp (bytes on the "
+                                            "control connection)", default="ucx")
+    secret_file: str | None = _doc("file holding the shared secret (else env SGLANG_OFFLOAD_SECRET)",
+                                   default=None)
+    timeout_s: float = _doc("give up on one request after this many seconds", default=5.0)
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str | None = _doc("redis://, rediss:// (TLS) or redis+cluster:// URL; unset = no Redis tier",
+                           default=None)
+    write_policy: Literal["write_through", "seen_n"] = _doc(
+        "write every block to Redis, or only blocks stored seen_n times", default="write_through")
+    seen_n: int = _doc("with write_policy seen_n: how many stores before a block goes to Redis",
+                       default=2)
+    timeout_s: float = _doc("no request waits on Redis longer than this", default=0.5)
+    backoff_s: float = _doc("after a failure, skip Redis for this long before reconnecting",
+                            default=5.0)
+    ttl_s: int | None = _doc("expire blocks after this many seconds (unset: rely on maxmemory)",
+                             default=None)
+    max_bytes: Size | None = _doc("our own budget in Redis (unset: Redis's maxmemory decides)",
+                                  default=None)
+    directory: bool = _doc("also record which agent holds each block", default=False)
+
+
+@dataclass(frozen=True)
+class HwConfig:
+    dpu_mode: Literal["auto", "dpu", "nic"] = _doc(
+        "operator override of the BlueField mode (wins over detection)", default="auto")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = _doc("export Prometheus metrics", default=True)
+    port: int | None = _doc("serve metrics on this port if SGLang's endpoint cannot be joined",
+                            default=None)
+
+
+@dataclass(frozen=True)
+class WorthItConfig:
+    enabled: bool = _doc("skip loads that would take longer than recomputing", default=True)
+    prefill_tokens_per_s: float | None = _doc("prefill speed; unset = measured", default=None)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    hw: HwConfig = field(default_factory=HwConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    worth_it: WorthItConfig = field(default_factory=WorthItConfig)
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """A whole deployment file: our `offload:` section and SGLang's own `sglang:` arguments."""
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    sglang: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Generic builder: dict -> frozen dataclass, collecting every problem with its key path.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if tp is Size:
+        return "a size (e.g. 512MiB, 2TiB)"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path, problems)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) is type(allowed[0]):
+            return value
+        problems.append(f"{path}: {value!r} is not allowed; use {_type_name(tp)}")
+        return None
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if tp is Size:
+        try:
+            return Size.parse(value)
+        except ValueError as e:
+            problems.append(f"{path}: {value!r} is not {e}")
+            return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - schema error, not user error
+        raise TypeError(f"unsupported config type {tp!r} at {path}")
+    problems.append(f"{path}: {value!r} is not {_type_name(tp)}")
+    return None
+
+
+def _build(cls: Any, data: Any, path: str, problems: list[str]) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        problems.append(f"{path}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{path}.{key}: unknown key{hint}; allowed: {', '.join(names)}")
+            continue
+        converted = _convert(hints[key], value, f"{path}.{key}", problems)
+        if converted is not None or value is None:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def _check(cfg: OffloadConfig, problems: list[str]) -> None:
+    s = cfg.store
+    for name in ("high_watermark", "low_watermark"):
+        v = getattr(s, name)
+        if not 0.0 < v <= 1.0:
+            problems.append(f"offload.store.{name}: {v!r} is out of range; use 0 < x <= 1")
+    if s.low_watermark >= s.high_watermark:
+        problems.append(f"offload.store.low_watermark: {s.low_watermark!r} must be below "
+                        f"high_watermark ({s.high_watermark!r})")
+    if s.capacity < (1 << 20):
+        problems.append(f"offload.store.capacity: {s.capacity!r} is too small; use at least 1MiB")
+    if s.segment_size < (1 << 20):
+        problems.append(f"offload.store.segment_size: {s.segment_size!r} is too small; use at "
+                        "least 1MiB")
+    if not 1 <= s.io_threads <= 256:
+        problems.append(f"offload.store.io_threads: {s.io_threads!r} is out of range; use 1..256")
+    if not s.path:
+        problems.append("offload.store.path: '' is empty; name the cache directory")
+    a = cfg.agent
+    if a.address is not None and not re.match(r"^\[?[A-Za-z0-9_.:-]+\]?:[0-9]{1,5}$", a.address):
+        problems.append(f"offload.agent.address: {a.address!r} is not HOST:PORT")
+    if a.timeout_s <= 0:
+        problems.append(f"offload.agent.timeout_s: {a.timeout_s!r} must be > 0")
+    r = cfg.redis
+    if r.url is not None and not re.match(r"^(redis|rediss|redis\+cluster|rediss\+cluster)://",
+                                          r.url):
+        problems.append(f"offload.redis.url: {r.url!r} is not a redis://, rediss:// or "
+                        "redis+cluster:// URL")
+    if r.timeout_s <= 0:
+        problems.append(f"offload.redis.timeout_s: {r.timeout_s!r} must be > 0")
+    if r.seen_n < 1:
+        problems.append(f"offload.redis.seen_n: {r.seen_n!r} must be >= 1")
+    if cfg.transfer.path == "dpu" and cfg.agent.address is None:
+        problems.append("offload.transfer.path: 'dpu' needs offload.agent.address (HOST:PORT)")
+    w = cfg.worth_it
+    if w.prefill_tokens_per_s is not None and w.prefill_tokens_per_s <= 0:
+        problems.append(f"offload.worth_it.prefill_tokens_per_s: {w.prefill_tokens_per_s!r} "
+                        "must be > 0")
+
+
+def load_offload(data: Any, path: str = "offload") -> OffloadConfig:
+    """Validate the `offload:` tree. Raises ConfigError listing every problem."""
+    problems: list[str] = []
+    cfg = _build(OffloadConfig, data, path, problems)
+    if not problems:
+        _check(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{source}: not valid YAML: {e}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"{source}: the top level must be a mapping with offload: and/or "
+                           "sglang: sections"])
+    problems: list[str] = []
+    for key in data:
+        if key not in ("offload", "sglang"):
+            close = difflib.get_close_matches(str(key), ["offload", "sglang"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{key}: unknown top-level section{hint}; allowed: offload, sglang")
+    sglang = data.get("sglang") or {}
+    if not isinstance(sglang, Mapping):
+        problems.append(f"sglang: expected a mapping of SGLang server arguments, got {sglang!r}")
+        sglang = {}
+    try:
+        offload = load_offload(data.get("offload"))
+    except ConfigError as e:
+        problems.extend(e.problems)
+        offload = OffloadConfig()
+    if problems:
+        raise ConfigError(problems)
+    return DeploymentConfig(offload=offload, sglang=dict(sglang))
+
+
+def load_file(path: str | Path) -> DeploymentConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read the config file: {e.strerror or e}"]) from None
+    return load_text(text, str(p))
+
+
+def apply_overrides(cfg: OffloadConfig, overrides: Mapping[str, Any]) -> OffloadConfig:
+    """Return cfg with dotted-key overrides (`store.path`: value) applied and re-validated."""
+    tree = to_dict(cfg)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return load_offload(tree)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain data (sizes as strings like `2TiB`), suitable for YAML/JSON output and round trips."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Size):
+        return str(cfg)
+    if isinstance(cfg, Mapping):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def reference() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every setting: the README's config reference."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}.{f.name}")
+                continue
+            default = to_dict(f.default) if f.default is not dataclasses.MISSING else ""
+            rows.append((f"{prefix}.{f.name}", _type_name(tp), repr(default),
+                         f.metadata.get("doc", "")))
+
+    walk(OffloadConfig, "offload")
+    return rows

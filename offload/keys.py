@@ -1,0 +1,54 @@
+"""Block identity: a namespace digest plus a page digest.
+
+A `BlockKey` is 32 bytes: the 16-byte digest of the `Namespace` (model, dtype, layout, page size,
+ranks, MLA, tenant salt) followed by the 16-byte digest of SGLang's page hash. Putting the namespace
+first makes every namespace a contiguous key range in the index (`cache clear --namespace`), and the
+same page hash under any other namespace field or salt is a different block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+KEY_BYTES = 32
+NS_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Namespace:
+    model: str
+    dtype: str
+    layout: str
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    mla: bool = False
+    salt: str = ""
+    extra: str = ""  # anything else that changes the bytes of a page (e.g. KV heads per rank)
+
+    def describe(self) -> dict[str, object]:
+        """The namespace as plain data (the salt is never shown, only whether one is set)."""
+        d = asdict(self)
+        d["salt"] = "set" if self.salt else ""
+        return d
+
+    def canonical(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        return hashlib.blake2b(self.canonical(), digest_size=NS_BYTES,
+                               person=b"sglo-ns-v1").digest()
+
+    def key(self, page_hash: str | bytes) -> bytes:
+        return block_key(self.digest(), page_hash)
+
+
+def block_key(ns_digest: bytes, page_hash: str | bytes) -> bytes:
+    """The 32-byte key of one page under one namespace."""
+    raw = page_hash.encode() if isinstance(page_hash, str) else bytes(page_hash)
+    return ns_digest + hashlib.blake2b(raw, digest_size=KEY_BYTES - NS_BYTES,
+                                       person=b"sglo-page-v1").digest()

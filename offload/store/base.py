@@ -1,0 +1,86 @@
+"""The block-store interface every tier implements.
+
+Keys are 32-byte `offload.keys.BlockKey` values. Blocks are written from, and read into, lists of
+buffers (vectored: a block need not be contiguous in memory, e.g. one slice per layer). The data path
+never raises: every batch call returns one success flag per key, and a failed or corrupt read is a
+miss. Control-path problems (a directory that cannot be opened) raise `StoreError` at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, Union
+
+# Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview, numpy.
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass
+class StoreStats:
+    blocks: int = 0
+    bytes_used: int = 0           # bytes the cap counts (slots allocated, committed or in flight)
+    capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_skipped: int = 0          # not stored: full, disk error, in flight elsewhere
+    checksum_failures: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class BlockStore(Protocol):
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Store blocks; a key already stored is a success without a write.
+
+        Args:
+            keys: 32-byte block keys.
+            blocks: for each key, the buffers whose concatenation is the block.
+        Returns:
+            One flag per key: True if the block is now stored (durably, for persistent tiers).
+        """
+        ...
+
+    def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Read blocks into caller buffers (writable; their total size must equal the block's).
+
+        Returns:
+            One flag per key: True only if the bytes were read and verified.
+        """
+        ...
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each block is stored (a hint: a later get may still miss)."""
+        ...
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks; returns how many were stored."""
+        ...
+
+    def stats(self) -> StoreStats:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def leading_hits(store: BlockStore, keys: Sequence[bytes]) -> int:
+    """Length of the leading run of keys present (SGLang's `batch_exists` contract)."""
+    n = 0
+    for present in store.exists_many(keys):
+        if not present:
+            break
+        n += 1
+    return n
+
+
+def total_len(buffers: Sequence[Buffer]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+def get_bytes(store: BlockStore, key: bytes, size: int) -> bytes | None:
+    """Convenience read of one block of known size into new bytes (tests, tools)."""
+    buf = bytearray(size)
+    return bytes(buf) if store.get_many([key], [[buf]])[0] else None
