@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, Union
 
+from offload.keys import Namespace
+
 # Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview, numpy.
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -57,6 +59,10 @@ class BlockStore(Protocol):
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete blocks; returns how many were stored."""
+        ...
+
+    def register_namespace(self, ns: Namespace) -> None:
+        """Record what a namespace digest stands for (shown by `cache stats`)."""
         ...
 
     def stats(self) -> StoreStats:

@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+from offload.keys import Namespace
 from offload.store.base import Buffer, StoreStats, total_len
 
 
@@ -23,6 +24,7 @@ class MemoryStore:
         # Failure switches for tests: keys whose reads/writes fail.
         self.fail_reads: set[bytes] = set()
         self.fail_writes: set[bytes] = set()
+        self.namespaces: dict[bytes, dict[str, object]] = {}
 
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         out = []
@@ -85,6 +87,9 @@ class MemoryStore:
                     self._used -= len(data)
                     n += 1
         return n
+
+    def register_namespace(self, ns: Namespace) -> None:
+        self.namespaces[ns.digest()] = ns.describe()
 
     def stats(self) -> StoreStats:
         with self._lock:
