@@ -1,0 +1,388 @@
+"""The NVMe block store: slab files + a crash-safe SQLite index + a checksum on every block.
+
+`DiskStore(StoreConfig)` opens (or creates) one cache directory. Any number of processes may open the
+same directory at once (tensor-parallel ranks, replicas on one node): the index serialises the
+bookkeeping, slots are owned by exactly one block, and the capacity cap lives in the index, so it
+holds for all of them together.
+
+Put: skip keys already stored -> reserve slots in one transaction (evicting least-recently-used blocks
+past the high watermark, down to the low one; skipping blocks when the cap or the file system is full)
+-> the I/O threads checksum and write each block (header + data, O_DIRECT, vectored) -> fdatasync of
+each touched slab -> one transaction makes the blocks visible. A crash at any point leaves at most
+pending slots of a dead process, reclaimed on the next open or under pressure.
+Get: locate in the index -> the I/O threads read header + data straight into the caller's buffers ->
+the header must match the index and the data its checksum, else the block is deleted and it is a miss.
+Open: under an exclusive lock file, `PRAGMA quick_check`; a damaged index is set aside
+(`index.db.damaged-<time>`) and rebuilt from the slab headers; dead processes' slots are reclaimed.
+
+The data path (put/get/exists/delete) never raises: it returns per-block flags and logs why.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+from offload.config import StoreConfig
+from offload.errors import StoreError
+from offload.keys import KEY_BYTES, NS_BYTES, Namespace
+from offload.store import slab
+from offload.store.base import Buffer, StoreStats, total_len
+from offload.store.index import Freed, Index, Location, owner_token
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.db"
+TOUCH_FLUSH_S = 1.0
+
+
+def fs_free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class DiskStore:
+    def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes):
+        self.cfg = cfg
+        self.directory = os.path.abspath(cfg.path)
+        self._free_bytes = free_bytes
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"store.path {cfg.path!r}: cannot create the directory: "
+                             f"{e.strerror}") from None
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise StoreError(f"store.path {cfg.path!r}: directory is not writable")
+        self.o_direct = self._probe_o_direct()
+        self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off")
+        self._lock = threading.RLock()
+        self._owner = owner_token()
+        self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
+        self._stats = StoreStats(capacity=cfg.capacity)
+        self._touched: set[bytes] = set()
+        self._last_touch_flush = time.monotonic()
+        self.rebuilt_from: str | None = None
+        self._index = self._open_index()
+        self._seq, keys = self._index.committed_keys()
+        self._keys: set[bytes] = set(keys)
+        self._closed = False
+
+    # ---- opening ------------------------------------------------------------------------------
+
+    def _probe_o_direct(self) -> bool:
+        mode = self.cfg.o_direct
+        if mode == "off":
+            return False
+        probe = os.path.join(self.directory, f".o_direct_probe.{os.getpid()}")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            os.close(fd)
+            return True
+        except OSError as e:
+            if mode == "on":
+                raise StoreError(f"store.o_direct is 'on' but {self.directory} refuses O_DIRECT: "
+                                 f"{e.strerror}; use 'auto' or 'off'") from None
+            log.warning("%s refuses O_DIRECT (%s): using buffered I/O + fdatasync",
+                        self.directory, e.strerror)
+            return False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _open_index(self) -> Index:
+        path = os.path.join(self.directory, INDEX_NAME)
+        with open(os.path.join(self.directory, "lock"), "a+") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            try:
+                index: Index | None = None
+                try:
+                    index = Index(path)
+                    index.check_and_init()
+                except sqlite3.DatabaseError as e:
+                    if index is not None:
+                        index.close()
+                    index = self._set_aside_and_rebuild(path, str(e))
+                index.reclaim_dead(self._free_slot)
+                index.set_capacity(self.cfg.capacity)
+                return index
+            finally:
+                fcntl.flock(lockf, fcntl.LOCK_UN)
+
+    def _set_aside_and_rebuild(self, path: str, why: str) -> Index:
+        aside = f"{path}.damaged-{int(time.time())}"
+        log.error("index %s is damaged (%s): set aside as %s, rebuilding from the slab headers",
+                  path, why, aside)
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.replace(path + suffix, aside + suffix)
+        self.rebuilt_from = aside
+        index = Index(path)
+        index.check_and_init()
+        rows, segments, free = [], [], []
+        seen: set[bytes] = set()
+        for name in sorted(os.listdir(self.directory)):
+            parsed = slab.parse_segment_name(name)
+            if parsed is None:
+                continue
+            seg, sb = parsed
+            nslots = os.path.getsize(os.path.join(self.directory, name)) // sb
+            segments.append((seg, sb, nslots, nslots))
+            for s in range(nslots):
+                h = self._slabs.read_header(seg, sb, s)
+                if h is None or h.key in seen or slab.slot_bytes_for(h.length) != sb:
+                    free.append((sb, seg, s))
+                    self._slabs.free(seg, sb, s)
+                    continue
+                seen.add(h.key)
+                rows.append((h.key, seg, s, sb, h.length, h.csum, h.created_ns / 1e9))
+        index.insert_recovered(rows, segments, free)
+        log.warning("rebuilt the index of %s: %d blocks recovered (each verified on read)",
+                    self.directory, len(rows))
+        return index
+
+    def _free_slot(self, f: Freed) -> None:
+        self._slabs.free(f.seg, f.slot_bytes, f.slot)
+
+    def _refresh_keys(self) -> None:
+        """Bring the in-memory key set up to date with commits/deletes of every process."""
+        try:
+            ino = os.stat(os.path.join(self.directory, INDEX_NAME)).st_ino
+        except OSError:
+            ino = -1
+        if ino != self._index.ino:  # another process set the index aside and rebuilt it
+            self._index.close()
+            self._index = self._open_index()
+            self._seq = -1
+        got = self._index.changes_since(self._seq) if self._seq >= 0 else None
+        if got is None:
+            self._seq, keys = self._index.committed_keys()
+            self._keys = set(keys)
+            return
+        self._seq, changes = got
+        for key, op in changes:
+            if op == 1:
+                self._keys.add(key)
+            else:
+                self._keys.discard(key)
+
+    # ---- data path ----------------------------------------------------------------------------
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            with self._lock:
+                self._refresh_keys()
+                ks = self._keys
+                return [k in ks for k in keys]
+        except Exception:  # noqa: BLE001 - the data path never raises
+            log.exception("exists failed; reporting misses")
+            return [False] * len(keys)
+
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        try:
+            return self._put_many(keys, blocks)
+        except Exception:  # noqa: BLE001
+            log.exception("put of %d blocks failed; skipped", len(keys))
+            self._stats.put_skipped += len(keys)
+            return [False] * len(keys)
+
+    def _put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        if len(keys) != len(blocks):
+            log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
+            return [False] * len(keys)
+        result = [False] * len(keys)
+        items: list[tuple[bytes, int, int, int]] = []
+        where: dict[bytes, list[int]] = {}
+        bufs_of: dict[bytes, Sequence[Buffer]] = {}
+        with self._lock:
+            self._refresh_keys()
+            for i, (k, bufs) in enumerate(zip(keys, blocks)):
+                if len(k) != KEY_BYTES:
+                    log.error("put: key of %d bytes (want %d) skipped", len(k), KEY_BYTES)
+                    continue
+                if k in self._keys:
+                    result[i] = True
+                    continue
+                if k not in where:
+                    n = total_len(bufs)
+                    items.append((k, n, slab.slot_bytes_for(n), 0))
+                    bufs_of[k] = bufs
+                where.setdefault(k, []).append(i)
+            if not items:
+                return result
+            alloc = self._index.allocate(
+                items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
+                free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
+                segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
+                free_slot=self._free_slot)
+        self._stats.evictions += alloc.evicted
+        for k in alloc.present:
+            for i in where[k]:
+                result[i] = True
+        for k, why in alloc.skipped.items():
+            log.warning("block %s not stored: %s", k.hex()[:16], why)
+            self._stats.put_skipped += 1
+        created = time.time_ns()
+
+        def write(loc: Location) -> tuple[str, int]:
+            bufs = bufs_of[loc.key]
+            csum = slab.checksum(bufs)
+            return self._slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bufs,
+                                           loc.length, csum, created), csum
+
+        outcomes = list(self._pool.map(write, alloc.new))
+        segs = {(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(alloc.new, outcomes) if not err}
+        synced = dict(zip(segs, self._pool.map(lambda s: self._slabs.sync(*s), segs)))
+        good: list[tuple[bytes, int]] = []
+        failed: list[Location] = []
+        for loc, (err, csum) in zip(alloc.new, outcomes):
+            if not err and not synced[(loc.seg, loc.slot_bytes)]:
+                err = "fdatasync failed"
+            if err:
+                log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
+                self._stats.put_skipped += 1
+                failed.append(loc)
+            else:
+                good.append((loc.key, csum))
+        with self._lock:
+            touched, self._touched = list(self._touched), set()
+            self._index.finish(good, failed, touched, self._free_slot)
+            for k, _ in good:
+                self._keys.add(k)
+                for i in where[k]:
+                    result[i] = True
+        self._stats.puts += len(good)
+        self._stats.bytes_written += sum(total_len(bufs_of[k]) for k, _ in good)
+        return result
+
+    def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
+        try:
+            return self._get_many(keys, dests)
+        except Exception:  # noqa: BLE001
+            log.exception("get of %d blocks failed; reporting misses", len(keys))
+            self._stats.misses += len(keys)
+            return [False] * len(keys)
+
+    def _get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
+        if len(keys) != len(dests):
+            log.error("get: %d keys but %d destinations", len(keys), len(dests))
+            return [False] * len(keys)
+        with self._lock:
+            locs = self._index.locate(list(keys))
+        jobs = []
+        for i, (k, bufs) in enumerate(zip(keys, dests)):
+            loc = locs.get(k)
+            if loc is None:
+                continue
+            if total_len(bufs) != loc.length:
+                log.error("get %s: destination holds %d bytes, block has %d", k.hex()[:16],
+                          total_len(bufs), loc.length)
+                continue
+            jobs.append((i, loc, bufs))
+
+        def read(job: tuple[int, Location, Sequence[Buffer]]) -> str:
+            _, loc, bufs = job
+            return self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
+                                          loc.length, loc.csum, bufs)
+
+        result = [False] * len(keys)
+        corrupt: list[Location] = []
+        for (i, loc, _), err in zip(jobs, self._pool.map(read, jobs)):
+            if not err:
+                result[i] = True
+                self._stats.bytes_read += loc.length
+            else:
+                log.warning("block %s is a miss: %s", loc.key.hex()[:16], err)
+                if err.startswith("corrupt"):
+                    corrupt.append(loc)
+        hits = sum(result)
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        self._stats.checksum_failures += len(corrupt)
+        with self._lock:
+            if corrupt:
+                self._index.drop_corrupt(corrupt, self._free_slot)
+                for loc in corrupt:
+                    self._keys.discard(loc.key)
+            self._touched.update(k for k, ok in zip(keys, result) if ok)
+            if time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S:
+                self._flush_touches()
+        return result
+
+    def _flush_touches(self) -> None:
+        touched, self._touched = list(self._touched), set()
+        self._last_touch_flush = time.monotonic()
+        if touched:
+            self._index.touch(touched)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        try:
+            with self._lock:
+                n = self._index.delete(list(keys), self._free_slot)
+                for k in keys:
+                    self._keys.discard(k)
+                return n
+        except Exception:  # noqa: BLE001
+            log.exception("delete of %d blocks failed", len(keys))
+            return 0
+
+    # ---- control path -------------------------------------------------------------------------
+
+    def register_namespace(self, ns: Namespace) -> None:
+        with self._lock:
+            self._index.record_namespace(ns.digest(), ns.describe())
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Delete every block, or every block of one namespace digest (16 bytes)."""
+        if namespace is not None and len(namespace) != NS_BYTES:
+            raise StoreError(f"namespace digest must be {NS_BYTES} bytes")
+        with self._lock:
+            self._refresh_keys()
+            keys = [k for k in self._keys if namespace is None or k[:NS_BYTES] == namespace]
+        return self.delete_many(keys)
+
+    def evict_to(self, used_bytes: int) -> int:
+        """Evict least-recently-used blocks until at most `used_bytes` are used."""
+        with self._lock:
+            n = self._index.evict_to(used_bytes, self._free_slot)
+            self._seq = -1  # reload the key set on next use
+            self._refresh_keys()
+            return n
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            blocks, used, cap = self._index.usage()
+        s = StoreStats(**vars(self._stats))
+        s.blocks, s.bytes_used, s.capacity = blocks, used, cap
+        s.extra = {"o_direct": self.o_direct, "directory": self.directory,
+                   "rebuilt_from": self.rebuilt_from}
+        return s
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            try:
+                self._flush_touches()
+            except sqlite3.Error as e:
+                log.warning("could not record last use times: %s", e)
+            self._pool.shutdown(wait=True)
+            self._slabs.close()
+            self._index.close()
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+__all__ = ["DiskStore", "fs_free_bytes"]

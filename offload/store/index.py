@@ -1,0 +1,399 @@
+"""The disk store's persistent index: SQLite in WAL mode. Bookkeeping only; never touches block bytes.
+
+Why SQLite: it is crash-safe (WAL + synchronous=FULL: a commit survives a crash of the process or
+the machine), safe for several processes at once (one writer at a time, readers never blocked),
+opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B per block).
+
+Tables: `blocks` (key -> segment, slot, length, checksum, state, last use), `segments` (slot size and
+fill of each slab file), `free_slots`, `changes` (an append-only log of commits and deletions, so
+every process keeps an in-memory set of committed keys up to date with one indexed query), `meta`
+(schema version, capacity, bytes used) and `namespaces`.
+
+Lifecycle of a block: `allocate` (state PENDING, owned by this process, its slot counted against the
+capacity) -> bytes written and made durable by the caller -> `commit` (state COMMITTED, visible) or
+`release` (slot freed). Pending rows of dead processes are reclaimed on open and under pressure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+SCHEMA_VERSION = 1
+PENDING, COMMITTED = 0, 1
+OP_COMMIT, OP_DELETE = 1, 2
+CHANGES_KEPT = 200_000
+_MAX_VARS = 900
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks(
+  key BLOB PRIMARY KEY, seg INTEGER NOT NULL, slot INTEGER NOT NULL, length INTEGER NOT NULL,
+  slot_bytes INTEGER NOT NULL, csum INTEGER NOT NULL, state INTEGER NOT NULL, owner TEXT,
+  created REAL NOT NULL, atime REAL NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, atime);
+CREATE TABLE IF NOT EXISTS segments(seg INTEGER PRIMARY KEY, slot_bytes INTEGER NOT NULL,
+  nslots INTEGER NOT NULL, next_slot INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS segments_size ON segments(slot_bytes, next_slot);
+CREATE TABLE IF NOT EXISTS free_slots(slot_bytes INTEGER NOT NULL, seg INTEGER NOT NULL,
+  slot INTEGER NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL,
+  op INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT NOT NULL)
+  WITHOUT ROWID;
+"""
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def _unsigned(s: int) -> int:
+    return s + (1 << 64) if s < 0 else s
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def owner_token(pid: int | None = None) -> str:
+    pid = os.getpid() if pid is None else pid
+    return f"{_boot_id()}:{pid}:{_start_time(pid)}"
+
+
+def owner_alive(token: str | None) -> bool:
+    if not token:
+        return False
+    boot, pid, start = (token.split(":") + ["", "", ""])[:3]
+    if boot != _boot_id() or not pid.isdigit():
+        return False
+    return _start_time(int(pid)) == start and start != ""
+
+
+@dataclass(frozen=True)
+class Location:
+    key: bytes
+    seg: int
+    slot: int
+    slot_bytes: int
+    length: int
+    csum: int
+
+
+@dataclass(frozen=True)
+class Freed:
+    seg: int
+    slot: int
+    slot_bytes: int
+
+
+@dataclass
+class Allocation:
+    new: list[Location]          # slots to write
+    present: list[bytes]         # already committed: nothing to do
+    skipped: dict[bytes, str]    # key -> why not stored (busy, full)
+    freed: list[Freed]           # evicted slots (already hole-punched by the caller's callback)
+    evicted: int
+
+
+class Index:
+    """One SQLite connection; callers serialise access (DiskStore holds a lock)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                  timeout=30.0)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA busy_timeout=30000")
+        self.ino = os.stat(path).st_ino
+
+    # ---- open-time checks (called under the directory's open lock) ----------------------------
+
+    def check_and_init(self) -> None:
+        """Raises sqlite3.DatabaseError if the file is damaged or of an unknown schema."""
+        ok = self.db.execute("PRAGMA quick_check").fetchone()
+        if not ok or ok[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {ok[0] if ok else 'no answer'}")
+        self.db.executescript(_SCHEMA)
+        with self.txn():
+            row = self.db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+            if row is None:
+                self.db.executemany("INSERT INTO meta VALUES(?,?)", [
+                    ("schema", SCHEMA_VERSION), ("used", 0), ("capacity", 0)])
+            elif row[0] != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"unknown index schema {row[0]!r}")
+
+    def set_capacity(self, capacity: int) -> None:
+        with self.txn():
+            self.db.execute("UPDATE meta SET value=? WHERE name='capacity'", (capacity,))
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- transactions -------------------------------------------------------------------------
+
+    def txn(self, write: bool = True) -> "_Txn":
+        return _Txn(self.db, write)
+
+    def _meta(self, name: str) -> int:
+        return int(self.db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()[0])
+
+    def _add_used(self, delta: int) -> None:
+        self.db.execute("UPDATE meta SET value=value+? WHERE name='used'", (delta,))
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def locate(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
+        out: dict[bytes, Location] = {}
+        for i in range(0, len(keys), _MAX_VARS):
+            chunk = keys[i:i + _MAX_VARS]
+            q = ("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks WHERE state=1 AND "
+                 f"key IN ({','.join('?' * len(chunk))})")
+            for k, seg, slot, sb, length, csum in self.db.execute(q, chunk):
+                out[k] = Location(k, seg, slot, sb, length, _unsigned(csum))
+        return out
+
+    def committed_keys(self) -> tuple[int, list[bytes]]:
+        """(last change seq, every committed key): one consistent snapshot."""
+        with self.txn(write=False):
+            seq = self.db.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()[0]
+            keys = [r[0] for r in self.db.execute("SELECT key FROM blocks WHERE state=1")]
+        return seq, keys
+
+    def changes_since(self, seq: int) -> tuple[int, list[tuple[bytes, int]]] | None:
+        """Changes after `seq`, or None if the log no longer reaches back that far."""
+        rows = self.db.execute("SELECT seq, key, op FROM changes WHERE seq > ? ORDER BY seq",
+                               (seq,)).fetchall()
+        if rows and rows[0][0] != seq + 1:
+            first = self.db.execute("SELECT min(seq) FROM changes").fetchone()[0]
+            if first is None or first > seq + 1:
+                return None
+        return (rows[-1][0] if rows else seq), [(k, op) for _, k, op in rows]
+
+    def usage(self) -> tuple[int, int, int]:
+        """(committed blocks, bytes used incl. in-flight slots, capacity)."""
+        n = self.db.execute("SELECT count(*) FROM blocks WHERE state=1").fetchone()[0]
+        return n, self._meta("used"), self._meta("capacity")
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def allocate(self, items: Sequence[tuple[bytes, int, int, int]], owner: str, *,
+                 high: float, low: float, free_bytes: Callable[[], int], min_free: int,
+                 segment_size: int, create_segment: Callable[[int, int, int], None],
+                 free_slot: Callable[[Freed], None]) -> Allocation:
+        """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed."""
+        res = Allocation([], [], {}, [], 0)
+        now = time.time()
+        with self.txn():
+            states = self._states([k for k, *_ in items])
+            todo = []
+            for item in items:
+                st = states.get(item[0])
+                if st == COMMITTED:
+                    res.present.append(item[0])
+                elif st == PENDING:
+                    res.skipped[item[0]] = "being written by another process"
+                else:
+                    todo.append(item)
+                    states[item[0]] = PENDING
+            need = sum(sb for _, _, sb, _ in todo)
+            if not todo:
+                return res
+            cap, used = self._meta("capacity"), self._meta("used")
+            fs_free = free_bytes()
+            shortfall = max(used + need - int(high * cap), min_free + need - fs_free, 0)
+            if shortfall > 0:
+                target = max(used + need - int(low * cap), min_free + need - fs_free)
+                res.evicted, res.freed = self._evict(target, free_slot)
+                used = self._meta("used")
+                fs_free += sum(f.slot_bytes for f in res.freed)
+            for key, length, sb, csum in todo:
+                if used + sb > cap or fs_free - sb < min_free:
+                    res.skipped[key] = (f"store full (used {used} + {sb} > capacity {cap})"
+                                        if used + sb > cap else
+                                        f"file system full ({fs_free} bytes free, keeping "
+                                        f"{min_free})")
+                    continue
+                seg, slot = self._take_slot(sb, segment_size, create_segment)
+                self.db.execute("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)",
+                                (key, seg, slot, length, sb, _signed(csum), PENDING, owner, now,
+                                 now))
+                used += sb
+                fs_free -= sb
+                self._add_used(sb)
+                res.new.append(Location(key, seg, slot, sb, length, csum))
+        return res
+
+    def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for i in range(0, len(keys), _MAX_VARS):
+            chunk = keys[i:i + _MAX_VARS]
+            q = f"SELECT key, state FROM blocks WHERE key IN ({','.join('?' * len(chunk))})"
+            out.update(self.db.execute(q, chunk).fetchall())
+        return out
+
+    def _take_slot(self, sb: int, segment_size: int,
+                   create_segment: Callable[[int, int, int], None]) -> tuple[int, int]:
+        row = self.db.execute("SELECT seg, slot FROM free_slots WHERE slot_bytes=? LIMIT 1",
+                              (sb,)).fetchone()
+        if row:
+            self.db.execute("DELETE FROM free_slots WHERE slot_bytes=? AND seg=? AND slot=?",
+                            (sb, row[0], row[1]))
+            return row[0], row[1]
+        row = self.db.execute("SELECT seg, next_slot FROM segments WHERE slot_bytes=? AND "
+                              "next_slot < nslots LIMIT 1", (sb,)).fetchone()
+        if row is None:
+            nslots = max(1, segment_size // sb)
+            seg = self.db.execute("SELECT coalesce(max(seg), 0) + 1 FROM segments").fetchone()[0]
+            create_segment(seg, sb, nslots)
+            self.db.execute("INSERT INTO segments VALUES(?,?,?,0)", (seg, sb, nslots))
+            row = (seg, 0)
+        self.db.execute("UPDATE segments SET next_slot=next_slot+1 WHERE seg=?", (row[0],))
+        return row[0], row[1]
+
+    def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
+                   free_slot: Callable[[Freed], None]) -> list[Freed]:
+        """Delete rows (key, seg, slot, slot_bytes, state): slots freed, used bytes returned."""
+        freed = []
+        for key, seg, slot, sb, state in rows:
+            f = Freed(seg, slot, sb)
+            free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
+            self.db.execute("DELETE FROM blocks WHERE key=?", (key,))
+            self.db.execute("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", (sb, seg, slot))
+            if state == COMMITTED:
+                self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)", (key, OP_DELETE))
+            self._add_used(-sb)
+            freed.append(f)
+        return freed
+
+    def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
+        freed: list[Freed] = []
+        self._reclaim_dead(free_slot, freed)
+        got = sum(f.slot_bytes for f in freed)
+        evicted = 0
+        while got < target:
+            rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE "
+                                   "state=1 ORDER BY atime LIMIT 64").fetchall()
+            if not rows:
+                break
+            for row in rows:
+                if got >= target:
+                    break
+                freed += self._free_rows([row], free_slot)
+                got += row[3]
+                evicted += 1
+        return evicted, freed
+
+    def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
+        rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state, owner FROM blocks "
+                               "WHERE state=0").fetchall()
+        dead = [r[:5] for r in rows if not owner_alive(r[5])]
+        out += self._free_rows(dead, free_slot)
+
+    def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
+        out: list[Freed] = []
+        with self.txn():
+            self._reclaim_dead(free_slot, out)
+        return len(out)
+
+    def finish(self, committed: Sequence[tuple[bytes, int]], failed: Sequence[Location],
+               touched: Sequence[bytes], free_slot: Callable[[Freed], None]) -> None:
+        """Make written blocks visible; free the slots of blocks whose write failed."""
+        now = time.time()
+        with self.txn():
+            for k, csum in committed:
+                self.db.execute("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
+                                "key=? AND state=0", (_signed(csum), now, k))
+                self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)", (k, OP_COMMIT))
+            self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
+                             for loc in failed), free_slot)
+            self._touch(touched, now)
+            self._trim_changes()
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        with self.txn():
+            self._touch(keys, time.time())
+
+    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+        if keys:
+            self.db.executemany("UPDATE blocks SET atime=? WHERE key=?", ((now, k) for k in keys))
+
+    def delete(self, keys: Sequence[bytes], free_slot: Callable[[Freed], None]) -> int:
+        with self.txn():
+            rows = []
+            for i in range(0, len(keys), _MAX_VARS):
+                chunk = keys[i:i + _MAX_VARS]
+                rows += self.db.execute(
+                    "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE state=1 AND "
+                    f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+            return len(self._free_rows(rows, free_slot))
+
+    def drop_corrupt(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        """Delete blocks found corrupt, only if the index still points at the slot that was read."""
+        with self.txn():
+            rows = []
+            for loc in locs:
+                rows += self.db.execute(
+                    "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
+                    "AND slot=? AND state=1", (loc.key, loc.seg, loc.slot)).fetchall()
+            return len(self._free_rows(rows, free_slot))
+
+    def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:
+        with self.txn():
+            over = self._meta("used") - target_used
+            return self._evict(over, free_slot)[0] if over > 0 else 0
+
+    def _trim_changes(self) -> None:
+        last = self.db.execute("SELECT max(seq) FROM changes").fetchone()[0] or 0
+        if last % 1000 == 0 or last > 2 * CHANGES_KEPT:
+            self.db.execute("DELETE FROM changes WHERE seq <= ?", (last - CHANGES_KEPT,))
+
+    def record_namespace(self, digest: bytes, description: dict[str, object]) -> None:
+        with self.txn():
+            self.db.execute("INSERT OR IGNORE INTO namespaces VALUES(?,?)",
+                            (digest, json.dumps(description, sort_keys=True)))
+
+    def insert_recovered(self, rows: Sequence[tuple[bytes, int, int, int, int, int, float]],
+                         segments: Sequence[tuple[int, int, int, int]],
+                         free: Sequence[tuple[int, int, int]]) -> None:
+        """Rebuild: (key, seg, slot, slot_bytes, length, csum, created) rows found in the slabs."""
+        with self.txn():
+            self.db.executemany("INSERT OR REPLACE INTO segments VALUES(?,?,?,?)", segments)
+            self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", free)
+            self.db.executemany(
+                "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
+                ((k, seg, slot, length, sb, _signed(csum), created, created)
+                 for k, seg, slot, sb, length, csum, created in rows))
+            used = self.db.execute("SELECT coalesce(sum(slot_bytes), 0) FROM blocks").fetchone()[0]
+            self.db.execute("UPDATE meta SET value=? WHERE name='used'", (used,))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((r[0], OP_COMMIT) for r in rows))
+
+
+class _Txn:
+    def __init__(self, db: sqlite3.Connection, write: bool = True):
+        self.db, self.write = db, write
+
+    def __enter__(self) -> "_Txn":
+        self.db.execute("BEGIN IMMEDIATE" if self.write else "BEGIN")
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")

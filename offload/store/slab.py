@@ -1,0 +1,289 @@
+"""Slab files: the bytes of the disk store. No bookkeeping here (that is `index.py`).
+
+A slab (segment) file `seg-<id>-<slot_bytes>.slab` is a sparse file of equal, 4 KiB-aligned slots.
+A slot holds one block: a 4 KiB header (magic, version, key, length, xxh3-64 of the data, header
+checksum) followed by the data padded to 4 KiB. Slots are allocated with fallocate when written
+and hole-punched when freed, so the disk holds only live blocks. I/O is O_DIRECT where the file
+system allows (else buffered, logged once), vectored straight from/into the caller's buffers when
+they are aligned, through a per-thread aligned bounce buffer when they are not.
+
+Primitives: `SlabFiles` (per-process cache of open segment fds), `pack_header`/`unpack_header`,
+`write_block`/`read_block` (called from I/O threads; return success, never raise).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from offload.store.base import Buffer
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+MAGIC = b"SGLOBLK1"
+VERSION = 1
+# magic, version, flags, key(32), length, checksum(xxh3-64), created (unix ns)
+_HDR = struct.Struct("<8sHH32sQQQ")
+_HDR_CSUM = struct.Struct("<Q")
+IOV_MAX = 1024
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def slot_bytes_for(length: int) -> int:
+    return HEADER_BYTES + align_up(length)
+
+
+def segment_name(seg: int, slot_bytes: int) -> str:
+    return f"seg-{seg:06d}-{slot_bytes}.slab"
+
+
+def parse_segment_name(name: str) -> tuple[int, int] | None:
+    parts = name[:-5].split("-") if name.endswith(".slab") else []
+    if len(parts) == 3 and parts[0] == "seg" and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
+def _xxh3():  # type: ignore[no-untyped-def]
+    import xxhash
+
+    return xxhash.xxh3_64
+
+
+def checksum(buffers: Sequence[Buffer]) -> int:
+    h = _xxh3()()
+    for b in buffers:
+        h.update(b)
+    return h.intdigest()
+
+
+def pack_header(key: bytes, length: int, csum: int, created_ns: int) -> bytes:
+    body = _HDR.pack(MAGIC, VERSION, 0, key, length, csum, created_ns)
+    return body + _HDR_CSUM.pack(_xxh3()(body).intdigest())
+
+
+@dataclass(frozen=True)
+class Header:
+    key: bytes
+    length: int
+    csum: int
+    created_ns: int
+
+
+def unpack_header(raw: Buffer) -> Header | None:
+    """The header in `raw`, or None if it is not a valid, intact header."""
+    mv = memoryview(raw)
+    if mv.nbytes < _HDR.size + _HDR_CSUM.size:
+        return None
+    body = bytes(mv[:_HDR.size])
+    (stored,) = _HDR_CSUM.unpack_from(mv, _HDR.size)
+    if stored != _xxh3()(body).intdigest():
+        return None
+    magic, version, _flags, key, length, csum, created = _HDR.unpack(body)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return Header(key, length, csum, created)
+
+
+def address(buf: Buffer) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _aligned(bufs: Sequence[Buffer]) -> bool:
+    for b in bufs:
+        n = memoryview(b).nbytes
+        if n % ALIGN or (n and address(b) % ALIGN):
+            return False
+    return True
+
+
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free a slot's disk space (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE). False if unsupported."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return _libc.fallocate(fd, 0x01 | 0x02, offset, length) == 0
+
+
+class _ThreadBuffers(threading.local):
+    def __init__(self) -> None:
+        self.header = mmap.mmap(-1, HEADER_BYTES)
+        self.bounce: mmap.mmap | None = None
+
+    def bounce_of(self, size: int) -> mmap.mmap:
+        if self.bounce is None or len(self.bounce) < size:
+            if self.bounce is not None:
+                self.bounce.close()
+            self.bounce = mmap.mmap(-1, align_up(size, 1 << 20))
+        return self.bounce
+
+
+class SlabFiles:
+    """Open segment files of one directory, shared by the threads of one process."""
+
+    def __init__(self, directory: str, o_direct: str):
+        self.directory = directory
+        self.o_direct = o_direct  # "on" | "off" | "auto"
+        self.direct_ok: bool | None = None if o_direct == "auto" else o_direct == "on"
+        self.fallback_reason = ""
+        self._fds: dict[int, tuple[int, int]] = {}  # seg -> (fd, slot_bytes)
+        self._lock = threading.Lock()
+        self._tls = _ThreadBuffers()
+
+    def path(self, seg: int, slot_bytes: int) -> str:
+        return os.path.join(self.directory, segment_name(seg, slot_bytes))
+
+    def create(self, seg: int, slot_bytes: int, nslots: int) -> None:
+        fd = os.open(self.path(seg, slot_bytes), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, slot_bytes * nslots)
+        finally:
+            os.close(fd)
+
+    def fd(self, seg: int, slot_bytes: int) -> int:
+        with self._lock:
+            got = self._fds.get(seg)
+            if got is not None:
+                return got[0]
+            path = self.path(seg, slot_bytes)
+            flags = os.O_RDWR
+            if self.direct_ok is not False:
+                try:
+                    fd = os.open(path, flags | os.O_DIRECT)
+                    self.direct_ok = True
+                except OSError as e:
+                    if e.errno != errno.EINVAL or self.o_direct == "on":
+                        raise
+                    self.direct_ok = False
+                    self.fallback_reason = f"O_DIRECT refused by the file system ({e.strerror})"
+                    log.warning("%s: %s; using buffered I/O", self.directory, self.fallback_reason)
+                    fd = os.open(path, flags)
+            else:
+                fd = os.open(path, flags)
+            self._fds[seg] = (fd, slot_bytes)
+            return fd
+
+    def sync(self, seg: int, slot_bytes: int) -> bool:
+        try:
+            os.fdatasync(self.fd(seg, slot_bytes))
+            return True
+        except OSError as e:
+            log.warning("fdatasync of segment %d failed: %s", seg, e)
+            return False
+
+    def free(self, seg: int, slot_bytes: int, slot: int) -> None:
+        try:
+            fd = self.fd(seg, slot_bytes)
+        except OSError:
+            return
+        if not punch_hole(fd, slot * slot_bytes, slot_bytes):
+            # Without hole punching the cap still holds for slots; the file keeps its blocks.
+            log.debug("punch hole failed on segment %d: errno %d", seg, ctypes.get_errno())
+
+    def write_block(self, seg: int, slot_bytes: int, slot: int, key: bytes,
+                    bufs: Sequence[Buffer], length: int, csum: int, created_ns: int) -> str:
+        """Write one block into its slot. Returns '' on success, else the reason."""
+        try:
+            fd = self.fd(seg, slot_bytes)
+            off = slot * slot_bytes
+            os.posix_fallocate(fd, off, slot_bytes)
+            hdr = self._tls.header
+            hdr.seek(0)
+            hdr.write(pack_header(key, length, csum, created_ns).ljust(HEADER_BYTES, b"\0"))
+            if _aligned(bufs) and len(bufs) < IOV_MAX:
+                iov: list[Buffer] = [hdr, *bufs]
+                want = HEADER_BYTES + length
+            else:
+                size = align_up(length)
+                bounce = self._tls.bounce_of(size)
+                pos = 0
+                for b in bufs:
+                    mv = memoryview(b).cast("B")
+                    bounce[pos:pos + mv.nbytes] = mv
+                    pos += mv.nbytes
+                if size > length:
+                    bounce[length:size] = bytes(size - length)
+                iov = [hdr, memoryview(bounce)[:size]]
+                want = HEADER_BYTES + size
+            n = os.pwritev(fd, iov, off)
+            return "" if n == want else f"short write ({n} of {want} bytes)"
+        except OSError as e:
+            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+
+    def read_block(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
+                   csum: int, dests: Sequence[Buffer]) -> str:
+        """Read and verify one block into `dests`. Returns '' if verified, else the reason.
+
+        A reason starting with 'corrupt' means the stored block is bad (to be deleted).
+        """
+        try:
+            fd = self.fd(seg, slot_bytes)
+            off = slot * slot_bytes
+            hdr = self._tls.header
+            if _aligned(dests) and len(dests) < IOV_MAX:
+                n = os.preadv(fd, [hdr, *dests], off)
+                if n != HEADER_BYTES + length:
+                    return f"corrupt: short read ({n} of {HEADER_BYTES + length} bytes)"
+                data: Sequence[Buffer] = dests
+                copy_from = None
+            else:
+                size = align_up(length)
+                bounce = self._tls.bounce_of(size)
+                n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
+                if n != HEADER_BYTES + size:
+                    return f"corrupt: short read ({n} of {HEADER_BYTES + size} bytes)"
+                copy_from = memoryview(bounce)[:length]
+                data = [copy_from]
+        except OSError as e:
+            return f"io error {errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+        h = unpack_header(hdr)
+        if h is None:
+            return "corrupt: bad slot header"
+        if h.key != key or h.length != length or h.csum != csum:
+            return "corrupt: slot header does not match the index"
+        if checksum(data) != csum:
+            return "corrupt: checksum mismatch"
+        if copy_from is not None:
+            pos = 0
+            for b in dests:
+                mv = memoryview(b).cast("B")
+                mv[:] = copy_from[pos:pos + mv.nbytes]
+                pos += mv.nbytes
+        return ""
+
+    def read_header(self, seg: int, slot_bytes: int, slot: int) -> Header | None:
+        try:
+            fd = self.fd(seg, slot_bytes)
+            hdr = self._tls.header
+            if os.preadv(fd, [hdr], slot * slot_bytes) != HEADER_BYTES:
+                return None
+        except OSError:
+            return None
+        return unpack_header(hdr)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
