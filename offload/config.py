@@ -120,6 +120,13 @@ class RedisConfig:
     max_bytes: Size | None = _doc("our own budget in Redis (unset: Redis's maxmemory decides)",
                                   default=None)
     directory: bool = _doc("also record which agent holds each block", default=False)
+    password_file: str | None = _doc("file holding the Redis AUTH password (wins over one in the URL)",
+                                     default=None)
+    tls_ca_file: str | None = _doc("rediss://: CA bundle that signed the server certificate "
+                                   "(unset: the system store)", default=None)
+    tls_cert_file: str | None = _doc("rediss://: client certificate (servers with "
+                                     "tls-auth-clients yes)", default=None)
+    tls_key_file: str | None = _doc("rediss://: private key of tls_cert_file", default=None)
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,17 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.redis.timeout_s: {r.timeout_s!r} must be > 0")
     if r.seen_n < 1:
         problems.append(f"offload.redis.seen_n: {r.seen_n!r} must be >= 1")
+    if r.backoff_s < 0:
+        problems.append(f"offload.redis.backoff_s: {r.backoff_s!r} must be >= 0")
+    if r.ttl_s is not None and r.ttl_s <= 0:
+        problems.append(f"offload.redis.ttl_s: {r.ttl_s!r} must be > 0 (or unset)")
+    if (r.tls_cert_file is None) != (r.tls_key_file is None):
+        problems.append("offload.redis.tls_cert_file: a client certificate needs both "
+                        "tls_cert_file and tls_key_file")
+    if r.url is not None and not r.url.startswith("rediss") and (
+            r.tls_ca_file or r.tls_cert_file):
+        problems.append(f"offload.redis.tls_ca_file: TLS settings need a rediss:// URL, got "
+                        f"{r.url!r}")
     if cfg.transfer.path == "dpu" and cfg.agent.address is None:
         problems.append("offload.transfer.path: 'dpu' needs offload.agent.address (HOST:PORT)")
     w = cfg.worth_it
