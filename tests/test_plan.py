@@ -1,0 +1,220 @@
+"""`sglang-offload plan`: the article's figures, config.json parsing, MLA, TP, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload.cli import main
+from offload.errors import ConfigError
+from offload.plan import (
+    DTYPE_BYTES, PlanInputs, kv_bytes_per_token, kv_heads_per_rank, make_plan, parse_tokens,
+    prefill_flops_per_token, prefix_times, worth_loading,
+)
+from offload.plan_presets import (
+    GPUS, MODELS, architecture_from_config, estimate_params, find_gpu, load_architecture,
+    preset_architecture,
+)
+
+GiB = 1 << 30
+L70 = preset_architecture("Llama-3.1-70B")
+B200 = GPUS["B200-192G"]
+
+
+def article(kv_dtype: str, **kw: object) -> PlanInputs:
+    """The article's case: Llama-3.1-70B with FP8 weights on a TP-2 pair of B200s, 128K tokens."""
+    base = dict(arch=L70, gpu=B200, context=131072, kv_dtype=kv_dtype, weight_dtype="fp8",
+                tp=2, gpus=2)
+    base.update(kw)
+    return PlanInputs(**base)  # type: ignore[arg-type]
+
+
+# --- the article's figures ---------------------------------------------------------------------
+
+def test_llama70b_bf16_128k_is_40_gib_per_user_exactly() -> None:
+    assert kv_bytes_per_token(L70, 2) == 2 * 80 * 8 * 128 * 2
+    assert kv_bytes_per_token(L70, 2) * parse_tokens("128K") == 40 * GiB
+
+
+def test_fp8_halves_it() -> None:
+    assert kv_bytes_per_token(L70, DTYPE_BYTES["fp8"]) * 131072 == 20 * GiB
+
+
+def test_about_6_users_without_offload_and_12_to_15_with_fp8_and_offload() -> None:
+    bf16 = make_plan(article("bf16")).users[0]
+    assert bf16.kv_bytes_per_user == 40 * GiB and bf16.kv_bytes_per_user_per_rank == 20 * GiB
+    assert 5 <= bf16.resident <= 7
+    fp8 = make_plan(article("fp8")).users[0]
+    assert fp8.kv_dtype == "fp8" and fp8.resident == 2 * bf16.resident
+    assert 12 <= fp8.with_offload <= 15
+    # the BF16 plan shows the FP8 row for comparison, with the same numbers
+    assert make_plan(article("bf16")).users[1] == fp8
+
+
+def test_one_b200_alone_cannot_hold_6_bf16_users_of_70b() -> None:
+    # 6 x 40 GiB = 240 GiB > 179 GiB of HBM: the reason the article's case is a TP-2 pair
+    assert 6 * 40 * GiB > B200.memory_bytes
+    plan = make_plan(article("bf16", tp=1, gpus=1))
+    assert [u.resident for u in plan.users] == [2, 4]
+
+
+def test_offload_users_capped_by_tier_capacity() -> None:
+    free = make_plan(article("fp8")).users[0]
+    capped = make_plan(article("fp8", tier_capacity=13 * 20 * GiB)).users[0]
+    assert free.with_offload == 15 and capped.with_offload == 13
+    tiny = make_plan(article("fp8", tier_capacity=GiB)).users[0]
+    assert tiny.with_offload == tiny.resident          # resident users need no tier
+
+
+def test_tier_needed_for_target_users_and_hit_rate() -> None:
+    plan = make_plan(article("fp8", target_users=100, hit_rate=0.5))
+    assert plan.tier_bytes_needed == 50 * 20 * GiB
+
+
+def test_weights_that_do_not_fit_leave_no_users() -> None:
+    plan = make_plan(PlanInputs(arch=preset_architecture("Llama-3.1-405B"), gpu=GPUS["H100-80G"]))
+    assert plan.kv_budget_per_gpu < 0 and plan.users[0].resident == 0
+    assert plan.users[0].with_offload == 0
+
+
+# --- load vs prefill -----------------------------------------------------------------------------
+
+def test_worth_loading_rule() -> None:
+    load_s, prefill_s = prefix_times(131072, 327680, 28.0, 11915.6)
+    assert load_s == pytest.approx(40 * GiB / 28e9) and load_s == pytest.approx(1.53, abs=0.01)
+    assert prefill_s == pytest.approx(11.0, abs=0.01)
+    assert worth_loading(131072, 327680, 28.0, 11915.6)
+    # a slow tier (0.5 GB/s) is slower than recomputing
+    assert not worth_loading(131072, 327680, 0.5, 11915.6)
+    with pytest.raises(ValueError):
+        prefix_times(1, 1, 0, 1)
+
+
+def test_plan_prefill_default_comes_from_gpu_flops() -> None:
+    plan = make_plan(article("bf16"))
+    flops = prefill_flops_per_token(L70, 131072)
+    assert plan.prefill_tps_per_gpu == pytest.approx(B200.bf16_tflops * 1e12 * 0.4 / flops)
+    assert plan.prefix_prefill_s == pytest.approx(131072 / (2 * plan.prefill_tps_per_gpu))
+    given = make_plan(article("bf16", prefill_tps=1000.0, read_gbps=0.5))
+    assert given.prefix_prefill_s == pytest.approx(131072 / 2000)
+    assert given.prefix_load_s == pytest.approx(40 * GiB / 0.5e9)   # 86 s vs 66 s
+    assert not given.worth_loading
+
+
+# --- architectures: presets, config.json, MLA, TP -------------------------------------------------
+
+def test_presets_parameter_estimates_match_published_counts() -> None:
+    for preset in MODELS.values():
+        total, active = estimate_params(preset.config)
+        assert total == pytest.approx(preset.params, rel=1e-3), preset.name
+        assert active <= total
+    assert estimate_params(MODELS["DeepSeek-V3"].config)[1] == pytest.approx(37e9, rel=0.03)
+    assert estimate_params(MODELS["Mixtral-8x7B"].config)[1] == pytest.approx(12.9e9, rel=0.01)
+
+
+def test_deepseek_v3_mla_latent_one_copy() -> None:
+    ds = preset_architecture("deepseek-v3")
+    assert ds.mla and ds.layers == 61
+    assert kv_bytes_per_token(ds, 2) == (512 + 64) * 61 * 2     # not x 2 for K and V
+    assert kv_bytes_per_token(ds, 2, tp=8) == kv_bytes_per_token(ds, 2)   # every rank holds it
+    plan = make_plan(PlanInputs(arch=ds, gpu=GPUS["H200-141G"], tp=8, gpus=8, weight_dtype="fp8"))
+    assert plan.users[0].tier_bytes_per_user == (512 + 64) * 61 * 2 * 131072   # stored once
+
+
+def test_tp_splits_kv_heads_and_replicates_past_them() -> None:
+    assert kv_heads_per_rank(L70, 2) == 4
+    assert kv_bytes_per_token(L70, 2, tp=8) == kv_bytes_per_token(L70, 2) // 8
+    l405 = preset_architecture("Llama-3.1-405B")
+    assert kv_heads_per_rank(l405, 16) == 1                    # 8 KV heads, 16 ranks: replicated
+    assert kv_bytes_per_token(l405, 2, tp=16) == kv_bytes_per_token(l405, 2) // 8
+    plan = make_plan(PlanInputs(arch=l405, gpu=B200, tp=16, gpus=16, weight_dtype="fp8"))
+    assert plan.users[0].tier_bytes_per_user == 2 * plan.users[0].kv_bytes_per_user
+    with pytest.raises(ConfigError, match="--tp 3"):
+        kv_heads_per_rank(L70, 3)
+
+
+def test_hf_config_json_path(tmp_path) -> None:
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000,
+           "tie_word_embeddings": True, "_name_or_path": "tiny-llama"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    arch, source = load_architecture(str(path))
+    assert (arch.name, arch.layers, arch.kv_heads, arch.head_dim) == ("tiny-llama", 4, 2, 64)
+    assert source == str(path)
+    embed, attn, mlp = 1000 * 512 + 512, 512 * 512 * 2 + 2 * 512 * 2 * 64, 3 * 512 * 1024
+    assert arch.params == embed + 4 * (attn + mlp + 2 * 512)
+    assert kv_bytes_per_token(arch, 2) == 2 * 4 * 2 * 64 * 2
+    # a directory holding config.json works too; --params overrides the estimate
+    assert load_architecture(str(tmp_path), params=123)[0].params == 123
+    rc = main(["plan", "--model", str(path), "--gpu-mem", "16GiB", "--context", "4096", "--json"])
+    assert rc == 0
+
+
+def test_hf_config_mla(tmp_path) -> None:
+    cfg = {k: v for k, v in MODELS["DeepSeek-V3"].config.items()}
+    arch = architecture_from_config(cfg, "ds")
+    assert arch.kv_lora_rank == 512 and arch.qk_rope_head_dim == 64
+    del cfg["qk_rope_head_dim"]
+    with pytest.raises(ConfigError, match="qk_rope_head_dim"):
+        architecture_from_config(cfg, "ds")
+
+
+@pytest.mark.parametrize("missing", ["num_hidden_layers", "num_attention_heads"])
+def test_hf_config_missing_key_is_named(tmp_path, capsys, missing: str) -> None:
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "head_dim": 16}
+    del cfg[missing]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(path), "--params", "1B"]) == 2
+    assert f"'{missing}' missing" in capsys.readouterr().err
+
+
+def test_head_dim_needs_hidden_size_when_absent() -> None:
+    with pytest.raises(ConfigError, match="head_dim"):
+        architecture_from_config({"num_hidden_layers": 2, "num_attention_heads": 4}, "x", 1)
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+def test_cli_table_states_the_assumptions(capsys) -> None:
+    assert main(["plan", "--tp", "2", "--gpus", "2", "--weight-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "40.00 GiB" in out and "20.00 GiB" in out
+    assert "mem fraction 0.9" in out and "active fraction 0.8" in out
+    assert "tokens/s per GPU" in out and "worth loading" in out
+
+
+def test_cli_json_is_one_object(capsys) -> None:
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpu", "b200", "--tp", "2", "--gpus", "2",
+                 "--weight-dtype", "fp8", "--kv-dtype", "fp8", "--context", "131072",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["users"][0]["kv_bytes_per_user"] == 20 * GiB
+    assert 12 <= data["users"][0]["with_offload"] <= 15
+    assert data["inputs"]["context"] == 131072 and isinstance(data["worth_loading"], bool)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "Llama-9-1T"], "unknown model preset 'Llama-9-1T'; presets: Llama-3.1-8B"),
+    (["--gpu", "A100"], "unknown GPU preset 'A100'; presets: H100-80G"),
+    (["--kv-dtype", "int4"], "--kv-dtype 'int4'"),
+    (["--context", "lots"], "token count 'lots'"),
+    (["--gpu-mem", "much"], "--gpu-mem 'much'"),
+    (["--tp", "2", "--gpus", "3"], "--gpus 3 must be a positive multiple of --tp 2"),
+    (["--tp", "3"], "--tp 3 must divide"),
+    (["--active-fraction", "0"], "--active-fraction 0"),
+    (["--model", "/nonexistent/config.json"], "no such config.json"),
+])
+def test_bad_input_exits_2_naming_it(capsys, argv: list[str], needle: str) -> None:
+    assert main(["plan", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_parsers_and_lookup() -> None:
+    assert parse_tokens("128K") == parse_tokens("128k") == parse_tokens("131072") == 131072
+    assert parse_tokens("1M") == 1 << 20
+    assert find_gpu("H100") is find_gpu("h100-80g") is GPUS["H100-80G"]
+    assert find_gpu("A100") is None
