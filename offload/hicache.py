@@ -1,0 +1,360 @@
+"""The SGLang HiCache L3 storage backend: `OffloadStorage`, a `HiCacheStorage` over a block store.
+
+SGLang loads it through its `dynamic` storage backend:
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "offload", "module_path": "offload.hicache", "class_name": "OffloadStorage",
+      "interface_v1": 1, "offload": {"store": {"path": "/nvme/kv", "capacity": "2TiB"}}}'
+
+Lifecycle: SGLang constructs `OffloadStorage(storage_config, kwargs)` in each scheduler process
+(settings are validated here; a bad one raises `ConfigError` naming it), then calls
+`register_mem_pool_host(host_pool)`, which fixes the block namespace (model, ranks, MLA, dtype,
+layout, page size, salt) and the page map (`offload.hicache_layout`). Then, from its storage
+threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages moved straight
+between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
+(flat page tensors). `close` closes the store.
+
+Data path: every call returns per-page success; nothing raises into SGLang. A failed or corrupt
+read is a miss (the store verifies checksums). MLA: every TP rank reads one shared namespace and
+only the storage writer (rank 0) writes. The store is opened by `_open_store(cfg)`, the one place
+to swap in another tier (tests inject a `MemoryStore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from offload.config import OffloadConfig, load_file, load_offload, to_dict
+from offload.errors import ConfigError, PathUnavailableError
+from offload.hicache_layout import PageMap
+from offload.keys import Namespace, block_key
+from offload.store.base import BlockStore, Buffer
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# Keys of `--hicache-storage-backend-extra-config` this backend understands.
+EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "offload", "config_file")
+
+
+def settings_from_extra(extra: Optional[dict]) -> OffloadConfig:
+    """The `offload:` settings from SGLang's extra config.
+
+    `config_file` (a deployment YAML; its `offload:` section) is the base, and the inline
+    `offload` tree overrides keys of it. Raises ConfigError naming every bad key.
+    """
+    extra = dict(extra or {})
+    problems = []
+    for key in extra:
+        if key not in EXTRA_KEYS:
+            problems.append(f"hicache-storage-backend-extra-config.{key}: unknown key; allowed: "
+                            + ", ".join(EXTRA_KEYS))
+    inline = extra.get("offload")
+    if inline is not None and not isinstance(inline, dict):
+        problems.append("hicache-storage-backend-extra-config.offload: expected a mapping (the "
+                        f"YAML offload: section), got {type(inline).__name__}")
+    path = extra.get("config_file")
+    if path is not None and not isinstance(path, str):
+        problems.append(f"hicache-storage-backend-extra-config.config_file: {path!r} is not a path")
+    if problems:
+        raise ConfigError(problems)
+    tree: dict = to_dict(load_file(path).offload) if path else {}
+    return load_offload(_merge(tree, inline or {}))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _open_store(cfg: OffloadConfig) -> BlockStore:
+    """Open the block store the settings name (the one factory; tests replace it)."""
+    if cfg.transfer.path in ("gds", "dpu"):
+        raise PathUnavailableError(
+            f"offload.transfer.path: {cfg.transfer.path!r} is not available in the HiCache backend "
+            "yet; use 'cpu' or 'auto'")
+    from offload.store.disk import DiskStore
+
+    return DiskStore(cfg.store)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def namespace_for(storage_config: HiCacheStorageConfig, host_pool: Any, page_bytes: int,
+                  salt: str) -> Namespace:
+    """The block namespace of one rank's host pool.
+
+    MLA KV is the same on every TP rank: all ranks share the namespace of rank 0 of a 1-rank
+    group. Everything else that changes a page's bytes goes into `extra`.
+    """
+    sc = storage_config
+    mla = bool(sc.is_mla_model)
+    extra = (f"pool={type(host_pool).__name__};layers={getattr(host_pool, 'layer_num', '')};"
+             f"page_bytes={page_bytes};cp={sc.attn_cp_rank}/{sc.attn_cp_size}")
+    if sc.dcp_size > 1:
+        extra += f";dcp={sc.dcp_rank}/{sc.dcp_size}"
+    return Namespace(
+        model=sc.model_name or "", dtype=_dtype_name(host_pool.dtype),
+        layout=str(host_pool.layout), page_size=int(host_pool.page_size),
+        tp_rank=0 if mla else sc.tp_rank, tp_size=1 if mla else sc.tp_size,
+        pp_rank=sc.pp_rank, pp_size=sc.pp_size, mla=mla, salt=salt, extra=extra)
+
+
+class OffloadStorage(HiCacheStorage):
+    """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        extra = dict(storage_config.extra_config or {})
+        extra.update(kwargs or {})
+        self.cfg = settings_from_extra(extra)
+        self.storage_config = storage_config
+        self.zero_copy_interface = bool(extra.get("interface_v1", 0))
+        if not self.zero_copy_interface:
+            logger.warning("offload: interface_v1 is not set in the extra config; SGLang will use "
+                           "the legacy copying interface")
+        self.is_writer = storage_config.is_storage_writer
+        self.store: BlockStore = _open_store(self.cfg)
+        self.mem_pool_host: Any = None
+        self.pages: PageMap | None = None
+        self.namespace: Namespace | None = None
+        self._ns_digest = b""
+        self._lock = threading.Lock()
+        self._written: set[bytes] = set()
+        self._metrics = storage_config.enable_storage_metrics
+        self._prefetch_pgs: list[int] = []
+        self._backup_pgs: list[int] = []
+        self._prefetch_bw: list[float] = []
+        self._backup_bw: list[float] = []
+
+    # ---------------------------------------------------------------- control path
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.pages = PageMap.for_pool(mem_pool_host)
+        self.namespace = namespace_for(self.storage_config, mem_pool_host, self.pages.page_bytes,
+                                       self.cfg.store.salt)
+        self._ns_digest = self.namespace.digest()
+        self.store.register_namespace(self.namespace)
+        logger.info("offload: HiCache backend on %s, layout %s, %d-byte pages in %d buffer(s), "
+                    "zero copy %s, writer %s", self.cfg.store.path, self.pages.layout,
+                    self.pages.page_bytes, max(1, self.pages.buffers_per_page),
+                    self.pages.zero_copy, self.is_writer)
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:
+            logger.exception("offload: closing the block store failed")
+
+    def clear(self) -> bool:
+        """Delete this namespace's blocks (those this process wrote, or all if the store can)."""
+        try:
+            delete_ns: Callable[[bytes], int] | None = getattr(self.store, "delete_namespace",
+                                                               None)
+            if delete_ns is not None and self._ns_digest:
+                n = delete_ns(self._ns_digest)
+            else:
+                with self._lock:
+                    keys, self._written = list(self._written), set()
+                n = self.store.delete_many(keys)
+            logger.info("offload: cleared %d blocks", n)
+            return True
+        except Exception:
+            logger.exception("offload: clear failed")
+            return False
+
+    def get_stats(self) -> Any:
+        if not self._metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            m = StorageMetrics(prefetch_pgs=self._prefetch_pgs, backup_pgs=self._backup_pgs,
+                               prefetch_bandwidth=self._prefetch_bw,
+                               backup_bandwidth=self._backup_bw)
+            self._prefetch_pgs, self._backup_pgs = [], []
+            self._prefetch_bw, self._backup_bw = [], []
+        return m
+
+    # ---------------------------------------------------------------- keys and bookkeeping
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        d = self._ns_digest
+        return [block_key(d, k) for k in keys]
+
+    def _record(self, pages: list[int], bws: list[float], n: int, nbytes: int, t0: float) -> None:
+        if not self._metrics or n == 0:
+            return
+        dt = max(time.perf_counter() - t0, 1e-9)
+        with self._lock:
+            pages.append(n)
+            bws.append(nbytes / dt / (1 << 30))
+
+    def _page_starts(self, keys: Sequence[str], host_indices: "torch.Tensor") -> list[int] | None:
+        assert self.pages is not None
+        step = self.pages.page_size
+        if host_indices.numel() != len(keys) * step:
+            logger.error("offload: %d host indices for %d pages of %d tokens", host_indices.numel(),
+                         len(keys), step)
+            return None
+        starts = host_indices[::step].tolist()
+        if self.pages.zero_copy and any(self.pages.page_no(s) is None for s in starts):
+            logger.error("offload: host indices do not start on page boundaries")
+            return None
+        return starts
+
+    # ---------------------------------------------------------------- zero-copy interface
+
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        try:
+            n = 0
+            for present in self.store.exists_many(self._keys(keys)):
+                if not present:
+                    break
+                n += 1
+            return n
+        except Exception:
+            logger.exception("offload: batch_exists failed; reporting a miss")
+            return 0
+
+    def batch_set_v1(self, keys: List[str], host_indices: "torch.Tensor",
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            return self._set_pages(keys, host_indices)
+        except Exception:
+            logger.exception("offload: batch_set_v1 failed for %d pages", len(keys))
+            return [False] * len(keys)
+
+    def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            return self._get_pages(keys, host_indices)
+        except Exception:
+            logger.exception("offload: batch_get_v1 failed for %d pages; reporting misses",
+                             len(keys))
+            return [False] * len(keys)
+
+    def _set_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
+        if not keys:
+            return []
+        pages = self.pages
+        starts = self._page_starts(keys, host_indices) if pages is not None else None
+        if pages is None or starts is None:
+            return [False] * len(keys)
+        bkeys = self._keys(keys)
+        if not self.is_writer:  # MLA replica: rank 0 writes the shared namespace
+            return list(self.store.exists_many(bkeys))
+        t0 = time.perf_counter()
+        if pages.zero_copy:
+            blocks: list[list[Buffer]] = [list(pages.buffers(s)) for s in starts]
+        else:
+            blocks = [[pages.page_copy(s)] for s in starts]
+        ok = self.store.put_many(bkeys, blocks)
+        self._after_put(bkeys, ok, pages.page_bytes, t0)
+        return list(ok)
+
+    def _get_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
+        if not keys:
+            return []
+        pages = self.pages
+        starts = self._page_starts(keys, host_indices) if pages is not None else None
+        if pages is None or starts is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        bkeys = self._keys(keys)
+        if pages.zero_copy:
+            ok = list(self.store.get_many(bkeys, [pages.buffers(s) for s in starts]))
+        else:
+            scratch = [pages.scratch() for _ in starts]
+            ok = list(self.store.get_many(bkeys, [[mv] for _, mv in scratch]))
+            for s, (page, _), good in zip(starts, scratch, ok):
+                if good:
+                    pages.store_copy(s, page)
+        n = sum(ok)
+        self._record(self._prefetch_pgs, self._prefetch_bw, n, n * pages.page_bytes, t0)
+        return ok
+
+    def _after_put(self, bkeys: list[bytes], ok: Sequence[bool], page_bytes: int,
+                   t0: float) -> None:
+        n = sum(ok)
+        with self._lock:
+            self._written.update(k for k, good in zip(bkeys, ok) if good)
+        self._record(self._backup_pgs, self._backup_bw, n, n * page_bytes, t0)
+
+    # ---------------------------------------------------------------- legacy interface
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Any:
+        out = self.batch_get([key], [target_location] if target_location is not None else None)
+        return out[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Any]:
+        """Read flat pages into `target_locations` (contiguous tensors); None for a miss."""
+        try:
+            import torch
+
+            if target_locations is None:
+                if self.mem_pool_host is None:
+                    return [None] * len(keys)
+                target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            dests: list[list[Buffer]] = []
+            for t in target_locations:
+                if not t.is_contiguous():
+                    return [None] * len(keys)
+                dests.append([memoryview(t.reshape(-1).view(torch.uint8).numpy())])
+            t0 = time.perf_counter()
+            ok = self.store.get_many(self._keys(keys), dests)
+            n = sum(ok)
+            nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
+            self._record(self._prefetch_pgs, self._prefetch_bw, n, nbytes, t0)
+            return [t if g else None for t, g in zip(target_locations, ok)]
+        except Exception:
+            logger.exception("offload: batch_get failed; reporting misses")
+            return [None] * len(keys)
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Store flat page tensors; True only if every page is stored."""
+        try:
+            import torch
+
+            if values is None or len(values) != len(keys):
+                return False
+            bkeys = self._keys(keys)
+            if not self.is_writer:
+                return all(self.store.exists_many(bkeys))
+            blocks: list[list[Buffer]] = [
+                [memoryview(v.contiguous().reshape(-1).view(torch.uint8).numpy())] for v in values]
+            t0 = time.perf_counter()
+            ok = self.store.put_many(bkeys, blocks)
+            self._after_put(bkeys, ok, sum(memoryview(b[0]).nbytes for b in blocks)
+                            // max(1, len(blocks)), t0)
+            return all(ok)
+        except Exception:
+            logger.exception("offload: batch_set failed")
+            return False
