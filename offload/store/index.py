@@ -164,7 +164,7 @@ class Index:
         out: dict[bytes, Location] = {}
         for i in range(0, len(keys), _MAX_VARS):
             chunk = keys[i:i + _MAX_VARS]
-            q = ("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks WHERE state=1 AND "
+            q = ("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks WHERE +state=1 AND "
                  f"key IN ({','.join('?' * len(chunk))})")
             for k, seg, slot, sb, length, csum in self.db.execute(q, chunk):
                 out[k] = Location(k, seg, slot, sb, length, _unsigned(csum))
@@ -341,7 +341,7 @@ class Index:
             for i in range(0, len(keys), _MAX_VARS):
                 chunk = keys[i:i + _MAX_VARS]
                 rows += self.db.execute(
-                    "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE state=1 AND "
+                    "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE +state=1 AND "
                     f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
             return len(self._free_rows(rows, free_slot))
 
@@ -352,7 +352,7 @@ class Index:
             for loc in locs:
                 rows += self.db.execute(
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
-                    "AND slot=? AND state=1", (loc.key, loc.seg, loc.slot)).fetchall()
+                    "AND slot=? AND +state=1", (loc.key, loc.seg, loc.slot)).fetchall()
             return len(self._free_rows(rows, free_slot))
 
     def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:

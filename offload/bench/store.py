@@ -1,0 +1,182 @@
+"""`sglang-offload bench store`: the block store against the raw disk it sits on, in one run.
+
+Measures, for block sizes 256 KiB ... 16 MiB: durable put (data fdatasync'ed and indexed), cold get
+(O_DIRECT, so the page cache is bypassed; on a buffered fallback the slabs are dropped from the page
+cache first) and warm get (the same blocks read again), each in GB/s and as a ratio to the raw
+O_DIRECT sequential bandwidth of the same directory measured in the same run. Then the index at
+`--lookup-blocks` entries (default 1M, bookkeeping only: entries are bulk-inserted as a rebuild would,
+no data is written): `exists` and `locate` in microseconds per key in batches, and the time to reopen
+the store (lock, integrity check, reclaim, load of the key set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+from offload.config import Size, StoreConfig, format_size
+
+SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp "
+                   "dir under $TMPDIR)")
+    p.add_argument("--total", default="1GiB", help="bytes written per block size (default 1GiB)")
+    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
+                   help="comma-separated block sizes")
+    p.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
+    p.add_argument("--threads", type=int, default=8, help="store I/O threads")
+    p.add_argument("--lookup-blocks", type=int, default=1_000_000,
+                   help="index entries for the lookup/reopen figures (0 to skip)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+
+
+def _drop_cache(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.endswith(".slab"):
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> dict[str, float]:
+    from offload.store.disk import DiskStore
+
+    d = os.path.join(root, f"store-{size}")
+    n = max(batch, total // size)
+    store = DiskStore(StoreConfig(path=d, capacity=Size(4 * n * size + (1 << 30)),
+                                  io_threads=threads, min_free=Size(0)))
+    src = mmap.mmap(-1, size * batch)
+    src.write(os.urandom(1 << 20) * (size * batch >> 20) if size >= 1 << 20
+              else os.urandom(size * batch))
+    dst = mmap.mmap(-1, size * batch)
+    views = [memoryview(src)[i * size:(i + 1) * size] for i in range(batch)]
+    outs = [memoryview(dst)[i * size:(i + 1) * size] for i in range(batch)]
+    keys = [os.urandom(32) for _ in range(n)]
+    try:
+        t = time.perf_counter()
+        for i in range(0, n, batch):
+            ks = keys[i:i + batch]
+            ok = store.put_many(ks, [[v] for v in views[:len(ks)]])
+            if not all(ok):
+                raise RuntimeError(f"put failed at block size {size}")
+        put_s = time.perf_counter() - t
+        if not store.o_direct:
+            _drop_cache(d)
+        res = {}
+        for label in ("cold", "warm"):
+            t = time.perf_counter()
+            for i in range(0, n, batch):
+                ks = keys[i:i + batch]
+                if not all(store.get_many(ks, [[o] for o in outs[:len(ks)]])):
+                    raise RuntimeError(f"get failed at block size {size}")
+            res[label] = n * size / (time.perf_counter() - t) / 1e9
+        return {"block_bytes": size, "blocks": n, "put_gbps": n * size / put_s / 1e9,
+                "cold_get_gbps": res["cold"], "warm_get_gbps": res["warm"]}
+    finally:
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_index(root: str, nblocks: int) -> dict[str, float]:
+    from offload.store.disk import DiskStore
+    from offload.store.index import Index
+
+    d = os.path.join(root, "index")
+    os.makedirs(d, exist_ok=True)
+    DiskStore(StoreConfig(path=d, capacity=Size(1 << 50), min_free=Size(0))).close()
+    keys = [random.randbytes(32) for _ in range(nblocks)]
+    idx = Index(os.path.join(d, "index.db"))
+    sb = 8192
+    idx.insert_recovered([(k, 1 + i // 65536, i % 65536, sb, 4096, i, 0.0)
+                          for i, k in enumerate(keys)], [], [])
+    idx.close()
+    t = time.perf_counter()
+    store = DiskStore(StoreConfig(path=d, capacity=Size(1 << 50), min_free=Size(0)))
+    reopen_s = time.perf_counter() - t
+    try:
+        probe = random.sample(keys, min(200_000, nblocks // 2)) + \
+            [random.randbytes(32) for _ in range(min(200_000, nblocks // 2))]
+        random.shuffle(probe)
+        t = time.perf_counter()
+        found = 0
+        for i in range(0, len(probe), 1024):
+            found += sum(store.exists_many(probe[i:i + 1024]))
+        exists_us = (time.perf_counter() - t) / len(probe) * 1e6
+        sample = probe[:50_000]
+        t = time.perf_counter()
+        for i in range(0, len(sample), 512):
+            store._index.locate(sample[i:i + 512])
+        locate_us = (time.perf_counter() - t) / len(sample) * 1e6
+    finally:
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+    return {"blocks": nblocks, "reopen_s": reopen_s, "exists_us_per_key": exists_us,
+            "locate_us_per_key": locate_us}
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.bench.rawdisk import raw_bandwidth
+
+    sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
+    total = int(Size.parse(args.total))
+    root = tempfile.mkdtemp(prefix="sglo-bench-", dir=args.dir)
+    out: dict[str, object] = {"dir": root}
+    try:
+        bar = _progress(len(sizes) + 2, "bench store")
+        raw_w, raw_r = raw_bandwidth(root, total)
+        out["raw"] = {"write_gbps": raw_w, "read_gbps": raw_r, "chunk_bytes": 16 << 20,
+                      "what": "sequential O_DIRECT, one stream, fdatasync at the end"}
+        bar.update()
+        rows = []
+        for size in sizes:
+            r = bench_size(root, size, total, args.batch, args.threads)
+            r["put_ratio"] = r["put_gbps"] / raw_w
+            r["cold_get_ratio"] = r["cold_get_gbps"] / raw_r
+            r["warm_get_ratio"] = r["warm_get_gbps"] / raw_r
+            rows.append(r)
+            bar.update()
+        out["sizes"] = rows
+        if args.lookup_blocks:
+            out["index"] = bench_index(root, args.lookup_blocks)
+        bar.update()
+        bar.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _table(out)
+    return 0
+
+
+def _table(out: dict) -> None:  # type: ignore[type-arg]
+    raw = out["raw"]
+    print(f"raw disk (O_DIRECT sequential): write {raw['write_gbps']:.2f} GB/s, "
+          f"read {raw['read_gbps']:.2f} GB/s")
+    print(f"{'block':>8} {'put GB/s':>9} {'x raw':>6} {'cold get':>9} {'x raw':>6} "
+          f"{'warm get':>9} {'x raw':>6}")
+    for r in out["sizes"]:
+        print(f"{format_size(r['block_bytes']):>8} {r['put_gbps']:9.2f} {r['put_ratio']:6.2f} "
+              f"{r['cold_get_gbps']:9.2f} {r['cold_get_ratio']:6.2f} {r['warm_get_gbps']:9.2f} "
+              f"{r['warm_get_ratio']:6.2f}")
+    if "index" in out:
+        i = out["index"]
+        print(f"index at {i['blocks']:,} blocks: exists {i['exists_us_per_key']:.2f} us/key, "
+              f"locate {i['locate_us_per_key']:.2f} us/key, reopen {i['reopen_s']:.2f} s")
