@@ -41,7 +41,8 @@ def kv_heads_per_rank(arch: Architecture, tp: int) -> int:
         return 1
     if tp <= 0 or (arch.kv_heads % tp and tp % arch.kv_heads) or arch.attention_heads % tp:
         raise ConfigError([f"--tp {tp} must divide the {arch.attention_heads} attention heads, and "
-                           f"divide or be a multiple of the {arch.kv_heads} KV heads of {arch.name}"])
+                           f"divide or be a multiple of the {arch.kv_heads} KV heads of "
+                           f"{arch.name}"])
     return max(1, arch.kv_heads // tp)
 
 
@@ -54,7 +55,8 @@ def kv_bytes_per_token(arch: Architecture, kv_bytes: float, tp: int = 1) -> int:
 
 def prefill_flops_per_token(arch: Architecture, context: int) -> float:
     """2 x active params (matmuls) + causal attention (QK^T and AV over context/2 on average)."""
-    attn = 2 * arch.layers * arch.attention_heads * (arch.attn_qk_dim + arch.attn_v_dim) * context / 2
+    per_head = arch.attn_qk_dim + arch.attn_v_dim
+    attn = 2 * arch.layers * arch.attention_heads * per_head * context / 2
     return 2.0 * arch.active_params + attn
 
 
@@ -70,7 +72,8 @@ def prefix_times(prefix_tokens: int, bytes_per_token: float, read_gbps: float,
 def worth_loading(prefix_tokens: int, bytes_per_token: float, read_gbps: float,
                   prefill_tokens_per_s: float) -> bool:
     """True when loading the prefix's KV from the tier is faster than recomputing it."""
-    load_s, prefill_s = prefix_times(prefix_tokens, bytes_per_token, read_gbps, prefill_tokens_per_s)
+    load_s, prefill_s = prefix_times(prefix_tokens, bytes_per_token, read_gbps,
+                                     prefill_tokens_per_s)
     return load_s < prefill_s
 
 
@@ -164,8 +167,8 @@ def _check(inp: PlanInputs) -> None:
     problems = []
     if inp.tp < 1 or inp.gpus < 1 or inp.gpus % inp.tp:
         problems.append(f"--gpus {inp.gpus} must be a positive multiple of --tp {inp.tp}")
-    for flag, v in (("--mem-fraction", inp.mem_fraction), ("--active-fraction", inp.active_fraction),
-                    ("--hit-rate", inp.hit_rate)):
+    for flag, v in (("--mem-fraction", inp.mem_fraction),
+                    ("--active-fraction", inp.active_fraction), ("--hit-rate", inp.hit_rate)):
         if not 0 < v <= 1:
             problems.append(f"{flag} {v}: must be in (0, 1]")
     if inp.read_gbps <= 0 or (inp.prefill_tps is not None and inp.prefill_tps <= 0):
@@ -232,8 +235,10 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
     kv = (f"MLA latent (kv_lora_rank {arch.kv_lora_rank} + qk_rope_head_dim "
           f"{arch.qk_rope_head_dim}) x {arch.layers} layers x bytes ({inp.kv_dtype}), one copy, "
           "held whole by every TP rank" if arch.mla else
-          f"2 (K and V) x {arch.layers} layers x {arch.kv_heads} KV heads x {arch.head_dim} head dim "
-          f"x bytes ({inp.kv_dtype}); KV heads split across TP ranks, replicated when tp > KV heads")
+          f"2 (K and V) x {arch.layers} layers x {arch.kv_heads} KV heads x {arch.head_dim} head "
+          f"dim x bytes ({inp.kv_dtype}); KV heads split across TP ranks, replicated when tp > KV "
+          "heads")
+    mla_read = " (MLA: each rank reads the same latent copy)" if arch.mla else ""
     return [
         f"KV per token = {kv}",
         f"HBM for weights + KV = GPU memory x mem fraction {inp.mem_fraction:g} (SGLang "
@@ -247,8 +252,8 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
         "by the tier capacity)",
         "tier holds every served user's KV (HiCache write-through); NVMe and Redis need the same "
         "bytes (Redis per-key overhead not counted)",
-        f"prefix load reads every rank's share{' (MLA: each rank reads the same latent copy)' if arch.mla else ''} at "
-        f"{inp.read_gbps:g} GB/s aggregate per replica; "
+        f"prefix load reads every rank's share{mla_read} at {inp.read_gbps:g} GB/s aggregate per "
+        "replica; "
         f"prefill scales linearly over the {inp.tp} GPU(s) of a replica",
     ]
 
@@ -284,7 +289,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-tokens", help="cached prefix length for load vs prefill "
                    "(default: --context)")
     p.add_argument("--read-gbps", type=float, default=DEFAULT_READ_GBPS,
-                   help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 NVMe)")
+                   help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 "
+                   "NVMe)")
     p.add_argument("--prefill-tps", type=float, help="prefill tokens/s per GPU (default: derived "
                    f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU:.0%} utilisation)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

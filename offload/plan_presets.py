@@ -2,8 +2,9 @@
 
 Primitives: `Architecture` (what KV sizing and prefill FLOPs need), built by
 `architecture_from_config(hf_config)` (errors name the missing key) or `load_architecture(name or
-path)`; `estimate_params(hf_config)` when no parameter count is given; `MODELS` (name -> `ModelPreset`: the attention-relevant subset of the model's
-HuggingFace `config.json`, copied verbatim, plus its published parameter count) and `GPUS`
+path)`; `estimate_params(hf_config)` when no parameter count is given; `MODELS` (name ->
+`ModelPreset`: the subset of the model's HuggingFace `config.json` that plan reads, copied
+verbatim, plus its published parameter count) and `GPUS`
 (name -> `GpuPreset`: memory as the driver reports it, dense BF16 tensor throughput). Lookup is
 case-insensitive and ignores `-`, `_`, `.` and spaces (`llama3.1-70b`, `B200-192G`, `h100`).
 Presets go through the same parser as a user's config.json. Nothing heavy is imported.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -144,12 +145,14 @@ def estimate_params(cfg: Mapping[str, Any], where: str = "config") -> tuple[int,
         nope, rope = _need(cfg, "qk_nope_head_dim", where), _need(cfg, "qk_rope_head_dim", where)
         v, lora = _need(cfg, "v_head_dim", where), _need(cfg, "kv_lora_rank", where)
         q_lora = cfg.get("q_lora_rank") or 0
-        q = h * q_lora + q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
+        q_out = heads * (nope + rope)
+        q = h * q_lora + q_lora + q_lora * q_out if q_lora else h * q_out
         attn = q + h * (lora + rope) + lora + lora * heads * (nope + v) + heads * v * h
     else:
         kv = cfg.get("num_key_value_heads") or heads
         hd = cfg.get("head_dim") or h // heads
-        bias = (heads + 2 * kv) * hd if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2" else 0
+        has_bias = cfg.get("attention_bias") or cfg.get("model_type") == "qwen2"
+        bias = (heads + 2 * kv) * hd if has_bias else 0
         attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + bias
     dense_mlp = 3 * h * _need(cfg, "intermediate_size", where)
     if cfg.get("n_routed_experts"):                       # DeepSeek style
@@ -195,19 +198,25 @@ def architecture_from_config(cfg: Mapping[str, Any], name: str, params: int | No
         qk = v = head_dim
     if params is None:
         params, active = estimate_params(cfg, where)
-    else:
-        active = params if not (cfg.get("n_routed_experts") or cfg.get("num_local_experts")) \
-            else estimate_params(cfg, where)[1]
+    else:   # MoE: the active share from the layout if it can be estimated, else all of them
+        active = params
+        if cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts"):
+            try:
+                active = min(params, estimate_params(cfg, where)[1])
+            except ConfigError:
+                pass
     return Architecture(name, layers, heads, kv_heads, head_dim, int(params), int(active),
                         lora, rope, qk, v)
 
 
-def preset_architecture(name: str) -> Architecture:
+def preset_architecture(name: str, params: int | None = None) -> Architecture:
+    """The preset's architecture; `params` overrides its published parameter count."""
     preset = find_model(name)
     if preset is None:
         raise ConfigError([f"unknown model preset '{name}'; presets: {', '.join(MODELS)} "
                            "(or give the path of a HuggingFace config.json)"])
-    return architecture_from_config(preset.config, preset.name, preset.params, preset.name)
+    return architecture_from_config(preset.config, preset.name, params or preset.params,
+                                    preset.name)
 
 
 def load_architecture(model: str, params: int | None = None) -> tuple[Architecture, str]:
@@ -226,7 +235,6 @@ def load_architecture(model: str, params: int | None = None) -> tuple[Architectu
         return architecture_from_config(cfg, str(name), params, str(path)), f"{path}"
     if "/" in model or model.endswith(".json"):
         raise ConfigError([f"--model {model}: no such config.json (presets: {', '.join(MODELS)})"])
-    arch = preset_architecture(model)
-    if params is not None:
-        arch = Architecture(**{**asdict(arch), "params": params})
-    return arch, f"preset ({find_model(model).source})"  # type: ignore[union-attr]
+    arch = preset_architecture(model, params)
+    preset = find_model(model)
+    return arch, f"preset: {preset.source if preset else model}"
