@@ -1,0 +1,205 @@
+"""`sglang-offload bench redis`: the Redis tier's set/get throughput beside raw Redis, same run.
+
+For each block size (default 1, 4 and 8 MiB) it writes and reads the same blocks twice, in turns:
+- raw: redis-py SET / GET of the bytes, no header, no checksum, pipelined `--batch` at a time;
+- ours: `RedisStore.put_many` / `get_many` (header, xxh3 checksum verified, bytes copied into the
+  caller's buffers), pipelined the same way.
+It reports GB/s and ours/raw. With `redis-benchmark` installed it also prints that C client's
+SET/GET figures for the same server and size (a ceiling, not the baseline: it is not Python).
+With no `--url` it starts its own `redis-server` (no persistence) in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from offload.config import Size, format_size, load_offload
+from offload.errors import OffloadError, StoreError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="Redis to measure (default: start a private redis-server)")
+    p.add_argument("--sizes", default="1MiB,4MiB,8MiB", help="block sizes, comma-separated")
+    p.add_argument("--total", default="256MiB", help="bytes written per size and round")
+    p.add_argument("--batch", type=int, default=8, help="blocks per pipelined batch")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per size (best one is kept)")
+    p.add_argument("--min-ratio", type=float, default=None,
+                   help="exit 1 if ours/raw at 4MiB (set or get) is below this")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def private_redis() -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise StoreError("redis-server is not installed (Debian: apt-get install redis-server); "
+                         "or pass --url")
+    with tempfile.TemporaryDirectory(prefix="sglo-bench-redis-") as d:
+        port = _free_port()
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d,
+                                 "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise StoreError(f"redis-server did not start on port {port}") from None
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _rate(nbytes: int, fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
+def _measure(url: str, size: int, count: int, batch: int, rounds: int) -> dict[str, Any]:
+    import numpy as np
+
+    from offload.store.redis import RedisStore
+
+    cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0}}).redis
+    store = RedisStore(cfg)
+    client = store.link.run(lambda c: c, "bench")
+    if client is None:
+        raise StoreError(f"cannot reach {url}: {store.link.last_error}")
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
+    keys = [os.urandom(32) for _ in range(count)]
+    raw_keys = [b"sglo-bench:raw:" + k for k in keys]
+    dests = [[bytearray(size)] for _ in range(count)]
+    total = size * count
+    spans = [range(i, min(i + batch, count)) for i in range(0, count, batch)]
+
+    def raw_set() -> None:
+        for sp in spans:
+            pipe = client.pipeline(transaction=False)
+            for i in sp:
+                pipe.set(raw_keys[i], blocks[i])
+            pipe.execute()
+
+    def raw_get() -> None:
+        for sp in spans:
+            pipe = client.pipeline(transaction=False)
+            for i in sp:
+                pipe.get(raw_keys[i])
+            if any(v is None for v in pipe.execute()):
+                raise StoreError("raw GET missed a block it had just written")
+
+    def our_set() -> None:
+        for sp in spans:
+            if not all(store.put_many([keys[i] for i in sp], [[blocks[i]] for i in sp])):
+                raise StoreError(f"put_many failed: {store.link.last_error}")
+
+    def our_get() -> None:
+        for sp in spans:
+            if not all(store.get_many([keys[i] for i in sp], [dests[i] for i in sp])):
+                raise StoreError(f"get_many missed: {store.link.last_error}")
+
+    best = {"raw_set": 0.0, "ours_set": 0.0, "raw_get": 0.0, "ours_get": 0.0}
+    try:
+        # Each side runs on an empty server (the other's blocks deleted first), in turns.
+        sides = [("raw", raw_set, raw_get, lambda: client.delete(*raw_keys)),
+                 ("ours", our_set, our_get, lambda: store.delete_many(keys))]
+        for r in range(rounds):
+            for name, put, get, clear in (sides if r % 2 == 0 else sides[::-1]):
+                best[f"{name}_set"] = max(best[f"{name}_set"], _rate(total, put))
+                best[f"{name}_get"] = max(best[f"{name}_get"], _rate(total, get))
+                if name == "ours" and bytes(dests[-1][0]) != blocks[-1]:
+                    raise StoreError("a block read back differs from the one written")
+                clear()
+    finally:
+        store.delete_many(keys)
+        client.delete(*raw_keys)
+        store.close()
+    return dict(block=size, blocks=count, **{k: round(v, 3) for k, v in best.items()},
+                set_ratio=round(best["ours_set"] / best["raw_set"], 3),
+                get_ratio=round(best["ours_get"] / best["raw_get"], 3))
+
+
+def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, float] | None:
+    from offload.store.redis_link import parse_url
+
+    exe = shutil.which("redis-benchmark")
+    t = parse_url(url)
+    if exe is None or t.cluster or t.tls or t.password:
+        return None
+    host, port = t.nodes[0]
+    try:
+        out = subprocess.run([exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size),
+                              "-n", str(count), "-c", "1", "-P", str(batch), "-r", str(count),
+                              "--csv"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    res: dict[str, float] = {}
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if len(cells) >= 2 and cells[0] in ("SET", "GET"):
+            try:
+                res[cells[0].lower()] = round(float(cells[1]) * size / 1e9, 3)
+            except ValueError:
+                continue
+    return res or None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
+        total = int(Size.parse(args.total))
+    except ValueError as e:
+        raise OffloadError(f"--sizes/--total: {e}") from None
+    if args.batch < 1 or args.rounds < 1 or not sizes:
+        raise OffloadError("--batch and --rounds must be >= 1 and --sizes not empty")
+    with (private_redis() if args.url is None else _given(args.url)) as url:
+        rows = []
+        for size in sizes:
+            count = max(args.batch, total // size)
+            row = _measure(url, size, count, args.batch, args.rounds)
+            row["redis_benchmark"] = _redis_benchmark(url, size, count, args.batch)
+            rows.append(row)
+    if args.json:
+        print(json.dumps({"url": url, "rows": rows}, indent=2))
+    else:
+        print(f"Redis tier vs raw redis-py on the same server ({url}), best of {args.rounds}, "
+              f"batch {args.batch}")
+        print(f"{'block':>7} {'raw set':>9} {'ours set':>9} {'ratio':>6} "
+              f"{'raw get':>9} {'ours get':>9} {'ratio':>6}   redis-benchmark set/get")
+        for r in rows:
+            rb = r["redis_benchmark"]
+            tool = f"{rb.get('set', 0):.2f} / {rb.get('get', 0):.2f} GB/s" if rb else "-"
+            print(f"{format_size(r['block']):>7} {r['raw_set']:>6.2f}GB/s {r['ours_set']:>5.2f}"
+                  f"GB/s {r['set_ratio']:>6.2f} {r['raw_get']:>5.2f}GB/s {r['ours_get']:>5.2f}"
+                  f"GB/s {r['get_ratio']:>6.2f}   {tool}")
+    if args.min_ratio is not None:
+        low = [r for r in rows if r["block"] == 4 << 20
+               and min(r["set_ratio"], r["get_ratio"]) < args.min_ratio]
+        return 1 if low else 0
+    return 0
+
+
+@contextmanager
+def _given(url: str) -> Iterator[str]:
+    yield url

@@ -1,0 +1,372 @@
+"""The Redis tier: blocks shared by every replica and kept across restarts (by Redis).
+
+Primitives:
+- Value format: a 24-byte header `SGLB | version u8 | flags u8 | reserved u16 | length u64 |
+  xxh3_64 u64` (little-endian) followed by the block. Never pickle. A value that fails the
+  header, length or checksum check is deleted in Redis and counted as a miss.
+- Keys: `sglo:v1:` + the 32-byte block key (namespace digest, salt included, + page digest).
+- `RedisStore(cfg)`: a `BlockStore`. Batches are pipelined (EXISTS, SET NX [EX ttl],
+  GET / GETEX for a sliding ttl, DEL); writes send the header and the caller's buffers without
+  joining them (`redis_link.Vectored`). With `max_bytes` set, an LRU index kept in Redis itself
+  (a sorted set, a size hash and a byte counter under one hash tag, updated by Lua scripts that
+  read the server's clock) evicts our oldest blocks past the budget; blocks Redis drops by itself
+  (`maxmemory` eviction, expiry) leave the index when they are next found missing or expired.
+- `RedisDirectory(cfg)`: directory mode: which DPU agents hold a block (`sglo:v1:dir:` + key ->
+  set of agent addresses), so a host finds blocks another host wrote through another agent.
+Lifecycle: construct (no connection yet), use from any thread, `close()`. Failures (Redis down,
+slow, refusing AUTH) are handled by `RedisLink`: counted, backed off, reconnected; meanwhile
+every call returns misses at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from typing import Any, Sequence
+
+from offload.config import RedisConfig
+from offload.keys import KEY_BYTES, Namespace
+from offload.store.base import Buffer, StoreStats, total_len
+from offload.store.redis_link import RedisLink, Vectored
+
+log = logging.getLogger("offload.store.redis")
+
+PREFIX = b"sglo:v1:"
+DIR_PREFIX = b"sglo:v1:dir:"
+NS_PREFIX = b"sglo:v1:ns:"
+MAGIC = b"SGLB"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQQ")
+# Budget index: one hash tag, so the three keys live on one node of a cluster.
+IDX_KEYS = [b"sglo:v1:{idx}:lru", b"sglo:v1:{idx}:size", b"sglo:v1:{idx}:bytes"]
+PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
+
+_ADD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function forget(m)
+  local s = redis.call('HGET', KEYS[2], m)
+  if s then redis.call('HDEL', KEYS[2], m); redis.call('DECRBY', KEYS[3], s) end
+  redis.call('ZREM', KEYS[1], m)
+end
+for i = 3, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
+    redis.call('INCRBY', KEYS[3], ARGV[i + 1])
+  end
+  redis.call('ZADD', KEYS[1], now, ARGV[i])
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl, 'LIMIT', 0, 4096)) do
+    forget(m)
+  end
+end
+local victims = {}
+local budget = tonumber(ARGV[1])
+while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
+  local pop = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #pop == 0 then break end
+  forget(pop[1])
+  victims[#victims + 1] = pop[1]
+end
+return victims
+"""
+
+_TOUCH = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i = 2, #ARGV do
+  if ARGV[1] == 'touch' then
+    redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i])
+  else
+    local s = redis.call('HGET', KEYS[2], ARGV[i])
+    if s then redis.call('HDEL', KEYS[2], ARGV[i]); redis.call('DECRBY', KEYS[3], s) end
+    redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return 0
+"""
+
+
+def encode_header(parts: Sequence[memoryview]) -> bytes:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    n = 0
+    for p in parts:
+        h.update(p)
+        n += p.nbytes
+    return HEADER.pack(MAGIC, VERSION, 0, 0, n, h.intdigest())
+
+
+def decode_value(value: bytes) -> memoryview | None:
+    """The verified block inside a stored value, or None if header, length or checksum is bad."""
+    import xxhash
+
+    mv = memoryview(value)
+    if mv.nbytes < HEADER.size:
+        return None
+    magic, version, _flags, _res, length, digest = HEADER.unpack_from(mv)
+    if magic != MAGIC or version != VERSION or length != mv.nbytes - HEADER.size:
+        return None
+    body = mv[HEADER.size:]
+    return body if xxhash.xxh3_64_intdigest(body) == digest else None
+
+
+def _chunks(n: int, sizes: Sequence[int]) -> list[range]:
+    """Index ranges whose byte total stays under PIPELINE_BYTES (at least one item each)."""
+    out, start, acc = [], 0, 0
+    for i in range(n):
+        if i > start and acc + sizes[i] > PIPELINE_BYTES:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += sizes[i]
+    if start < n:
+        out.append(range(start, n))
+    return out
+
+
+class RedisStore:
+    def __init__(self, cfg: RedisConfig, link: RedisLink | None = None):
+        self.cfg = cfg
+        self.link = link or RedisLink(cfg)
+        self._stats = StoreStats(capacity=int(cfg.max_bytes or 0))
+        self._scripts: dict[str, Any] = {}
+        self.size_mismatches = 0
+
+    @staticmethod
+    def rkey(key: bytes) -> bytes:
+        return PREFIX + bytes(key)
+
+    # -- data path --------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        n = len(keys)
+        out = [False] * n
+        todo = [i for i in range(n) if len(keys[i]) == KEY_BYTES]
+        present = self._exists([keys[i] for i in todo]) if todo else []
+        if present is None:
+            self._stats.put_skipped += n
+            return out
+        missing = []
+        for i, p in zip(todo, present):
+            if p:
+                out[i] = True
+            else:
+                missing.append(i)
+        views = {i: [memoryview(b).cast("B") for b in blocks[i]] for i in missing}
+        sizes = [sum(v.nbytes for v in views[i]) for i in missing]
+        budget = self.cfg.max_bytes
+        written: list[tuple[bytes, int]] = []
+        for rng in _chunks(len(missing), sizes):
+            idx = [missing[j] for j in rng]
+            if budget is not None:
+                idx = [i for i in idx if sum(v.nbytes for v in views[i]) <= budget]
+
+            def send(c: Any, idx: list[int] = idx) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                for i in idx:
+                    parts = views[i]
+                    pipe.set(self.rkey(keys[i]), Vectored([encode_header(parts), *parts]),
+                             nx=True, ex=self.cfg.ttl_s)
+                return pipe.execute(raise_on_error=False)
+
+            res = self.link.run(send, "put")
+            if res is None:
+                break
+            for i, r in zip(idx, res):
+                if isinstance(r, Exception):
+                    log.warning("Redis refused a block (%s)", r)
+                    continue
+                out[i] = True
+                if r:  # None: another replica stored it first
+                    size = sum(v.nbytes for v in views[i])
+                    written.append((self.rkey(keys[i]), size))
+                    self._stats.puts += 1
+                    self._stats.bytes_written += size
+        self._stats.put_skipped += out.count(False)
+        if budget is not None and written:
+            victims = set(self._budget_add(written))
+            for i in missing:
+                if out[i] and self.rkey(keys[i]) in victims:
+                    out[i] = False
+        return out
+
+    def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
+        n = len(keys)
+        out = [False] * n
+        want = [total_len(d) for d in dests]
+        values: list[Any] = [None] * n
+        for rng in _chunks(n, want):
+            def fetch(c: Any, rng: range = rng) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                for i in rng:
+                    if self.cfg.ttl_s:
+                        pipe.getex(self.rkey(keys[i]), ex=self.cfg.ttl_s)
+                    else:
+                        pipe.get(self.rkey(keys[i]))
+                return pipe.execute(raise_on_error=False)
+
+            res = self.link.run(fetch, "get")
+            if res is None:
+                break
+            for i, v in zip(rng, res):
+                values[i] = v
+        corrupt, gone, hits = [], [], []
+        for i, v in enumerate(values):
+            if not isinstance(v, bytes):
+                if v is None and self.link.available():
+                    gone.append(self.rkey(keys[i]))
+                continue
+            body = decode_value(v)
+            if body is None:
+                corrupt.append(self.rkey(keys[i]))
+                continue
+            if body.nbytes != want[i]:
+                self.size_mismatches += 1
+                continue
+            pos = 0
+            for b in dests[i]:
+                mv = memoryview(b).cast("B")
+                mv[:] = body[pos:pos + mv.nbytes]
+                pos += mv.nbytes
+            out[i] = True
+            hits.append(self.rkey(keys[i]))
+            self._stats.bytes_read += body.nbytes
+        if corrupt:
+            self._stats.checksum_failures += len(corrupt)
+            log.warning("deleting %d corrupt block(s) in Redis", len(corrupt))
+            self._delete_raw(corrupt)
+            gone += corrupt
+        if self.cfg.max_bytes is not None:
+            if hits:
+                self._script("touch", _TOUCH, [b"touch", *hits])
+            if gone:
+                self._script("touch", _TOUCH, [b"forget", *gone])
+        self._stats.hits += len(hits)
+        self._stats.misses += n - len(hits)
+        return out
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        res = self._exists(keys)
+        return [False] * len(keys) if res is None else res
+
+    def _exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        def check(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.rkey(k))
+            return pipe.execute(raise_on_error=False)
+
+        res = self.link.run(check, "exists")
+        return None if res is None else [isinstance(r, int) and r > 0 for r in res]
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        rkeys = [self.rkey(k) for k in keys]
+        n = self._delete_raw(rkeys)
+        if self.cfg.max_bytes is not None and rkeys:
+            self._script("touch", _TOUCH, [b"forget", *rkeys])
+        return n
+
+    def _delete_raw(self, rkeys: Sequence[bytes]) -> int:
+        def delete(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in rkeys:
+                pipe.delete(k)
+            return pipe.execute(raise_on_error=False)
+
+        res = self.link.run(delete, "delete") if rkeys else []
+        return sum(r for r in res or [] if isinstance(r, int))
+
+    # -- budget index -----------------------------------------------------------------------
+    def _script(self, name: str, src: str, args: Sequence[Any]) -> Any:
+        def call(c: Any) -> Any:
+            if name not in self._scripts:
+                self._scripts[name] = c.register_script(src)
+            return self._scripts[name](keys=IDX_KEYS, args=list(args), client=c)
+
+        return self.link.run(call, f"budget {name}")
+
+    def _budget_add(self, written: list[tuple[bytes, int]]) -> list[bytes]:
+        ttl_ms = int(self.cfg.ttl_s or 0) * 1000
+        args: list[Any] = [int(self.cfg.max_bytes or 0), ttl_ms]
+        for rk, size in written:
+            args += [rk, size]
+        victims = self._script("add", _ADD, args) or []
+        if victims:
+            self._delete_raw(victims)
+            self._stats.evictions += len(victims)
+        return [bytes(v) for v in victims]
+
+    # -- control path -----------------------------------------------------------------------
+    def register_namespace(self, ns: Namespace) -> None:
+        doc = json.dumps(ns.describe(), sort_keys=True).encode()
+        self.link.run(lambda c: c.set(NS_PREFIX + ns.digest().hex().encode(), doc),
+                      "register_namespace")
+
+    def ping(self) -> None:
+        self.link.ping()
+
+    def stats(self) -> StoreStats:
+        s = StoreStats(**vars(self._stats))
+        s.extra = dict(self.link.counters(), size_mismatches=self.size_mismatches)
+        if self.cfg.max_bytes is not None and self.link.available():
+            def read(c: Any) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                pipe.zcard(IDX_KEYS[0])
+                pipe.get(IDX_KEYS[2])
+                return pipe.execute(raise_on_error=False)
+
+            res = self.link.run(read, "stats")
+            if res and not any(isinstance(r, Exception) for r in res):
+                s.blocks, s.bytes_used = int(res[0]), int(res[1] or 0)
+        return s
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class RedisDirectory:
+    """Which DPU agents hold which blocks, shared by every host (directory mode)."""
+
+    def __init__(self, cfg: RedisConfig, link: RedisLink | None = None):
+        self.cfg = cfg
+        self.link = link or RedisLink(cfg)
+
+    def record(self, keys: Sequence[bytes], agent: str) -> bool:
+        """Note that `agent` (HOST:PORT) holds these blocks. False if Redis is unavailable."""
+        def add(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.sadd(DIR_PREFIX + bytes(k), agent)
+                if self.cfg.ttl_s:
+                    pipe.expire(DIR_PREFIX + bytes(k), self.cfg.ttl_s)
+            return pipe.execute(raise_on_error=False)
+
+        return self.link.run(add, "directory record") is not None
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """For each key, the agents recorded as holding it (empty: unknown or Redis down)."""
+        def members(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.smembers(DIR_PREFIX + bytes(k))
+            return pipe.execute(raise_on_error=False)
+
+        res = self.link.run(members, "directory locate")
+        if res is None:
+            return [[] for _ in keys]
+        return [sorted(m.decode() for m in r) if isinstance(r, set) else [] for r in res]
+
+    def forget(self, keys: Sequence[bytes], agent: str) -> None:
+        """`agent` no longer holds these blocks (evicted there, or found corrupt)."""
+        def rem(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.srem(DIR_PREFIX + bytes(k), agent)
+            return pipe.execute(raise_on_error=False)
+
+        self.link.run(rem, "directory forget")
+
+    def close(self) -> None:
+        self.link.close()

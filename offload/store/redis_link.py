@@ -1,0 +1,267 @@
+"""The connection to Redis behind the Redis tier: URL parsing, AUTH/TLS, cluster, circuit breaker.
+
+Primitives:
+- `parse_url(url)` -> `RedisTarget` (standalone or cluster, TLS or not, nodes, db, credentials).
+- `Vectored(parts)`: one bulk-string argument sent as several buffers, so a block header and
+  the caller's (possibly many) page buffers go on the socket without being joined first.
+- `RedisLink(cfg)`: owns one redis-py client (built lazily, rebuilt after a failure) and a circuit
+  breaker. `link.run(fn)` calls `fn(client)`; on a connection error or timeout it counts the
+  failure, drops the client and refuses calls for `backoff_s` (they return None at once), then
+  lets the next call reconnect. No call waits longer than `timeout_s` on one socket operation, and
+  redis-py's own retries are off, so a dead or hung Redis costs one timeout, then nothing.
+
+redis-py is imported inside the functions that need it, never at import of `offload`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+from urllib.parse import unquote
+
+from offload.config import RedisConfig
+from offload.errors import ConfigError, StoreError
+from offload.store.base import Buffer
+
+log = logging.getLogger("offload.store.redis")
+T = TypeVar("T")
+
+_SCHEMES = {"redis": (False, False), "rediss": (True, False),
+            "redis+cluster": (False, True), "rediss+cluster": (True, True)}
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    tls: bool
+    cluster: bool
+    nodes: list[tuple[str, int]] = field(default_factory=list)
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def display(self) -> str:
+        """The URL without credentials (for messages and logs)."""
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{hosts}" + (f"/{self.db}" if self.db else "")
+
+
+def parse_url(url: str) -> RedisTarget:
+    """`redis[s][+cluster]://[[user]:password@]host[:port][,host:port...][/db]`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise ConfigError([f"offload.redis.url: {url!r} is not a redis://, rediss://, "
+                           "redis+cluster:// or rediss+cluster:// URL"])
+    tls, cluster = _SCHEMES[scheme]
+    if "?" in rest or "#" in rest:
+        raise ConfigError([f"offload.redis.url: query options are not read; set TLS and "
+                           f"password in offload.redis instead (got {url!r})"])
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    nodes: list[tuple[str, int]] = []
+    for hp in netloc.split(","):
+        host, port = hp, "6379"
+        if hp.startswith("["):                       # [ipv6]:port
+            host, _, tail = hp[1:].partition("]")
+            port = tail[1:] if tail.startswith(":") else "6379"
+        elif ":" in hp:
+            host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError([f"offload.redis.url: {hp!r} in {url!r} is not HOST[:PORT]"])
+        nodes.append((host, int(port)))
+    if len(nodes) > 1 and not cluster:
+        raise ConfigError([f"offload.redis.url: several hosts need redis+cluster:// ({url!r})"])
+    db = 0
+    if path:
+        if not path.isdigit() or (cluster and int(path) != 0):
+            raise ConfigError([f"offload.redis.url: database {path!r} is not a number"
+                               + (" (a cluster has only database 0)" if cluster else "")])
+        db = int(path)
+    return RedisTarget(tls, cluster, nodes, db, username, password)
+
+
+class Vectored:
+    """One bulk-string argument sent as several buffers (no join, no copy on the client)."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Sequence[Buffer]):
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+
+def _connection_class(tls: bool) -> type:
+    """A redis-py connection class whose packer writes `Vectored` arguments buffer by buffer."""
+    from redis.connection import Connection, SSLConnection
+
+    base: type = SSLConnection if tls else Connection
+
+    class VectoredConnection(base):  # type: ignore[misc, valid-type]
+        def pack_command(self, *args: Any) -> list[Any]:
+            if not any(isinstance(a, Vectored) for a in args):
+                return super().pack_command(*args)
+            out: list[Any] = [b"*%d\r\n" % len(args)]
+            for a in args:
+                if isinstance(a, Vectored):
+                    out.append(b"$%d\r\n" % a.nbytes)
+                    out.extend(a.parts)
+                    out.append(b"\r\n")
+                else:
+                    enc = self.encoder.encode(a)
+                    out.append(b"$%d\r\n" % len(enc))
+                    out.append(bytes(enc) + b"\r\n")
+            return out
+
+        def pack_commands(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+            out: list[Any] = []
+            small: list[bytes] = []
+            for cmd in commands:
+                for chunk in self.pack_command(*cmd):
+                    if isinstance(chunk, memoryview) or len(chunk) > 6000:
+                        if small:
+                            out.append(b"".join(small))
+                            small = []
+                        out.append(chunk)
+                    else:
+                        small.append(chunk)
+            if small:
+                out.append(b"".join(small))
+            return out
+
+    return VectoredConnection
+
+
+def read_password_file(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError([f"offload.redis.password_file: cannot read {path!r}: "
+                           f"{e.strerror or e}"]) from None
+
+
+class RedisLink:
+    def __init__(self, cfg: RedisConfig, *, clock: Callable[[], float] = time.monotonic):
+        if not cfg.url:
+            raise ConfigError(["offload.redis.url: unset; the Redis tier needs a URL"])
+        self.cfg = cfg
+        self.target = parse_url(cfg.url)
+        self._password = (read_password_file(cfg.password_file) if cfg.password_file
+                          else self.target.password)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._down_until = 0.0
+        self._was_down = False
+        self.failures = 0
+        self.timeouts = 0
+        self.skipped_while_down = 0
+        self.reconnects = 0
+        self.last_error = ""
+
+    # -- client construction ---------------------------------------------------------------
+    def _kwargs(self) -> dict[str, Any]:
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        kw: dict[str, Any] = dict(
+            username=self.target.username, password=self._password,
+            socket_timeout=self.cfg.timeout_s, socket_connect_timeout=self.cfg.timeout_s,
+            retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.target.tls))
+        if self.target.tls:
+            kw.update(ssl_ca_certs=self.cfg.tls_ca_file, ssl_certfile=self.cfg.tls_cert_file,
+                      ssl_keyfile=self.cfg.tls_key_file, ssl_cert_reqs="required",
+                      ssl_check_hostname=True)
+        return kw
+
+    def _build(self) -> Any:
+        import redis
+
+        kw = self._kwargs()
+        if self.target.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            host, port = self.target.nodes[0]
+            # A plain URL so that redis-py keeps our connection class (rediss:// would replace it).
+            return RedisCluster(
+                url=f"redis://{host}:{port}",
+                startup_nodes=[ClusterNode(h, p) for h, p in self.target.nodes],
+                require_full_coverage=False, **kw)
+        host, port = self.target.nodes[0]
+        pool = redis.ConnectionPool(host=host, port=port, db=self.target.db, **kw)
+        return redis.Redis(connection_pool=pool)
+
+    # -- the breaker -----------------------------------------------------------------------
+    def available(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def run(self, fn: Callable[[Any], T], what: str = "call") -> T | None:
+        """fn(client), or None when Redis is down or failed now (counted, logged, backed off)."""
+        import redis
+
+        if self._clock() < self._down_until:
+            self.skipped_while_down += 1
+            return None
+        try:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._build()
+                client = self._client
+            result = fn(client)
+        except (redis.exceptions.RedisError, OSError) as e:
+            self._fail(what, e)
+            return None
+        if self._was_down:
+            self._was_down = False
+            self.reconnects += 1
+            log.info("Redis tier %s is back", self.target.display())
+        return result
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        import redis
+
+        self.failures += 1
+        if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError)):
+            self.timeouts += 1
+        kind = ("authentication failed" if isinstance(e, redis.exceptions.AuthenticationError)
+                else type(e).__name__)
+        self.last_error = f"{kind}: {e}"
+        self._down_until = self._clock() + self.cfg.backoff_s
+        if not self._was_down:
+            log.warning("Redis tier %s failed during %s (%s); serving without it for %.1fs",
+                        self.target.display(), what, self.last_error, self.cfg.backoff_s)
+        self._was_down = True
+        self._drop()
+
+    def _drop(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken client must not raise into the data path
+                pass
+
+    def ping(self) -> None:
+        """Control path: raise StoreError naming the server and the reason if Redis is unusable."""
+        self._down_until = 0.0
+        if self.run(lambda c: c.ping(), "ping") is None:
+            raise StoreError(f"Redis tier {self.target.display()} is not usable: "
+                             f"{self.last_error}")
+
+    def counters(self) -> dict[str, object]:
+        return {"failures": self.failures, "timeouts": self.timeouts,
+                "skipped_while_down": self.skipped_while_down, "reconnects": self.reconnects,
+                "down": not self.available(), "last_error": self.last_error,
+                "url": self.target.display()}
+
+    def close(self) -> None:
+        self._drop()
