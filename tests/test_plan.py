@@ -9,8 +9,8 @@ import pytest
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.plan import (
-    DTYPE_BYTES, PlanInputs, kv_bytes_per_token, kv_heads_per_rank, make_plan, parse_tokens,
-    prefill_flops_per_token, prefix_times, worth_loading,
+    DTYPE_BYTES, PlanInputs, kv_bytes_per_token, kv_heads_per_rank, make_plan, parse_count,
+    parse_tokens, prefill_flops_per_token, prefix_times, worth_loading,
 )
 from offload.plan_presets import (
     GPUS, MODELS, architecture_from_config, estimate_params, find_gpu, load_architecture,
@@ -218,3 +218,19 @@ def test_parsers_and_lookup() -> None:
     assert parse_tokens("1M") == 1 << 20
     assert find_gpu("H100") is find_gpu("h100-80g") is GPUS["H100-80G"]
     assert find_gpu("A100") is None
+
+
+def test_article_case_holds_at_sglangs_derived_mem_fraction() -> None:
+    # SGLang 0.5.23 derives ~0.857 on a B200 at TP 1 (26 GiB reserve of 179 GiB)
+    bf16, fp8 = make_plan(article("bf16", mem_fraction=0.857)).users
+    assert (bf16.resident, fp8.resident, fp8.with_offload) == (6, 12, 15)
+
+
+def test_multimodal_text_config_and_counts() -> None:
+    inner = {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32}
+    arch = architecture_from_config({"text_config": inner}, "vlm", params=10)
+    assert (arch.layers, arch.kv_heads, arch.head_dim) == (2, 4, 32)   # no KV heads key: MHA
+    assert parse_count("70.6B", "--params") == 70_600_000_000
+    assert parse_count("8030261248", "--params") == 8_030_261_248
+    with pytest.raises(ConfigError, match="--params"):
+        parse_count("many", "--params")
