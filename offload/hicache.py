@@ -134,7 +134,6 @@ class OffloadStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self._ns_digest = b""
         self._lock = threading.Lock()
-        self._written: set[bytes] = set()
         self._metrics = storage_config.enable_storage_metrics
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
@@ -162,17 +161,14 @@ class OffloadStorage(HiCacheStorage):
             logger.exception("offload: closing the block store failed")
 
     def clear(self) -> bool:
-        """Delete this namespace's blocks (those this process wrote, or all if the store can)."""
+        """Delete every block of this rank's namespace (SGLang's clear-storage admin call)."""
+        clear_ns: Callable[..., int] | None = getattr(self.store, "clear", None)
+        if clear_ns is None or not self._ns_digest:
+            logger.warning("offload: this store cannot clear one namespace; nothing deleted")
+            return False
         try:
-            delete_ns: Callable[[bytes], int] | None = getattr(self.store, "delete_namespace",
-                                                               None)
-            if delete_ns is not None and self._ns_digest:
-                n = delete_ns(self._ns_digest)
-            else:
-                with self._lock:
-                    keys, self._written = list(self._written), set()
-                n = self.store.delete_many(keys)
-            logger.info("offload: cleared %d blocks", n)
+            n = clear_ns(namespace=self._ns_digest)
+            logger.info("offload: cleared %d blocks of namespace %s", n, self._ns_digest.hex())
             return True
         except Exception:
             logger.exception("offload: clear failed")
@@ -266,7 +262,7 @@ class OffloadStorage(HiCacheStorage):
         else:
             blocks = [[pages.page_copy(s)] for s in starts]
         ok = self.store.put_many(bkeys, blocks)
-        self._after_put(bkeys, ok, pages.page_bytes, t0)
+        self._after_put(ok, pages.page_bytes, t0)
         return list(ok)
 
     def _get_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
@@ -290,11 +286,8 @@ class OffloadStorage(HiCacheStorage):
         self._record(self._prefetch_pgs, self._prefetch_bw, n, n * pages.page_bytes, t0)
         return ok
 
-    def _after_put(self, bkeys: list[bytes], ok: Sequence[bool], page_bytes: int,
-                   t0: float) -> None:
+    def _after_put(self, ok: Sequence[bool], page_bytes: int, t0: float) -> None:
         n = sum(ok)
-        with self._lock:
-            self._written.update(k for k, good in zip(bkeys, ok) if good)
         self._record(self._backup_pgs, self._backup_bw, n, n * page_bytes, t0)
 
     # ---------------------------------------------------------------- legacy interface
@@ -352,8 +345,7 @@ class OffloadStorage(HiCacheStorage):
                 [memoryview(v.contiguous().reshape(-1).view(torch.uint8).numpy())] for v in values]
             t0 = time.perf_counter()
             ok = self.store.put_many(bkeys, blocks)
-            self._after_put(bkeys, ok, sum(memoryview(b[0]).nbytes for b in blocks)
-                            // max(1, len(blocks)), t0)
+            self._after_put(ok, memoryview(blocks[0][0]).nbytes if blocks else 0, t0)
             return all(ok)
         except Exception:
             logger.exception("offload: batch_set failed")
