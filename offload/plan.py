@@ -94,7 +94,10 @@ def parse_count(text: str, what: str) -> int:
     if not m:
         raise ConfigError([f"{what} '{text}': expected a count such as 70.6B or 70553706496"])
     mult = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
+    n = int(float(m.group(1)) * mult)
+    if n < 1:
+        raise ConfigError([f"{what} '{text}': must be at least 1"])
+    return n
 
 
 def parse_dtype(text: str, allowed: tuple[str, ...], flag: str) -> str:
@@ -102,7 +105,6 @@ def parse_dtype(text: str, allowed: tuple[str, ...], flag: str) -> str:
     if d not in allowed:
         raise ConfigError([f"{flag} '{text}': one of {', '.join(allowed)}"])
     return d
-
 
 
 @dataclass(frozen=True)
