@@ -1,0 +1,68 @@
+"""`sglang-offload detect [--root DIR] [--cache-dir PATH] [--config FILE] [--json] [--probe-io]`.
+
+Prints the hardware report and the transfer-path decision (or, with `--json`, one object that
+follows offload/hw/schema.json). Exit codes: 0 decided; 1 the config asks for a path that cannot
+work here (the report says which check failed); 2 bad input (missing/unreadable root, bad config).
+With `--root` other than `/`, every machine path (the cache directory too) is inside the root and
+the live probes (NVML, libcufile, mlxconfig, the agent connection, `--probe-io`) are not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from offload.config import OffloadConfig, load_file
+from offload.errors import DetectError
+from offload.hw.detect import detect
+from offload.hw.facts import IoProbe
+from offload.hw.live import NOT_CHECKED
+from offload.hw.report import render_text, to_json
+from offload.hw.select import PathRejectedError, decide
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default="/", metavar="DIR",
+                   help="read the machine under DIR (a fixture tree); default /")
+    p.add_argument("--cache-dir", metavar="PATH",
+                   help="cache directory to judge (default: offload.store.path of the config)")
+    p.add_argument("--config", metavar="FILE", help="deployment config (YAML) with offload:")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema.json)")
+    p.add_argument("--probe-io", action="store_true",
+                   help="measure O_DIRECT write/read in the cache directory for a few seconds")
+    p.add_argument("--probe-io-seconds", type=float, default=4.0, metavar="S",
+                   help="time budget of --probe-io (write + read); default 4")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_file(args.config).offload if args.config else OffloadConfig()
+    if args.cache_dir and not args.cache_dir.startswith("/") and args.root not in ("/", ""):
+        raise DetectError(f"--cache-dir {args.cache_dir!r}: give an absolute path inside the root "
+                          f"{args.root!r}")
+    facts = detect(cfg, root=args.root, cache_dir=args.cache_dir)
+    if args.probe_io:
+        if facts.live:
+            from offload.hw.probe_io import probe_io
+
+            io = probe_io(facts.cache_dir.path, seconds=max(args.probe_io_seconds, 0.05))
+        else:
+            io = IoProbe(path=facts.cache_dir.path, bytes=0, write_gbps=None, read_gbps=None,
+                         o_direct=False, source=NOT_CHECKED,
+                         reason=f"{NOT_CHECKED} (fixture root: nothing is written there)")
+        facts = dataclasses.replace(facts, io=io)
+    decision, error = None, None
+    try:
+        decision = decide(facts, cfg)
+    except PathRejectedError as e:
+        error = e
+    if args.json:
+        json.dump(to_json(facts, decision, error), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(facts, decision, error))
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,178 @@
+"""Probes of the live process: what a directory tree cannot hold.
+
+Primitives: `Live` (a bundle of small injectable functions) with `Live.default()` for this machine
+and `Live.offline()` for a fixture root, where none of them runs and every result they would give
+is reported as `not checked`. The functions:
+
+- `nvml() -> NvmlReport`       GPUs through NVML (`nvidia-ml-py`, module `pynvml`); never raises.
+- `load_cufile() -> (ok, why)`  whether `libcufile.so.0` loads (kvikio's first GDS condition).
+- `run(argv, timeout) -> CommandResult | None`  run a tool (mlxconfig, pkg-config); None = not
+                                installed.
+- `uname() -> (release, machine)`
+- `connect(address, timeout) -> (ok, why)`  a TCP connection to the offload agent.
+
+Each native library is loaded only inside these functions, and only if it is present.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+NOT_CHECKED = "not checked"
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    index: int
+    bdf: str
+    name: str
+    memory_bytes: int | None
+    numa_node: int | None
+    mig: bool | None
+
+
+@dataclass(frozen=True)
+class NvmlReport:
+    """status: `ok` (gpus filled), `unavailable` (why in reason)."""
+
+    status: str
+    reason: str
+    gpus: tuple[NvmlGpu, ...] = ()
+    driver: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    rc: int
+    stdout: str
+    stderr: str = ""
+
+
+def normalise_bdf(bus_id: str) -> str:
+    """`00000000:1B:00.0` (NVML) -> `0000:1b:00.0` (sysfs)."""
+    bus_id = bus_id.strip().lower()
+    parts = bus_id.split(":")
+    if len(parts) == 3:
+        domain = parts[0][-4:].rjust(4, "0")
+        return f"{domain}:{parts[1]}:{parts[2]}"
+    if len(parts) == 2:
+        return f"0000:{bus_id}"
+    return bus_id
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvml_query() -> NvmlReport:
+    """Query NVML; every failure becomes an `unavailable` report with the reason."""
+    try:
+        import pynvml  # nvidia-ml-py: pure Python, loads libnvidia-ml.so only in nvmlInit
+    except ImportError:
+        return NvmlReport("unavailable", "nvidia-ml-py (module pynvml) is not installed")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return NvmlReport("unavailable", f"NVML did not initialise: {e}")
+    except OSError as e:  # pragma: no cover - odd loader failures
+        return NvmlReport("unavailable", f"NVML did not load: {e}")
+    gpus = []
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = _text(pynvml.nvmlDeviceGetName(h))
+            bdf = normalise_bdf(_text(pynvml.nvmlDeviceGetPciInfo_v3(h).busId))
+            mem = numa = mig = None
+            try:
+                mem = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+            except pynvml.NVMLError:
+                pass
+            try:
+                numa = int(pynvml.nvmlDeviceGetNumaNodeId(h))
+            except (pynvml.NVMLError, AttributeError):
+                pass
+            try:
+                mig = bool(pynvml.nvmlDeviceGetMigMode(h)[0])
+            except pynvml.NVMLError:
+                pass
+            gpus.append(NvmlGpu(i, bdf, name, mem, numa, mig))
+    except pynvml.NVMLError as e:
+        return NvmlReport("unavailable", f"NVML query failed: {e}")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+    return NvmlReport("ok", f"NVML driver {driver}: {len(gpus)} GPU(s)", tuple(gpus), driver)
+
+
+def load_cufile() -> tuple[bool, str]:
+    """Whether libcufile.so.0 loads (dlopen, as kvikio does). Loads it only if present."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcufile.so.0")
+    except OSError as e:
+        return False, f"libcufile.so.0 does not load: {e}"
+    return True, "libcufile.so.0 loads"
+
+
+def run_command(argv: Sequence[str], timeout: float = 10.0) -> CommandResult | None:
+    """Run a tool; None when it is not installed. Never raises."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return CommandResult(-1, "", str(e))
+    return CommandResult(p.returncode, p.stdout, p.stderr)
+
+
+def uname() -> tuple[str, str]:
+    import os
+
+    u = os.uname()
+    return u.release, u.machine
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port). Raises ValueError."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def connect(address: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """Whether a TCP connection to the agent opens within `timeout`."""
+    try:
+        host, port = split_address(address)
+        with socket.create_connection((host, port), timeout=timeout):
+            return True, f"agent {address} accepted a TCP connection"
+    except (OSError, ValueError) as e:
+        return False, f"agent {address} is not reachable: {e}"
+
+
+@dataclass(frozen=True)
+class Live:
+    """The injectable live probes; a None member is `not checked`."""
+
+    nvml: Callable[[], NvmlReport] | None = None
+    load_cufile: Callable[[], tuple[bool, str]] | None = None
+    run: Callable[[Sequence[str], float], CommandResult | None] | None = None
+    uname: Callable[[], tuple[str, str]] | None = None
+    connect: Callable[[str, float], tuple[bool, str]] | None = None
+
+    @classmethod
+    def default(cls) -> "Live":
+        return cls(nvml=nvml_query, load_cufile=load_cufile, run=run_command, uname=uname,
+                   connect=connect)
+
+    @classmethod
+    def offline(cls) -> "Live":
+        return cls()

@@ -1,0 +1,154 @@
+"""Rendering the facts and the decision: a human report, and the `--json` object.
+
+Primitives: `render_text(facts, decision, error) -> str` (platform; GPU, NIC/DPU and NVMe tables;
+cache directory; GPU x NIC/DPU/NVMe distance matrix; GPUDirect RDMA, GDS, DOCA, agent; then the
+Decision block), `to_json(facts, decision, error) -> dict` (schema in schema.json,
+`SCHEMA_VERSION`), and `gds_status(facts) -> (status, why)`: available | compat only | unavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from offload.hw.facts import SCHEMA_VERSION, Facts
+from offload.hw.select import Decision, PathRejectedError, first_failure, gds_checks
+
+COMPAT_CHECKS = {"cache_fs", "cufile_json"}
+
+
+def gds_status(facts: Facts) -> tuple[str, str]:
+    checks = gds_checks(facts)
+    bad = first_failure(checks)
+    if bad is None:
+        return "available", "; ".join(c.detail for c in checks if c.name in ("nvidia_fs",
+                                                                           "cache_fs"))
+    failed = [c for c in checks if c.ok is False]
+    if all(c.name in COMPAT_CHECKS for c in failed):
+        return "compat only", f"{bad.name}: {bad.detail}"
+    return "unavailable", f"{bad.name}: {bad.detail}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= mult:
+            return f"{n / mult:.1f} {unit}"
+    return f"{n} B"
+
+
+def _v(x: object) -> str:
+    return "-" if x is None or x == "" or x == () else str(x)
+
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    if not rows:
+        return [f"{indent}(none)"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = lambda cells: indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return [fmt(headers)] + [fmt(r) for r in rows]
+
+
+def _targets(facts: Facts) -> list[tuple[str, str]]:
+    seen: dict[str, str] = {}
+    for d in facts.distances:
+        seen.setdefault(d.target, f"{d.target_kind}:{d.target_name}")
+    return list(seen.items())
+
+
+def render_text(facts: Facts, decision: Decision | None,
+                error: PathRejectedError | None = None) -> str:
+    out: list[str] = []
+    p = facts.platform
+    where = "this machine" if facts.live else f"fixture root {facts.root}"
+    role = "BlueField DPU Arm cores (agent host)" if p.on_dpu_arm else "inference host"
+    out.append(f"sglang-offload detect: {where}")
+    out.append(f"Platform: {role}; kernel {_v(p.kernel)}; arch {_v(p.arch)}")
+    for e in p.evidence:
+        out.append(f"  evidence: {e}")
+    gp = facts.gpu_probe
+    out += ["", f"GPUs: {len(facts.gpus)} (NVML {gp.nvml}: {gp.reason})"]
+    out += _table(["#", "PCI", "name", "memory", "NUMA", "MIG", "source"],
+                  [[str(g.index), g.bdf, g.name, _size(g.memory_bytes), _v(g.numa_node),
+                    _v(g.mig), g.source] for g in facts.gpus])
+    out += ["", f"NICs / DPUs: {len(facts.nics)}"]
+    out += _table(["PCI", "model", "kind", "mode", "mode from", "RDMA", "net", "NUMA"],
+                  [[c.bdf, c.model, c.kind, _v(c.mode), _v(c.mode_source),
+                    ",".join(c.rdma_devices) or "-", ",".join(c.netdevs) or "-",
+                    _v(c.numa_node)] for c in facts.nics])
+    for c in facts.nics:
+        if c.kind == "bluefield":
+            out.append(f"  {c.bdf}: {c.reason}; functions {', '.join(c.functions) or '-'}; "
+                       f"rshim {_v(c.rshim)}; evidence: {_v(c.mode_evidence)}")
+    for r in facts.rdma:
+        ports = ", ".join(f"{x.port}:{x.state}/{x.link_layer}/{x.rate}" for x in r.ports)
+        out.append(f"  RDMA {r.name} ({_v(r.bdf)}): fw {_v(r.fw_ver)}; ports {ports or '-'}")
+    out += ["", f"NVMe: {len(facts.nvme)}"]
+    out += _table(["name", "model", "transport", "PCI", "NUMA", "namespaces"],
+                  [[n.name, _v(n.model), _v(n.transport), _v(n.bdf), _v(n.numa_node),
+                    ", ".join(f"{s.name} {_size(s.size_bytes)}" for s in n.namespaces) or "-"]
+                   for n in facts.nvme])
+    cd = facts.cache_dir
+    out += ["", f"Cache directory: {cd.path}",
+            f"  {cd.reason}" + (f"; {_size(cd.free_bytes)} free" if cd.free_bytes is not None
+                                else ""),
+            f"  (source: {cd.source})"]
+    targets = _targets(facts)
+    out += ["", "PCIe distance (GPU x NIC/DPU/NVMe)"]
+    if not facts.gpus or not targets:
+        out.append("  (no GPU)" if not facts.gpus else "  (no NIC, DPU or NVMe on PCIe)")
+    else:
+        level = {(d.gpu_index, d.target): d.level for d in facts.distances}
+        headers = [""] + [f"{t[1]}" for t in targets]
+        rows = [[f"GPU{g.index}"] + [level.get((g.index, t[0]), "-") for t in targets]
+                for g in facts.gpus]
+        out += _table(headers, rows)
+        out.append("  PIX <= 1 bridge, PXB several bridges, PHB host bridge, NODE same NUMA "
+                   "node, SYS across NUMA nodes")
+    gdr = facts.gpudirect_rdma
+    gstat, gwhy = gds_status(facts)
+    out += ["", f"GPUDirect RDMA: {'available' if gdr.available else 'not available'} "
+                f"({gdr.reason})",
+            f"GPUDirect Storage: {gstat} ({gwhy})",
+            f"  nvidia_fs {_v(facts.gds.nvidia_fs)}; libcufile {facts.gds.libcufile}; "
+            f"cufile.json {_v(facts.gds.cufile_json)}",
+            f"DOCA: {facts.doca.reason}",
+            f"Agent: {facts.agent.reason}"]
+    if facts.io is not None:
+        io = facts.io
+        out.append(f"I/O probe: {io.reason}")
+    out += ["", "Decision"]
+    if decision is None:
+        out.append(f"  error: {error}" if error else "  (none)")
+        return "\n".join(out) + "\n"
+    out.append(f"  role: {decision.role}   path: {decision.path}   (requested: "
+               f"{decision.requested}; from GPU memory: {'yes' if decision.gpu_direct else 'no'}"
+               + (f"; NUMA node {decision.numa_node}" if decision.numa_node is not None else "")
+               + ")")
+    out.append("  reasons:")
+    out += [f"    - {r}" for r in decision.reasons]
+    out.append("  rejected:")
+    for r in decision.rejected:
+        out.append(f"    - {r.path}: {r.check}")
+        if r.fix:
+            out.append(f"        fix: {r.fix}")
+    return "\n".join(out) + "\n"
+
+
+def to_json(facts: Facts, decision: Decision | None,
+            error: PathRejectedError | None = None) -> dict[str, Any]:
+    data = dataclasses.asdict(facts)
+    root, live = data.pop("root"), data.pop("live")
+    gstat, gwhy = gds_status(facts)
+    data["gds"]["status"] = gstat
+    data["gds"]["status_reason"] = gwhy
+    dec = None
+    if decision is not None:
+        dec = {"role": decision.role, "path": decision.path, "requested": decision.requested,
+               "reasons": list(decision.reasons),
+               "rejected": [dataclasses.asdict(r) for r in decision.rejected],
+               "gpu_direct": decision.gpu_direct, "numa_node": decision.numa_node}
+    err = None if error is None else {"path": error.path, "check": error.check, "fix": error.fix}
+    return {"schema_version": SCHEMA_VERSION, "root": root, "live": live, "facts": data,
+            "decision": dec, "error": err}

@@ -1,0 +1,275 @@
+"""The transfer-path decision: a pure function of the facts and the config.
+
+Primitives:
+- `decide(facts, cfg) -> Decision` (role `host`|`agent`, path `dpu`|`gds`|`cpu`, reasons, every
+  rejected path with the failed check and its fix, whether blocks move from GPU memory, and the
+  NUMA node for CPU staging). `cfg.transfer.path` `auto` walks the table (first match wins):
+  DPU Arm -> agent; DPU path if every DPU check passes; GDS if every GDS check passes; else CPU
+  staging, saying why. An explicit `gds` or `dpu` that cannot work raises `PathRejectedError`
+  (a `offload.errors.PathUnavailableError`) naming the failed check: never a silent fallback.
+- `gds_checks(facts)`, `dpu_checks(facts, cfg)`: the ordered checks (`Check`: name, ok, detail,
+  fix). `ok=None` means a live probe was not checked (fixture root) and is assumed to pass.
+No I/O here: everything comes from `Facts` (see detect.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.config import OffloadConfig
+from offload.errors import PathUnavailableError
+from offload.hw.facts import Facts, NetCard, cache_numa_node, gpu_numa_node
+from offload.hw.gds import fs_gds_support
+from offload.hw.pci import DPU_CAPABLE_NET_IDS, level_rank
+
+PREFERENCE = ("dpu", "gds", "cpu")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool | None  # None: not checked (fixture root), assumed to pass
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    path: str
+    check: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str  # host | agent
+    path: str  # dpu | gds | cpu
+    requested: str  # transfer.path in the config
+    reasons: tuple[str, ...]
+    rejected: tuple[Rejection, ...]
+    gpu_direct: bool  # blocks move from GPU memory with no host bounce
+    numa_node: int | None  # where CPU staging buffers and I/O threads belong
+
+
+class PathRejectedError(PathUnavailableError):
+    """An explicit `transfer.path` cannot work; `.path`, `.check` name why, `.fix` how."""
+
+    def __init__(self, path: str, check: Check):
+        self.path, self.check, self.fix = path, f"{check.name}: {check.detail}", check.fix
+        super().__init__(f"offload.transfer.path is {path!r} but it cannot work here: "
+                         f"{self.check} (fix: {check.fix})")
+
+
+def first_failure(checks: list[Check]) -> Check | None:
+    return next((c for c in checks if c.ok is False), None)
+
+
+def _gpu_check(facts: Facts) -> Check:
+    if not facts.gpus:
+        return Check("gpu", False, "no NVIDIA GPU found (NVML and sysfs): nothing to move from GPU "
+                     "memory", "run on a host with an NVIDIA GPU and its driver")
+    if facts.gpu_probe.nvml == "unavailable":
+        return Check("gpu", False, f"{len(facts.gpus)} GPU(s) in sysfs but NVML is unavailable "
+                     f"({facts.gpu_probe.reason})", "install and load the NVIDIA driver")
+    return Check("gpu", True if facts.gpu_probe.nvml == "ok" else None,
+                 f"{len(facts.gpus)} NVIDIA GPU(s) ({facts.gpus[0].name})")
+
+
+def _kernel_at_least(release: str | None, major: int, minor: int) -> bool:
+    try:
+        parts = (release or "").split("-")[0].split(".")
+        return (int(parts[0]), int(parts[1])) >= (major, minor)
+    except (ValueError, IndexError):
+        return False
+
+
+def gds_checks(facts: Facts) -> list[Check]:
+    g, kernel = facts.gds, facts.platform.kernel
+    checks = [_gpu_check(facts)]
+    if g.nvidia_fs:
+        checks.append(Check("nvidia_fs", True, f"nvidia_fs {g.nvidia_fs} loaded ({g.source})"))
+    elif g.use_pci_p2pdma and _kernel_at_least(kernel, 6, 2) and g.nvme_multipath is False:
+        checks.append(Check("nvidia_fs", True, f"kernel P2PDMA route: kernel {kernel}, "
+                            "use_pci_p2pdma in cufile.json, nvme_core multipath off"))
+    else:
+        checks.append(Check("nvidia_fs", False, "nvidia_fs kernel module not loaded (no "
+                            "/sys/module/nvidia_fs/version) and no kernel P2PDMA route",
+                            "install the GDS package (nvidia-gds) and `modprobe nvidia_fs`"))
+    if g.libcufile == "missing":
+        checks.append(Check("libcufile", False, "libcufile.so.0 does not load",
+                            "install the cuFile library (libcufile, part of nvidia-gds / CUDA)"))
+    else:
+        checks.append(Check("libcufile", True if g.libcufile == "loads" else None,
+                            f"libcufile.so.0 {g.libcufile}"))
+    checks.append(Check("run_udev", g.run_udev, "/run/udev is a directory" if g.run_udev else
+                        "/run/udev is not a directory (cuFile needs udev to map NVMe devices)",
+                        "run with /run/udev present (in a container: mount /run/udev)"))
+    wsl = kernel is not None and ("microsoft" in kernel.lower() or "wsl" in kernel.lower())
+    checks.append(Check("wsl", False if wsl else (True if kernel else None),
+                        f"kernel {kernel or NOT_KNOWN}" + (" is WSL (no GDS)" if wsl else ""),
+                        "run on a native Linux kernel"))
+    if g.force_compat_mode:
+        checks.append(Check("cufile_json", False, f"{g.cufile_json}: properties.force_compat_mode "
+                            "is true (compat mode only)", "set force_compat_mode to false"))
+    else:
+        checks.append(Check("cufile_json", True, f"{g.cufile_json or 'no cufile.json'}: compat "
+                            "mode not forced"))
+    ok, why = fs_gds_support(facts.cache_dir)
+    checks.append(Check("cache_fs", ok, why, "" if ok else "put offload.store.path on ext4/xfs on "
+                        "local NVMe (or a GDS-capable file system)"))
+    return checks
+
+
+NOT_KNOWN = "unknown"
+
+
+def _dpu_cards(facts: Facts) -> list[NetCard]:
+    return [c for c in facts.nics if c.kind == "bluefield"
+            and int(c.device_id, 16) in DPU_CAPABLE_NET_IDS]
+
+
+def _active_port(facts: Facts, card: NetCard) -> str | None:
+    for r in facts.rdma:
+        if r.name in card.rdma_devices:
+            for p in r.ports:
+                if p.state == "ACTIVE":
+                    return f"{r.name} port {p.port} ACTIVE ({p.link_layer}, {p.rate})"
+    return None
+
+
+def dpu_checks(facts: Facts, cfg: OffloadConfig) -> tuple[list[Check], list[NetCard]]:
+    """Ordered DPU checks, and the cards that pass the hardware checks."""
+    cards = _dpu_cards(facts)
+    if not cards:
+        other = [c for c in facts.nics if c.kind == "bluefield"]
+        detail = (f"{other[0].model} {other[0].bdf} cannot serve the DPU path" if other else
+                  "no BlueField DPU found (PCI 0x15b3 a2d6/a2d9/a2dc/a2df)")
+        return [Check("bluefield", False, detail, "install a BlueField-2 or newer DPU")], []
+    checks = [Check("bluefield", True, ", ".join(f"{c.model} {c.bdf}" for c in cards))]
+    in_dpu = [c for c in cards if c.mode == "dpu"]
+    if not in_dpu:
+        c = cards[0]
+        if c.mode == "nic":
+            fix = (f"switch it to DPU mode (mlxconfig -d {c.bdf} s INTERNAL_CPU_OFFLOAD_ENGINE=0 "
+                   "and power-cycle), or set offload.hw.dpu_mode: dpu if the evidence is wrong")
+        else:
+            fix = ("run the host rshim service (so /dev/rshim*/misc shows BF_MODE) or install "
+                   "mlxconfig; or set offload.hw.dpu_mode: dpu")
+        src = f" from {c.mode_source}" if c.mode_source else ""
+        checks.append(Check("dpu_mode", False, f"{c.model} {c.bdf} is in {c.mode} mode"
+                            f"{' (' + c.mode_evidence + src + ')' if c.mode_evidence else ''}", fix))
+        return checks, []
+    checks.append(Check("dpu_mode", True, "; ".join(
+        f"{c.model} {c.bdf} in DPU mode ({c.mode_evidence} from {c.mode_source})"
+        for c in in_dpu)))
+    d = facts.doca
+    checks.append(Check("doca", d.present, d.reason,
+                        "install DOCA on the host (doca-host / doca-all) from NVIDIA"))
+    ports = [(c, _active_port(facts, c)) for c in in_dpu]
+    up = [c for c, p in ports if p]
+    if up:
+        checks.append(Check("rdma_port", True, "; ".join(p for _, p in ports if p)))
+    else:
+        names = ", ".join(n for c in in_dpu for n in c.rdma_devices) or "no RDMA device"
+        checks.append(Check("rdma_port", False, f"no ACTIVE RDMA port on the DPU ({names})",
+                            "connect the port and bring the link up (check `ibstat`, "
+                            "`ip link`); load mlx5_ib"))
+    if cfg.agent.address is None:
+        checks.append(Check("agent_address", False, "offload.agent.address is not set",
+                            "run `sglang-offload agent` on the DPU and set offload.agent.address: "
+                            "HOST:PORT"))
+    else:
+        checks.append(Check("agent_address", True, f"offload.agent.address {cfg.agent.address}"))
+        a = facts.agent
+        checks.append(Check("agent_reachable", a.reachable, a.reason,
+                            f"start `sglang-offload agent` on the DPU and check that "
+                            f"{cfg.agent.address} is reachable"))
+    checks.append(_gpu_check(facts))
+    return checks, up
+
+
+def _gpu_direct_dpu(facts: Facts, cards: list[NetCard]) -> tuple[bool, str]:
+    gdr = facts.gpudirect_rdma
+    if not gdr.available:
+        return False, f"staged through pinned host memory: {gdr.reason}"
+    targets = {c.functions[0] if c.functions else c.bdf for c in cards}
+    worst: list[str] = []
+    for g in facts.gpus:
+        levels = [d.level for d in facts.distances if d.gpu_index == g.index
+                  and d.target in targets]
+        best = min(levels, key=level_rank, default="unknown")
+        if level_rank(best) > level_rank("PXB"):
+            worst.append(f"GPU{g.index} to the DPU is {best}")
+    if worst:
+        return False, ("staged through pinned host memory: " + ", ".join(worst) +
+                       " (GPUDirect RDMA only within PXB, as NCCL)")
+    return True, f"from GPU memory: {gdr.provider} and every GPU within PXB of the DPU"
+
+
+def _numa(facts: Facts, cfg: OffloadConfig) -> int | None:
+    if cfg.transfer.numa_node is not None:
+        return cfg.transfer.numa_node
+    n = gpu_numa_node(facts, 0)
+    return n if n is not None else cache_numa_node(facts)
+
+
+def _assumed(checks: list[Check]) -> list[str]:
+    return [f"assumed: {c.name} passes ({c.detail}; not checked on a fixture root)"
+            for c in checks if c.ok is None]
+
+
+def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
+    requested = cfg.transfer.path
+    numa = _numa(facts, cfg)
+    if facts.platform.on_dpu_arm:
+        arm = Check("platform", False, facts.platform.reason,
+                    "run `sglang-offload agent` here and inference on the host")
+        if requested in ("gds", "dpu"):
+            raise PathRejectedError(requested, arm)
+        rej = tuple(Rejection(p, "platform: this process runs on a BlueField DPU's Arm cores",
+                              arm.fix) for p in ("dpu", "gds"))
+        return Decision("agent", "cpu", requested, (
+            facts.platform.reason, "role agent: serve inference hosts; blocks reach this DPU's "
+            "NVMe through its own CPU (O_DIRECT)"), rej, False, numa)
+    gchecks = gds_checks(facts)
+    dchecks, cards = dpu_checks(facts, cfg)
+    failed = {"dpu": first_failure(dchecks), "gds": first_failure(gchecks), "cpu": None}
+    if requested in ("gds", "dpu"):
+        bad = failed[requested]
+        if bad is not None:
+            raise PathRejectedError(requested, bad)
+        path = requested
+    elif requested == "cpu":
+        path = "cpu"
+    else:
+        path = next(p for p in PREFERENCE if failed[p] is None)
+    reasons: list[str] = [f"transfer.path {requested}" + (": chosen by detection" if
+                                                          requested == "auto" else "")]
+    gpu_direct = False
+    if path == "dpu":
+        gpu_direct, how = _gpu_direct_dpu(facts, cards)
+        reasons += [f"dpu: {c.detail}" for c in dchecks if c.ok]
+        reasons += [f"dpu {how}"] + _assumed(dchecks)
+    elif path == "gds":
+        gpu_direct = True
+        reasons += [f"gds: {c.detail}" for c in gchecks if c.ok] + _assumed(gchecks)
+    else:
+        where = facts.cache_dir.fs_type or "the cache file system"
+        reasons.append(f"cpu staging: pinned host buffers + O_DIRECT I/O on {where}"
+                       + (f", NUMA node {numa}" if numa is not None else ""))
+        if not facts.gpus:
+            reasons.append("no NVIDIA GPU: nothing to move from GPU memory")
+    rejected = []
+    for p in PREFERENCE:
+        if p == path:
+            continue
+        bad = failed[p]
+        if bad is not None:
+            rejected.append(Rejection(p, f"{bad.name}: {bad.detail}", bad.fix))
+        elif requested != "auto":
+            rejected.append(Rejection(p, f"transfer.path: the config asks for {requested}",
+                                      f"set offload.transfer.path: auto (or {p})"))
+        else:
+            rejected.append(Rejection(p, f"preference: {path} ranks above {p} when both work",
+                                      f"set offload.transfer.path: {p} to force it"))
+    return Decision("host", path, requested, tuple(reasons), tuple(rejected), gpu_direct, numa)
