@@ -1,0 +1,116 @@
+"""`sglang-offload agent`: run the storage agent (on a BlueField's Arm cores, or any storage host).
+
+    sglang-offload agent --listen 0.0.0.0:7400 --store /var/cache/sglang-offload \\
+        --capacity 2TiB --secret-file /etc/sglang-offload/secret [--transport ucx|tcp]
+
+The agent owns one block store (the persistent disk store; `--memory` for a DRAM-only store used
+by tests and benchmarks) and serves many inference hosts. It prints `listening on HOST:PORT` once
+ready (and writes the port to `--ready-file`), logs every rejected connection with its reason, and
+stops cleanly on SIGTERM/SIGINT (the store is closed, so its index is consistent on restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from offload.agent import protocol as P
+from offload.config import Size, StoreConfig
+from offload.errors import ConfigError, OffloadError, StoreError
+from offload.store.base import BlockStore
+
+
+def _size(text: str) -> int:
+    try:
+        return int(Size.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {e}") from None
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.splitlines()[0]
+    p.add_argument("--listen", type=_listen, required=True, metavar="HOST:PORT",
+                   help="address to serve hosts on (port 0: any free port)")
+    p.add_argument("--store", metavar="DIR", help="cache directory of the agent's block store")
+    p.add_argument("--capacity", type=_size, default=Size(100 << 30), metavar="SIZE",
+                   help="cap of the store (default 100GiB)")
+    p.add_argument("--memory", action="store_true",
+                   help="keep blocks in DRAM only (tests, benchmarks); lost on restart")
+    p.add_argument("--transport", choices=["ucx", "tcp"], default="ucx",
+                   help="ucx: NIXL moves the bytes (RDMA, or UCX over TCP); tcp: no NIXL, bytes "
+                        "travel on the control connection")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="shared secret (mode 600); default: $SGLANG_OFFLOAD_SECRET")
+    p.add_argument("--max-clients", type=int, default=64, help="connections at once")
+    p.add_argument("--max-frame", type=_size, default=Size(P.DEFAULT_MAX_BODY), metavar="SIZE",
+                   help="largest request or reply frame (default 64MiB)")
+    p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
+                   help="staging memory per NIXL connection, two halves (default 64MiB; the "
+                        "largest block is half of it)")
+    p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a started frame may take to arrive")
+    p.add_argument("--ready-file", metavar="FILE", help="write the listening port here when ready")
+
+
+def open_store(args: argparse.Namespace) -> BlockStore:
+    if args.memory:
+        from offload.store.memory import MemoryStore
+
+        return MemoryStore(capacity=args.capacity)
+    if not args.store:
+        raise ConfigError(["agent: name the cache directory with --store DIR (or use --memory)"])
+    try:
+        from offload.store.disk import DiskStore
+    except ImportError as e:
+        raise StoreError(f"the disk store is not available: {e}") from None
+    return DiskStore(StoreConfig(path=args.store, capacity=Size(args.capacity)))
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.agent.auth import load_secret
+    from offload.agent.server import AgentServer
+
+    logging.getLogger("offload.agent").setLevel(logging.INFO)
+    if args.max_clients < 1 or args.io_timeout <= 0 or args.max_frame < (1 << 20):
+        raise ConfigError(["agent: --max-clients >= 1, --io-timeout > 0, --max-frame >= 1MiB"])
+    secret = load_secret(args.secret_file)
+    store = open_store(args)
+    host, port = args.listen
+    server = AgentServer(store, secret, host, port, transport=args.transport,
+                         max_clients=args.max_clients, max_body=args.max_frame,
+                         staging_size=args.staging, io_timeout=args.io_timeout)
+    try:
+        server.start()
+    except OSError as e:
+        store.close()
+        raise OffloadError(f"agent: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+    def _stop(signum: int, _frame: object) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"listening on {host}:{server.port}", flush=True)
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(server.port))
+        os.replace(tmp, args.ready_file)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+        server.join(timeout=2.0)
+        store.close()
+        print("agent stopped", file=sys.stderr, flush=True)
+    return 0

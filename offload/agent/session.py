@@ -1,0 +1,313 @@
+"""One host connection on the agent: authenticate, then serve requests until it closes or errs.
+
+Primitives: `Session(server, sock, peer).run()`. The first frame must be an authenticated HELLO
+(host name, transport, NIXL metadata of the host's registered KV pool). Then each request is one
+frame and gets one reply:
+- PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
+  store writes the previous group (half B); blocks the store already holds are not read at all.
+- GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
+  into host memory. A block is reported True only after its WRITE completed.
+- PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
+  travel as the frame payload.
+- EXISTS, DELETE, STATS, REGISTER_NS, METADATA.
+A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
+with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
+written into host memory after the host has given up on the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from offload.agent import protocol as P
+from offload.keys import Namespace
+from offload.transfer import nixl_util
+
+if TYPE_CHECKING:
+    from offload.agent.mover import Staging
+    from offload.agent.server import AgentServer
+
+log = logging.getLogger("offload.agent")
+
+
+class RequestError(Exception):
+    """An authenticated request that cannot be served; answered with ERROR, connection kept."""
+
+
+class Session:
+    def __init__(self, server: "AgentServer", sock: socket.socket, peer: str, conn_id: int):
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.conn_id = conn_id
+        self.host = "?"
+        self.nixl_peer: str | None = None
+        self.staging: "Staging | None" = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def run(self) -> None:
+        srv = self.server
+        try:
+            ch = P.handshake_server(self.sock, srv.secret, srv.io_timeout, srv.max_body)
+            frame = ch.recv()
+            if frame.op != P.HELLO:
+                raise P.ProtocolError(f"first frame is {P.OP_NAMES.get(frame.op, frame.op)}, "
+                                      "expected hello")
+            self._hello(ch, frame)
+            while not srv.stopping:
+                try:
+                    frame = ch.recv(idle_timeout=srv.idle_timeout)
+                except EOFError:
+                    return
+                self._dispatch(ch, frame)
+        except P.AuthError as e:
+            srv.count("rejected_auth")
+            log.warning("rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
+        except P.ProtocolError as e:
+            srv.count("rejected_frame")
+            log.warning("rejected %s (host %s): bad frame: %s", self.peer, self.host, e)
+        except (socket.timeout, TimeoutError):
+            srv.count("timeouts")
+            log.warning("closed %s (host %s): timed out", self.peer, self.host)
+        except (EOFError, OSError) as e:
+            log.info("connection %s (host %s) ended: %s", self.peer, self.host, e)
+        except Exception:  # noqa: BLE001 - one connection's bug must not stop the agent
+            srv.count("internal_errors")
+            log.exception("connection %s (host %s) failed", self.peer, self.host)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        if self.nixl_peer is not None and self.server.mover is not None:
+            self.server.mover.drop_peer(self.nixl_peer, self.conn_id)
+            self.nixl_peer = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # ---------------------------------------------------------------- requests
+    def _hello(self, ch: P.Channel, frame: P.Frame) -> None:
+        hello = frame.decode(P.Hello)
+        self.host = hello.host
+        nixl_ok = False
+        if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
+            try:
+                self.nixl_peer = self.server.mover.add_peer(hello.nixl_md, self.conn_id)
+                nixl_ok = True
+            except Exception as e:  # noqa: BLE001 - falls back to bytes on the connection
+                log.warning("host %s (%s): NIXL metadata unusable, bytes will travel on the "
+                            "control connection: %s", self.host, self.peer, e)
+        log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
+                 hello.transport, nixl_ok)
+        ch.send(P.HELLO | P.REPLY, frame.req_id, P.HelloReply(
+            agent=self.server.name, max_body=self.server.max_body, max_keys=P.MAX_KEYS,
+            max_block=self.server.max_block, nixl=nixl_ok))
+
+    def _dispatch(self, ch: P.Channel, frame: P.Frame) -> None:
+        op = frame.op
+        typ = P.REQUEST_TYPES.get(op)
+        if typ is None or op == P.HELLO:
+            raise P.ProtocolError(f"unknown op {op}")
+        msg = frame.decode(typ)
+        store = self.server.store
+        payload: list[memoryview] = []
+        try:
+            if op == P.PUT:
+                reply: P.Msg = P.Flags(self._put(msg, frame.payload))   # type: ignore[arg-type]
+            elif op == P.GET:
+                flags, payload = self._get(msg)                          # type: ignore[arg-type]
+                reply = P.Flags(flags)
+            elif op == P.EXISTS:
+                reply = P.Flags(store.exists_many(msg.keys))             # type: ignore[attr-defined]
+            elif op == P.DELETE:
+                reply = P.Count(store.delete_many(msg.keys))             # type: ignore[attr-defined]
+            elif op == P.STATS:
+                reply = P.StatsReply(self._stats())
+            elif op == P.REGISTER_NS:
+                try:
+                    store.register_namespace(Namespace(**msg.fields))    # type: ignore[attr-defined]
+                except TypeError as e:
+                    raise RequestError(f"bad namespace: {e}") from None
+                reply = P.Empty()
+            else:  # METADATA
+                if self.server.mover is None or self.nixl_peer is None:
+                    raise RequestError("this connection does not use NIXL")
+                self.nixl_peer = self.server.mover.update_peer(
+                    self.nixl_peer, msg.nixl_md, self.conn_id)           # type: ignore[attr-defined]
+                reply = P.Empty()
+        except RequestError as e:
+            self.server.count("bad_requests")
+            log.warning("host %s (%s): %s request refused: %s", self.host, self.peer,
+                        P.OP_NAMES[op], e)
+            ch.send(P.ERROR | P.REPLY, frame.req_id, P.ErrorReply(str(e)))
+            return
+        self.server.count(P.OP_NAMES[op])
+        ch.send(op | P.REPLY, frame.req_id, reply, payload)
+
+    def _stats(self) -> dict[str, int | float | str]:
+        s = self.server.store.stats()
+        out: dict[str, int | float | str] = {}
+        for f in dataclasses.fields(s):
+            v = getattr(s, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f.name] = v if type(v) in (int, float) else (
+                    int(v) if isinstance(v, int) else float(v))
+        out.update({f"agent_{k}": v for k, v in self.server.counters().items()})
+        return out
+
+    def _check(self, req: P.Blocks) -> None:
+        n = len(req.keys)
+        if len(req.sizes) != n or (req.descs is not None and len(req.descs) != n):
+            raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
+                               f"{len(req.descs or [])} descriptor lists")
+        for size in req.sizes:
+            if size > self.server.max_block:
+                raise RequestError(f"block of {size} bytes exceeds the agent's limit "
+                                   f"{self.server.max_block}")
+        if req.descs is not None:
+            for size, descs in zip(req.sizes, req.descs):
+                if sum(d[1] for d in descs) != size:
+                    raise RequestError("descriptor lengths do not add up to the block size")
+            if self.nixl_peer is None:
+                raise RequestError("descriptors sent but this connection does not use NIXL")
+
+    def _groups(self, idx: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+        """Pack block indices into groups that fit one staging half."""
+        assert self.staging is not None
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for i in idx:
+            if cur and used + sizes[i] > self.staging.half_size:
+                groups.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += sizes[i]
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _staging(self) -> "Staging":
+        if self.staging is None:
+            from offload.agent.mover import Staging
+
+            assert self.server.mover is not None
+            self.staging = Staging(self.server.mover, self.server.staging_size)
+        return self.staging
+
+    def _put(self, req: P.Blocks, payload: memoryview) -> list[bool]:
+        self._check(req)
+        store = self.server.store
+        if req.descs is None:
+            if sum(req.sizes) != payload.nbytes:
+                raise RequestError(f"payload of {payload.nbytes} bytes, sizes add up to "
+                                   f"{sum(req.sizes)}")
+            blocks, off = [], 0
+            for size in req.sizes:
+                blocks.append([payload[off:off + size]])
+                off += size
+            return store.put_many(req.keys, blocks)
+        deadline = time.monotonic() + req.budget_ms / 1000.0
+        present = store.exists_many(req.keys)
+        ok = list(present)
+        todo = [i for i, p in enumerate(present) if not p]
+        if not todo:
+            return ok
+        staging = self._staging()
+        pending: tuple[list[int], int, object] | None = None
+        for g, group in enumerate(self._groups(todo, req.sizes)):
+            view, base = staging.half(g % 2)
+            local, remote, off = [], [], 0
+            for i in group:
+                for addr, n in req.descs[i]:
+                    local.append((base + off, n))
+                    remote.append((addr, n))
+                    off += n
+            try:
+                handle = nixl_util.start_xfer(self.server.mover.agent, "READ", local, remote,
+                                              self.nixl_peer)
+            except Exception as e:  # noqa: BLE001
+                log.warning("host %s: NIXL READ refused: %s", self.host, e)
+                handle = None
+            if pending is not None:
+                self._finish_put(req, pending, deadline, ok)
+            pending = (group, g % 2, handle)
+        if pending is not None:
+            self._finish_put(req, pending, deadline, ok)
+        return ok
+
+    def _finish_put(self, req: P.Blocks, pending: tuple, deadline: float, ok: list[bool]) -> None:
+        group, half, handle = pending
+        if handle is None or not nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
+            return
+        view, _ = self.staging.half(half)
+        blocks, off = [], 0
+        for i in group:
+            blocks.append([view[off:off + req.sizes[i]]])
+            off += req.sizes[i]
+        for i, flag in zip(group, self.server.store.put_many([req.keys[i] for i in group], blocks)):
+            ok[i] = flag
+
+    def _get(self, req: P.Blocks) -> tuple[list[bool], list[memoryview]]:
+        self._check(req)
+        store = self.server.store
+        if req.descs is None:
+            total = sum(req.sizes)
+            if total + 4096 > self.server.max_body:
+                raise RequestError(f"reply of {total} bytes would exceed the frame limit")
+            buf = memoryview(bytearray(total))
+            dests, off = [], 0
+            for size in req.sizes:
+                dests.append([buf[off:off + size]])
+                off += size
+            flags = store.get_many(req.keys, dests)
+            return flags, [d[0] for d, f in zip(dests, flags) if f]
+        deadline = time.monotonic() + req.budget_ms / 1000.0
+        ok = [False] * len(req.keys)
+        staging = self._staging()
+        pending: tuple[list[int], object] | None = None
+        for g, group in enumerate(self._groups(range(len(req.keys)), req.sizes)):
+            if time.monotonic() > deadline:
+                break
+            view, base = staging.half(g % 2)
+            dests, offs, off = [], [], 0
+            for i in group:
+                dests.append([view[off:off + req.sizes[i]]])
+                offs.append(off)
+                off += req.sizes[i]
+            flags = store.get_many([req.keys[i] for i in group], dests)
+            if pending is not None:
+                self._finish_get(pending, deadline, ok)
+                pending = None
+            local, remote, hits = [], [], []
+            for i, o, f in zip(group, offs, flags):
+                if f:
+                    for addr, n in req.descs[i]:
+                        local.append((base + o, n))
+                        remote.append((addr, n))
+                        o += n
+                    hits.append(i)
+            if hits and time.monotonic() < deadline:
+                try:
+                    handle = nixl_util.start_xfer(self.server.mover.agent, "WRITE", local,
+                                                  remote, self.nixl_peer)
+                    pending = (hits, handle)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("host %s: NIXL WRITE refused: %s", self.host, e)
+        if pending is not None:
+            self._finish_get(pending, deadline, ok)
+        return ok, []
+
+    def _finish_get(self, pending: tuple, deadline: float, ok: list[bool]) -> None:
+        hits, handle = pending
+        if nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
+            for i in hits:
+                ok[i] = True

@@ -1,0 +1,127 @@
+"""Shared NIXL plumbing of the DPU path: import on first use, agents, buffer addresses, waits.
+
+Primitives: `import_nixl()` (sets `UCX_MODULES=^ib` unless already set, then imports `nixl`;
+raises `PathUnavailableError` when it is not installed), `make_agent(name)` (a thread-safe NIXL
+agent with the UCX backend), `region_of(buffer)` -> (address, nbytes) of any buffer-protocol object
+or torch CPU tensor, `run_xfer(agent, op, local, remote, peer, deadline)` -> bool (posts one
+transfer and polls it to completion or deadline, always releasing the handle).
+
+`UCX_MODULES=^ib`: without InfiniBand hardware UCX's ib module makes the process crash at exit on
+these hosts; real RDMA deployments set UCX_MODULES themselves (it is only set when absent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import ModuleType
+from typing import Any, Sequence
+
+from offload.errors import PathUnavailableError
+
+log = logging.getLogger(__name__)
+
+UCX_MODULES_ENV = "UCX_MODULES"          # UCX's own module filter; default here "^ib"
+UCX_MODULES_DEFAULT = "^ib"
+
+
+def import_nixl() -> ModuleType:
+    os.environ.setdefault(UCX_MODULES_ENV, UCX_MODULES_DEFAULT)
+    try:
+        import nixl
+    except ImportError as e:
+        raise PathUnavailableError(f"the dpu path needs NIXL: pip install 'sglang-offload[dpu]' "
+                                   f"({e})") from None
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl
+
+
+def make_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend, safe to use from several threads."""
+    nixl = import_nixl()
+    cfg = nixl.nixl_agent_config(backends=["UCX"],
+                                 sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+    agent = nixl.nixl_agent(name, cfg)
+    if "UCX" not in agent.backends:
+        raise PathUnavailableError("NIXL has no UCX backend on this host")
+    return agent
+
+
+def region_of(buf: Any) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous buffer: buffer protocol or a torch CPU tensor."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):   # torch.Tensor
+        if not buf.is_contiguous():
+            raise ValueError("tensor is not contiguous")
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    import numpy as np
+
+    mv = memoryview(buf)
+    if not mv.contiguous:
+        raise ValueError("buffer is not contiguous")
+    if mv.nbytes == 0:
+        return 0, 0
+    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    return int(arr.ctypes.data), int(mv.nbytes)
+
+
+def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
+             remote: Sequence[tuple[int, int]], peer: str, deadline: float) -> bool:
+    """One NIXL transfer (op "READ": remote -> local, "WRITE": local -> remote), waited on.
+
+    Returns True when it completed before `deadline` (time.monotonic()); never raises.
+    """
+    handle = None
+    try:
+        handle = start_xfer(agent, op, local, remote, peer)
+        return wait_xfer(agent, handle, deadline)
+    except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
+        log.warning("nixl %s with %s failed: %s", op, peer, e)
+        if handle is not None:
+            release(agent, handle)
+        return False
+
+
+def start_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
+               remote: Sequence[tuple[int, int]], peer: str) -> Any:
+    """Post a transfer; returns its handle (raises on a bad descriptor or unknown peer)."""
+    ldescs = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+    rdescs = agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+    handle = agent.initialize_xfer(op, ldescs, rdescs, peer)
+    state = agent.transfer(handle)
+    if state == "ERR":
+        release(agent, handle)
+        raise RuntimeError(f"posting the {op} failed")
+    return handle
+
+
+def wait_xfer(agent: Any, handle: Any, deadline: float) -> bool:
+    """Poll a posted transfer until done, error or deadline; releases the handle."""
+    ok = False
+    try:
+        spins = 0
+        while True:
+            state = agent.check_xfer_state(handle)
+            if state == "DONE":
+                ok = True
+                break
+            if state == "ERR":
+                log.warning("nixl transfer failed")
+                break
+            if time.monotonic() > deadline:
+                log.warning("nixl transfer did not finish before its deadline; aborting it")
+                break
+            spins += 1
+            if spins > 64:
+                time.sleep(0.0002)
+    except Exception as e:  # noqa: BLE001
+        log.warning("nixl transfer state check failed: %s", e)
+    release(agent, handle)
+    return ok
+
+
+def release(agent: Any, handle: Any) -> None:
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception as e:  # noqa: BLE001 - aborting an unfinished transfer may raise
+        log.debug("releasing a nixl transfer handle: %s", e)
