@@ -138,10 +138,17 @@ class Session:
                     raise RequestError(f"bad namespace: {e}") from None
                 reply = P.Empty()
             else:  # METADATA
-                if self.server.mover is None or self.nixl_peer is None:
-                    raise RequestError("this connection does not use NIXL")
-                self.nixl_peer = self.server.mover.update_peer(
-                    self.nixl_peer, msg.nixl_md, self.conn_id)           # type: ignore[attr-defined]
+                if self.server.mover is None:
+                    raise RequestError("this agent runs without NIXL (--transport tcp)")
+                try:
+                    if self.nixl_peer is None:
+                        self.nixl_peer = self.server.mover.add_peer(
+                            msg.nixl_md, self.conn_id)                   # type: ignore[attr-defined]
+                    else:
+                        self.nixl_peer = self.server.mover.update_peer(
+                            self.nixl_peer, msg.nixl_md, self.conn_id)   # type: ignore[attr-defined]
+                except Exception as e:  # noqa: BLE001
+                    raise RequestError(f"NIXL metadata unusable: {e}") from None
                 reply = P.Empty()
         except RequestError as e:
             self.server.count("bad_requests")
@@ -214,6 +221,7 @@ class Session:
             for size in req.sizes:
                 blocks.append([payload[off:off + size]])
                 off += size
+            self.server.count("bytes_inline_in", payload.nbytes)
             return store.put_many(req.keys, blocks)
         deadline = time.monotonic() + req.budget_ms / 1000.0
         present = store.exists_many(req.keys)
@@ -248,6 +256,7 @@ class Session:
         group, half, handle = pending
         if handle is None or not nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
             return
+        self.server.count("bytes_nixl_in", sum(req.sizes[i] for i in group))
         view, _ = self.staging.half(half)
         blocks, off = [], 0
         for i in group:
@@ -269,11 +278,13 @@ class Session:
                 dests.append([buf[off:off + size]])
                 off += size
             flags = store.get_many(req.keys, dests)
-            return flags, [d[0] for d, f in zip(dests, flags) if f]
+            out = [d[0] for d, f in zip(dests, flags) if f]
+            self.server.count("bytes_inline_out", sum(v.nbytes for v in out))
+            return flags, out
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
         staging = self._staging()
-        pending: tuple[list[int], object] | None = None
+        pending: tuple[list[int], object, int] | None = None
         for g, group in enumerate(self._groups(range(len(req.keys)), req.sizes)):
             if time.monotonic() > deadline:
                 break
@@ -299,7 +310,7 @@ class Session:
                 try:
                     handle = nixl_util.start_xfer(self.server.mover.agent, "WRITE", local,
                                                   remote, self.nixl_peer)
-                    pending = (hits, handle)
+                    pending = (hits, handle, sum(req.sizes[i] for i in hits))
                 except Exception as e:  # noqa: BLE001
                     log.warning("host %s: NIXL WRITE refused: %s", self.host, e)
         if pending is not None:
@@ -307,7 +318,8 @@ class Session:
         return ok, []
 
     def _finish_get(self, pending: tuple, deadline: float, ok: list[bool]) -> None:
-        hits, handle = pending
+        hits, handle, nbytes = pending
         if nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
+            self.server.count("bytes_nixl_out", nbytes)
             for i in hits:
                 ok[i] = True

@@ -1,0 +1,100 @@
+"""Fixtures: the agent as a real separate process on loopback (UCX over TCP, UCX_MODULES=^ib)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+os.environ.setdefault("UCX_MODULES", "^ib")
+SECRET = b"test-secret-0123456789abcdef"
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL (pip install nixl) not installed")
+
+
+class AgentProc:
+    def __init__(self, tmp: Path, args: list[str], port: int = 0):
+        self.tmp = tmp
+        self.args = args
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self.log = tmp / f"agent-{time.monotonic_ns()}.log"
+
+    def start(self, timeout: float = 30.0) -> "AgentProc":
+        ready = self.tmp / f"ready-{time.monotonic_ns()}"
+        env = dict(os.environ, SGLANG_OFFLOAD_SECRET=SECRET.decode(), UCX_MODULES="^ib",
+                   PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "offload.cli", "agent", "--listen", f"127.0.0.1:{self.port}",
+               "--ready-file", str(ready), *self.args]
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._logf, stderr=subprocess.STDOUT)
+        end = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited {self.proc.returncode}: {self.log.read_text()}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"agent not ready in {timeout}s: {self.log.read_text()}")
+            time.sleep(0.02)
+        self.port = int(ready.read_text())
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._logf.close()
+
+
+@pytest.fixture
+def agent_factory(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
+    started: list[AgentProc] = []
+
+    def make(*args: str, port: int = 0) -> AgentProc:
+        a = AgentProc(tmp_path, list(args), port)
+        started.append(a)
+        return a.start()
+
+    try:
+        yield make
+    finally:
+        for a in started:
+            a.stop()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()

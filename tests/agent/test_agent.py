@@ -1,0 +1,224 @@
+"""The agent as a separate process and AgentStore clients: bytes, transports, failures, sharing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from offload.keys import Namespace
+from offload.transfer.dpu import AgentStore
+from tests.agent.conftest import SECRET, needs_nixl, wait_for
+
+PAGE_TOKENS, LAYERS, HEADS, DIM = 16, 4, 4, 64          # one page: 2 x 16 KiB (K and V)
+
+
+def host_pool(pages: int, seed: int) -> np.ndarray:
+    """A host KV pool in SGLang's page_first layout: [2 (K,V), tokens, layers, heads, dim]."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 1 << 16, size=(2, pages * PAGE_TOKENS, LAYERS, HEADS, DIM),
+                        dtype=np.uint16)
+
+
+def page(pool: np.ndarray, i: int) -> list[memoryview]:
+    """The buffers of page i: its K slice and its V slice (each contiguous)."""
+    sl = slice(i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS)
+    return [memoryview(pool[0, sl]).cast("B"), memoryview(pool[1, sl]).cast("B")]
+
+
+NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=PAGE_TOKENS)
+
+
+def keys(n: int, tag: str = "") -> list[bytes]:
+    return [NS.key(f"{tag}page-{i}") for i in range(n)]
+
+
+def client(agent, transport: str = "ucx", **kw) -> AgentStore:
+    return AgentStore(agent.address, SECRET, transport=transport, timeout_s=kw.pop("timeout_s", 5),
+                      reconnect_s=kw.pop("reconnect_s", 0.2), **kw)
+
+
+def roundtrip(store: AgentStore, register: bool) -> None:
+    src, dst = host_pool(8, 1), np.zeros((2, 8 * PAGE_TOKENS, LAYERS, HEADS, DIM), np.uint16)
+    if register:
+        store.register_region(src)
+        store.register_region(dst)
+    ks = keys(8)
+    assert store.put_many(ks, [page(src, i) for i in range(8)]) == [True] * 8
+    assert store.exists_many(ks + keys(1, "absent")) == [True] * 8 + [False]
+    assert store.get_many(ks, [page(dst, i) for i in range(8)]) == [True] * 8
+    assert np.array_equal(src, dst)
+
+
+@needs_nixl
+def test_ucx_pages_move_by_nixl_byte_identical(agent_factory) -> None:
+    agent = agent_factory("--memory")
+    store = client(agent)
+    try:
+        roundtrip(store, register=True)
+        extra = store.stats().extra
+        page_bytes = 2 * PAGE_TOKENS * LAYERS * HEADS * DIM * 2
+        # The bytes went by NIXL (agent READ/WRITE), none on the control connection.
+        assert extra["agent_bytes_nixl_in"] == 8 * page_bytes
+        assert extra["agent_bytes_nixl_out"] == 8 * page_bytes
+        assert "agent_bytes_inline_in" not in extra and "agent_bytes_inline_out" not in extra
+    finally:
+        store.close()
+
+
+@needs_nixl
+def test_unregistered_memory_travels_inline(agent_factory) -> None:
+    agent = agent_factory("--memory")
+    store = client(agent)
+    try:
+        roundtrip(store, register=False)
+        assert store.stats().extra["agent_bytes_inline_in"] > 0
+    finally:
+        store.close()
+
+
+def test_tcp_transport_roundtrip_without_nixl(agent_factory) -> None:
+    agent = agent_factory("--memory", "--transport", "tcp")
+    store = client(agent, transport="tcp")
+    try:
+        roundtrip(store, register=True)          # register_region is a no-op with tcp
+        s = store.stats()
+        assert s.blocks == 8 and "agent_bytes_nixl_in" not in s.extra
+        store.register_namespace(NS)
+        assert store.delete_many(keys(3)) == 3
+        assert store.exists_many(keys(4)) == [False, False, False, True]
+    finally:
+        store.close()
+
+
+@needs_nixl
+def test_ucx_client_against_tcp_agent_falls_back(agent_factory) -> None:
+    agent = agent_factory("--memory", "--transport", "tcp")
+    store = client(agent)
+    try:
+        roundtrip(store, register=True)
+    finally:
+        store.close()
+
+
+def test_misses_when_no_agent_and_no_hang() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    store = AgentStore(f"127.0.0.1:{port}", SECRET, transport="tcp", timeout_s=1)
+    buf = bytearray(64)
+    t0 = time.monotonic()
+    assert store.put_many([b"k" * 32], [[buf]]) == [False]
+    assert store.get_many([b"k" * 32], [[buf]]) == [False]
+    assert store.exists_many([b"k" * 32]) == [False]
+    assert store.delete_many([b"k" * 32]) == 0
+    assert store.stats().extra["agent"] == "unreachable"
+    assert time.monotonic() - t0 < 5
+
+
+@needs_nixl
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_agent_killed_mid_transfer_then_back(agent_factory, transport: str) -> None:
+    agent = agent_factory("--memory")
+    store = client(agent, transport=transport, timeout_s=2)
+    n = 32
+    src = np.random.default_rng(3).integers(0, 255, size=(n, 1 << 20), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    store.register_region(src)
+    store.register_region(dst)
+    ks = keys(n, "big")
+    results: list[list[bool]] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            results.append(store.put_many(ks, [[src[i]] for i in range(n)]))
+            results.append(store.get_many(ks, [[dst[i]] for i in range(n)]))
+
+    t = threading.Thread(target=hammer, daemon=True)
+    try:
+        t.start()
+        assert wait_for(lambda: len(results) >= 2, 20)
+        agent.kill()
+        killed_at = len(results)
+        # No hang: calls keep returning (as misses) while the agent is dead.
+        assert wait_for(lambda: len(results) >= killed_at + 3, 15)
+        assert not any(results[-1])
+        stop.set()
+        t.join(15)
+        assert not t.is_alive()
+        # The agent comes back on the same port: the client reconnects by itself.
+        back = agent_factory("--memory", port=agent.port)
+        assert back.port == agent.port
+        assert wait_for(lambda: store.put_many(ks[:4], [[src[i]] for i in range(4)]) == [True] * 4)
+        dst[:] = 0
+        assert store.get_many(ks[:4], [[dst[i]] for i in range(4)]) == [True] * 4
+        assert np.array_equal(src[:4], dst[:4])
+    finally:
+        stop.set()
+        store.close()
+
+
+def test_restart_keeps_blocks(agent_factory, tmp_path: Path) -> None:
+    pytest.importorskip("offload.store.disk", reason="the disk store has not landed yet")
+    store_dir = tmp_path / "store"
+    agent = agent_factory("--store", str(store_dir), "--capacity", "64MiB", "--transport", "tcp")
+    store = client(agent, transport="tcp")
+    pool, out = host_pool(4, 9), np.zeros((2, 4 * PAGE_TOKENS, LAYERS, HEADS, DIM), np.uint16)
+    try:
+        assert store.put_many(keys(4), [page(pool, i) for i in range(4)]) == [True] * 4
+        agent.stop()
+        assert store.exists_many(keys(4)) == [False] * 4     # down: misses, not errors
+        agent_factory("--store", str(store_dir), "--capacity", "64MiB", "--transport", "tcp",
+                      port=agent.port)
+        assert wait_for(lambda: store.exists_many(keys(4)) == [True] * 4)
+        assert store.get_many(keys(4), [page(out, i) for i in range(4)]) == [True] * 4
+        assert np.array_equal(pool, out)
+    finally:
+        store.close()
+
+
+HOST_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from offload.transfer.dpu import AgentStore
+    addr, me, other, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def data(h): return np.random.default_rng(h).integers(0, 255, size=(8, 65536), dtype=np.uint8)
+    def ks(h): return [bytes([h]) * 16 + i.to_bytes(16, "big") for i in range(8)]
+    s = AgentStore(addr, SECRET, transport=transport, timeout_s=5)
+    mine, theirs = data(me), np.zeros((8, 65536), np.uint8)
+    s.register_region(mine); s.register_region(theirs)
+    assert s.put_many(ks(me), [[mine[i]] for i in range(8)]) == [True] * 8
+    end = time.monotonic() + 30
+    while s.exists_many(ks(other)) != [True] * 8:
+        assert time.monotonic() < end, "the other host never wrote"
+        time.sleep(0.05)
+    assert s.get_many(ks(other), [[theirs[i]] for i in range(8)]) == [True] * 8
+    assert np.array_equal(theirs, data(other)), "bytes differ"
+    s.close()
+    print("host", me, "ok")
+""").replace("SECRET", repr(SECRET))
+
+
+@needs_nixl
+def test_two_hosts_share_one_agent(agent_factory) -> None:
+    agent = agent_factory("--memory")
+    procs = [subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, agent.address, str(a), str(b),
+                               "ucx"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for a, b in ((1, 2), (2, 1))]
+    try:
+        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
