@@ -73,8 +73,9 @@ def _mode_from_rshim(card_bdfs: set[str], slot: str, rshims: list[tuple[str, dic
             return "dpu", path, f"BF_MODE {fields['BF_MODE']}"
         if mode.startswith("nic"):
             return "nic", path, f"BF_MODE {fields['BF_MODE']}"
-        return "unknown", path, f"BF_MODE {fields.get('BF_MODE', 'absent')} (no mode given)"
-    return None
+        if "BF_MODE" in fields:
+            return "unknown", path, f"BF_MODE {fields['BF_MODE']}"
+    return None  # no rshim for this card, or one without BF_MODE (BlueField-2 and older)
 
 
 def _mode_from_mlxconfig(bdf: str, live: Live) -> tuple[str, str, str] | None:
@@ -110,8 +111,9 @@ def _card(root: Root, devs: list[PciDevice], rdma: tuple[RdmaDevice, ...], dpu_m
     if bf:
         generation = bf[0][0]
         kind, model = "bluefield", generation
-        detected = (_mode_from_rshim(bdfs, first.slot, rshims, n_bluefields == 1)
-                    or _mode_from_mlxconfig(head.bdf, live))
+        detected = _mode_from_rshim(bdfs, first.slot, rshims, n_bluefields == 1)
+        if detected is None or detected[0] == "unknown":
+            detected = _mode_from_mlxconfig(head.bdf, live) or detected
         if dpu_mode != "auto":
             mode, mode_source = dpu_mode, "config"
             mode_evidence = (f"hw.dpu_mode: {dpu_mode} (operator override; detected: "
@@ -120,7 +122,7 @@ def _card(root: Root, devs: list[PciDevice], rdma: tuple[RdmaDevice, ...], dpu_m
             mode, mode_source, mode_evidence = detected
         else:
             mode, mode_source = "unknown", None
-            tried = "no /dev/rshim*/misc for this card; mlxconfig " + (
+            tried = "no BF_MODE in /dev/rshim*/misc for this card; mlxconfig " + (
                 NOT_CHECKED if live.run is None else "gave no answer")
             mode_evidence = tried
         reason = f"{generation} ({'+'.join(sorted({r for _, r in bf}))} functions), mode {mode}"

@@ -38,9 +38,10 @@ def probe_gpus(root: Root, pci: dict[str, PciDevice], live: Live) -> tuple[GpuPr
             for i, d in enumerate(sys_gpus)]
     if nvml is None:
         probe = GpuProbe(nvml=NOT_CHECKED, driver=None, source=PCI_DEVICES,
-                         reason=f"NVML not checked (root {root.path}); {len(gpus)} NVIDIA GPU(s) "
+                         reason=f"NVML {NOT_CHECKED} (fixture root); {len(gpus)} NVIDIA GPU(s) "
                                 "in sysfs")
     else:
         probe = GpuProbe(nvml="unavailable", driver=None, source=PCI_DEVICES,
-                         reason=f"{nvml.reason}; {len(gpus)} NVIDIA GPU(s) in sysfs")
+                         reason=f"NVML unavailable: {nvml.reason}; {len(gpus)} NVIDIA GPU(s) "
+                                "in sysfs")
     return probe, tuple(gpus)

@@ -50,11 +50,23 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> lis
     return [fmt(headers)] + [fmt(r) for r in rows]
 
 
-def _targets(facts: Facts) -> list[tuple[str, str]]:
-    seen: dict[str, str] = {}
+def _targets(facts: Facts) -> list[tuple[str, str, str]]:
+    """(bdf, column label, legend) for every distance target: NIC0.., DPU0.., nvmeX."""
+    seen: dict[str, tuple[str, str]] = {}
+    count = {"nic": 0, "dpu": 0}
+    rdma = {c.functions[0] if c.functions else c.bdf: c.rdma_devices for c in facts.nics}
     for d in facts.distances:
-        seen.setdefault(d.target, f"{d.target_kind}:{d.target_name}")
-    return list(seen.items())
+        if d.target in seen:
+            continue
+        if d.target_kind == "nvme":
+            seen[d.target] = (d.target_name, f"{d.target_name} = {d.target}")
+            continue
+        label = f"{d.target_kind.upper()}{count[d.target_kind]}"
+        count[d.target_kind] += 1
+        devs = ",".join(rdma.get(d.target, ()))
+        seen[d.target] = (label, f"{label} = {d.target} {d.target_name}"
+                          + (f" ({devs})" if devs else ""))
+    return [(bdf, label, legend) for bdf, (label, legend) in seen.items()]
 
 
 def render_text(facts: Facts, decision: Decision | None,
@@ -64,11 +76,12 @@ def render_text(facts: Facts, decision: Decision | None,
     where = "this machine" if facts.live else f"fixture root {facts.root}"
     role = "BlueField DPU Arm cores (agent host)" if p.on_dpu_arm else "inference host"
     out.append(f"sglang-offload detect: {where}")
-    out.append(f"Platform: {role}; kernel {_v(p.kernel)}; arch {_v(p.arch)}")
+    out.append(f"Platform: {role}; kernel {p.kernel or 'not checked'}; "
+               f"arch {p.arch or 'not checked'}")
     for e in p.evidence:
         out.append(f"  evidence: {e}")
     gp = facts.gpu_probe
-    out += ["", f"GPUs: {len(facts.gpus)} (NVML {gp.nvml}: {gp.reason})"]
+    out += ["", f"GPUs: {len(facts.gpus)} ({gp.reason})"]
     out += _table(["#", "PCI", "name", "memory", "NUMA", "MIG", "source"],
                   [[str(g.index), g.bdf, g.name, _size(g.memory_bytes), _v(g.numa_node),
                     _v(g.mig), g.source] for g in facts.gpus])
@@ -100,10 +113,11 @@ def render_text(facts: Facts, decision: Decision | None,
         out.append("  (no GPU)" if not facts.gpus else "  (no NIC, DPU or NVMe on PCIe)")
     else:
         level = {(d.gpu_index, d.target): d.level for d in facts.distances}
-        headers = [""] + [f"{t[1]}" for t in targets]
+        headers = [""] + [t[1] for t in targets]
         rows = [[f"GPU{g.index}"] + [level.get((g.index, t[0]), "-") for t in targets]
                 for g in facts.gpus]
         out += _table(headers, rows)
+        out += [f"  {t[2]}" for t in targets if not t[1].startswith("nvme")]
         out.append("  PIX <= 1 bridge, PXB several bridges, PHB host bridge, NODE same NUMA "
                    "node, SYS across NUMA nodes")
     gdr = facts.gpudirect_rdma

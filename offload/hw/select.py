@@ -106,7 +106,8 @@ def gds_checks(facts: Facts) -> list[Check]:
                         "run with /run/udev present (in a container: mount /run/udev)"))
     wsl = kernel is not None and ("microsoft" in kernel.lower() or "wsl" in kernel.lower())
     checks.append(Check("wsl", False if wsl else (True if kernel else None),
-                        f"kernel {kernel or NOT_KNOWN}" + (" is WSL (no GDS)" if wsl else ""),
+                        f"kernel {kernel or NOT_KNOWN}" + (" is WSL (no GDS)" if wsl else
+                                                           " is not WSL"),
                         "run on a native Linux kernel"))
     if g.force_compat_mode:
         checks.append(Check("cufile_json", False, f"{g.cufile_json}: properties.force_compat_mode "

@@ -1,0 +1,224 @@
+"""Fixture machines -> expected decision (table-driven), and the fixture trees match their builder.
+
+Each row: a machine under tests/fixtures/hosts/, a config, optionally a cache directory (a machine
+path inside the root) and injected live probes; the expected role, path, whether blocks move from
+GPU memory, and for each rejected path the check that must be named.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.hw.hw_schema_check import validate
+from offload.cli import main
+from offload.config import load_offload
+from offload.hw import PathRejectedError, decide, detect, detect_and_decide
+from offload.hw.live import CommandResult, Live
+from offload.errors import PathUnavailableError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+HOSTS = FIXTURES / "hosts"
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "offload/hw/schema.json").read_text())
+AGENT = {"agent": {"address": "10.0.0.2:7070"}}
+
+
+def mlxconfig(value: str) -> Live:
+    """Offline probes plus an mlxconfig that answers INTERNAL_CPU_OFFLOAD_ENGINE = value."""
+    def run(argv: Any, timeout: float) -> CommandResult | None:
+        if argv[0] != "mlxconfig":
+            return None
+        return CommandResult(0, "Device #1:\n----------\n\nConfigurations:        Default"
+                                "         Current         Next Boot\n"
+                                f"*       INTERNAL_CPU_OFFLOAD_ENGINE   ENABLED(0)   {value}"
+                                f"   {value}\n")
+    return Live(run=run)
+
+
+# (machine, config, cache_dir, live, role, path, gpu_direct, {rejected path: check prefix})
+CASES = [
+    ("cpu-box", {}, None, None, "host", "cpu", False,
+     {"dpu": "bluefield:", "gds": "gpu: no NVIDIA GPU"}),
+    ("h100x8-gds", {}, "/raid/sglang-offload", None, "host", "gds", True,
+     {"dpu": "bluefield:", "cpu": "preference:"}),
+    ("h100x8-gds", {"transfer": {"path": "cpu"}}, "/raid/kv", None, "host", "cpu", False,
+     {"dpu": "bluefield:", "gds": "transfer.path:"}),
+    ("h100-bf3-dpu", AGENT, None, None, "host", "dpu", True,
+     {"gds": "nvidia_fs:", "cpu": "preference:"}),
+    ("h100-bf3-dpu", {}, None, None, "host", "cpu", False,
+     {"dpu": "agent_address:", "gds": "nvidia_fs:"}),
+    ("h100-bf3-nic", AGENT, None, None, "host", "cpu", False,
+     {"dpu": "dpu_mode: BlueField-3 0000:a3:00.0 is in nic mode", "gds": "nvidia_fs:"}),
+    ("h100-bf3-nic", {**AGENT, "hw": {"dpu_mode": "dpu"}}, None, None, "host", "dpu", True,
+     {"gds": "nvidia_fs:"}),
+    ("h100-bf2-sys", AGENT, None, mlxconfig("ENABLED(0)"), "host", "dpu", False,
+     {"gds": "nvidia_fs:"}),
+    ("h100-bf2-sys", AGENT, None, mlxconfig("DISABLED(1)"), "host", "cpu", False,
+     {"dpu": "dpu_mode: BlueField-2 0000:83:00.0 is in nic mode"}),
+    ("h100-bf2-sys", AGENT, None, None, "host", "cpu", False,
+     {"dpu": "dpu_mode: BlueField-2 0000:83:00.0 is in unknown mode"}),
+    ("h100-gds-overlay", {}, "/var/cache/sglang-offload", None, "host", "cpu", False,
+     {"gds": "cache_fs: cache directory /var/cache/sglang-offload is on overlay",
+      "dpu": "bluefield:"}),
+    ("h100-gds-overlay", {}, "/dev/shm/kv", None, "host", "cpu", False,
+     {"gds": "cache_fs: cache directory /dev/shm/kv is on tmpfs"}),
+    ("h100-gds-overlay", {}, "/data/kv", None, "host", "gds", True, {"cpu": "preference:"}),
+    ("bf3-arm", {}, "/var/lib/sglang-offload", None, "agent", "cpu", False,
+     {"dpu": "platform:", "gds": "platform:"}),
+]
+
+
+@pytest.mark.parametrize("machine,cfg,cache,live,role,path,gpu_direct,rejected", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_machine_decision(machine: str, cfg: dict, cache: str | None, live: Live | None,
+                          role: str, path: str, gpu_direct: bool, rejected: dict) -> None:
+    config = load_offload(cfg)
+    facts, d = detect_and_decide(config, root=str(HOSTS / machine), cache_dir=cache, live=live)
+    assert (d.role, d.path, d.gpu_direct) == (role, path, gpu_direct), d
+    got = {r.path: r for r in d.rejected}
+    assert set(got) == {"dpu", "gds", "cpu"} - {path}
+    for p, prefix in rejected.items():
+        assert got[p].check.startswith(prefix), (p, got[p])
+    for r in d.rejected:
+        assert r.check and r.fix, r
+    assert d.reasons
+
+
+def test_bf2_across_sockets_is_sys_and_staged() -> None:
+    facts, d = detect_and_decide(load_offload(AGENT), root=str(HOSTS / "h100-bf2-sys"),
+                                 live=mlxconfig("ENABLED(0)"))
+    dpu = next(x for x in facts.distances if x.target_kind == "dpu")
+    assert dpu.level == "SYS"
+    assert any("staged through pinned host memory" in r and "SYS" in r for r in d.reasons)
+    card = facts.nics[0]
+    assert (card.generation, card.mode, card.mode_source) == ("BlueField-2", "dpu", "mlxconfig")
+
+
+def test_bf3_facts_name_their_evidence() -> None:
+    facts = detect(load_offload({}), root=str(HOSTS / "h100-bf3-dpu"))
+    (card,) = facts.nics
+    assert card.kind == "bluefield" and card.generation == "BlueField-3"
+    assert card.functions == ("0000:a3:00.0", "0000:a3:00.1") and card.rshim == "0000:a3:00.2"
+    assert card.mode_source == "/dev/rshim0/misc" and "DPU mode" in (card.mode_evidence or "")
+    assert {x.level for x in facts.distances if x.target_kind == "dpu"} == {"PXB"}
+    assert facts.gpudirect_rdma.available and facts.doca.version == "2.9.1"
+    assert facts.gpu_probe.nvml == "not checked" and facts.agent.reachable is None
+
+
+def test_h100x8_topology_and_raid() -> None:
+    facts = detect(load_offload({}), root=str(HOSTS / "h100x8-gds"), cache_dir="/raid/kv")
+    assert len(facts.gpus) == 8 and len(facts.nvme) == 9
+    assert facts.cache_dir.block_device == "md0"
+    assert facts.cache_dir.nvme == ("nvme0", "nvme1", "nvme2", "nvme3")
+    levels = {(x.gpu_index, x.target_name): x.level for x in facts.distances}
+    assert levels[(0, "nvme0")] == "PIX" and levels[(0, "nvme2")] == "PHB"
+    assert levels[(0, "nvme4")] == "SYS" and levels[(7, "nvme7")] == "PIX"
+    assert [g.numa_node for g in facts.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("machine,cfg,cache,check", [
+    ("bf3-arm", {"transfer": {"path": "gds"}}, None, "platform:"),
+    ("cpu-box", {"transfer": {"path": "dpu"}, **AGENT}, None, "bluefield:"),
+    ("cpu-box", {"transfer": {"path": "gds"}}, None, "gpu:"),
+    ("h100-bf3-nic", {"transfer": {"path": "dpu"}, **AGENT}, None, "dpu_mode:"),
+    ("h100-gds-overlay", {"transfer": {"path": "gds"}}, "/var/cache/kv", "cache_fs:"),
+])
+def test_explicit_path_that_cannot_work_is_an_error(machine: str, cfg: dict, cache: str | None,
+                                                    check: str) -> None:
+    config = load_offload(cfg)
+    facts = detect(config, root=str(HOSTS / machine), cache_dir=cache)
+    with pytest.raises(PathUnavailableError) as e:
+        decide(facts, config)
+    assert isinstance(e.value, PathRejectedError)
+    assert e.value.check.startswith(check) and e.value.fix
+    assert check.rstrip(":") in str(e.value)
+
+
+def test_explicit_dpu_with_unreachable_agent() -> None:
+    config = load_offload({"transfer": {"path": "dpu"}, **AGENT})
+    live = Live(connect=lambda addr, timeout: (False, f"agent {addr} is not reachable: refused"))
+    facts = detect(config, root=str(HOSTS / "h100-bf3-dpu"), live=live)
+    with pytest.raises(PathRejectedError) as e:
+        decide(facts, config)
+    assert e.value.check.startswith("agent_reachable:")
+
+
+@pytest.mark.parametrize("machine", sorted(p.name for p in HOSTS.iterdir()))
+def test_cli_json_on_every_fixture_follows_the_schema(machine: str, capsys, tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("offload:\n  agent:\n    address: 10.0.0.2:7070\n")
+    rc = main(["detect", "--root", str(HOSTS / machine), "--config", str(cfg), "--json",
+               "--probe-io"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert validate(out, SCHEMA) == []
+    assert out["facts"]["io"]["source"] == "not checked"
+    assert out["decision"]["path"] in ("dpu", "gds", "cpu")
+
+
+def test_cli_text_report_on_a_fixture(capsys) -> None:
+    rc = main(["detect", "--root", str(HOSTS / "h100x8-gds"), "--cache-dir", "/raid/kv"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for part in ("Platform: inference host", "GPUs: 8", "NICs / DPUs: 4", "NVMe: 9",
+                 "PCIe distance", "GPUDirect Storage: available", "Decision",
+                 "role: host   path: gds", "rejected:", "- dpu: bluefield:"):
+        assert part in text, part
+
+
+def test_cli_explicit_path_error_exit_1(capsys, tmp_path: Path) -> None:
+    cfg = tmp_path / "gds.yaml"
+    cfg.write_text("offload:\n  transfer:\n    path: gds\n")
+    rc = main(["detect", "--root", str(HOSTS / "bf3-arm"), "--json", "--config", str(cfg)])
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert rc == 1 and validate(out, SCHEMA) == []
+    assert out["decision"] is None and out["error"]["check"].startswith("platform:")
+    assert "error: offload.transfer.path is 'gds'" in cap.err
+    rc = main(["detect", "--root", str(HOSTS / "cpu-box"), "--config", str(cfg)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "error: offload.transfer.path is 'gds'" in cap.out + cap.err
+    assert "gpu: no NVIDIA GPU" in cap.err
+
+
+def _tree(base: Path) -> dict[str, tuple[str, str]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(base):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(base))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_file():
+                out[rel] = ("file", p.read_text())
+    return out
+
+
+def test_checked_in_fixtures_match_the_builder(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("build_hosts", FIXTURES / "build_hosts.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    names = mod.build(tmp_path)
+    assert sorted(names) == sorted(p.name for p in HOSTS.iterdir())
+    for name in names:
+        assert _tree(tmp_path / name) == _tree(HOSTS / name), (
+            f"{name}: run `python tests/fixtures/build_hosts.py` and commit the trees")
+    assert filecmp.dircmp(tmp_path, HOSTS).left_only == []
+
+
+def test_fixture_links_are_relative_and_stay_inside() -> None:
+    for dirpath, dirnames, filenames in os.walk(HOSTS):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                target = os.readlink(p)
+                assert not target.startswith("/"), p
+                machine = HOSTS / p.relative_to(HOSTS).parts[0]
+                assert Path(os.path.realpath(p)).is_relative_to(machine.resolve()), p
