@@ -8,9 +8,10 @@ Primitives:
 - `RedisStore(cfg)`: a `BlockStore`. Batches are pipelined (EXISTS, SET NX [EX ttl],
   GET / GETEX for a sliding ttl, DEL); writes send the header and the caller's buffers without
   joining them (`redis_link.Vectored`). With `max_bytes` set, an LRU index kept in Redis itself
-  (a sorted set, a size hash and a byte counter under one hash tag, updated by Lua scripts that
-  read the server's clock) evicts our oldest blocks past the budget; blocks Redis drops by itself
-  (`maxmemory` eviction, expiry) leave the index when they are next found missing or expired.
+  (a sorted set scored by last use in the server's microseconds, a size hash and a byte
+  counter under one hash tag, updated by Lua scripts) evicts our oldest blocks past the
+  budget; blocks Redis drops by itself (`maxmemory` eviction, expiry) leave the index when they
+  are next found missing or expired.
 - `RedisDirectory(cfg)`: directory mode: which DPU agents hold a block (`sglo:v1:dir:` + key ->
   set of agent addresses), so a host finds blocks another host wrote through another agent.
 Lifecycle: construct (no connection yet), use from any thread, `close()`. Failures (Redis down,
@@ -44,7 +45,7 @@ PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
 
 _ADD = """
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function forget(m)
   local s = redis.call('HGET', KEYS[2], m)
   if s then redis.call('HDEL', KEYS[2], m); redis.call('DECRBY', KEYS[3], s) end
@@ -75,7 +76,7 @@ return victims
 
 _TOUCH = """
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 for i = 2, #ARGV do
   if ARGV[1] == 'touch' then
     redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i])
@@ -288,8 +289,8 @@ class RedisStore:
         return self.link.run(call, f"budget {name}")
 
     def _budget_add(self, written: list[tuple[bytes, int]]) -> list[bytes]:
-        ttl_ms = int(self.cfg.ttl_s or 0) * 1000
-        args: list[Any] = [int(self.cfg.max_bytes or 0), ttl_ms]
+        ttl_us = int(self.cfg.ttl_s or 0) * 1_000_000
+        args: list[Any] = [int(self.cfg.max_bytes or 0), ttl_us]
         for rk, size in written:
             args += [rk, size]
         victims = self._script("add", _ADD, args) or []

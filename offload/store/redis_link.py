@@ -148,6 +148,12 @@ def read_password_file(path: str) -> str:
                            f"{e.strerror or e}"]) from None
 
 
+def _DOWN_ERRORS() -> tuple[type, ...]:
+    from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+
+    return (BusyLoadingError, ConnectionError, TimeoutError)
+
+
 class RedisLink:
     def __init__(self, cfg: RedisConfig, *, clock: Callable[[], float] = time.monotonic):
         if not cfg.url:
@@ -216,6 +222,10 @@ class RedisLink:
                     self._client = self._build()
                 client = self._client
             result = fn(client)
+            if isinstance(result, list):  # pipelines return per-command errors; some mean "down"
+                for r in result:
+                    if isinstance(r, _DOWN_ERRORS()):
+                        raise r
         except (redis.exceptions.RedisError, OSError) as e:
             self._fail(what, e)
             return None
