@@ -1,0 +1,93 @@
+"""Fixtures for the distribution build: the build script (loaded by path), the pinned upstream wheel
+(downloaded once into ~/.cache/sglang-offload/wheels; a failed download fails the tests), the
+patched wheel built from it, and a scratch virtualenv with that wheel installed.
+
+The scratch venv is a plain `python -m venv` (no system site-packages) with only the patched wheel
+(`--no-deps`). SGLang's modules need torch and friends to import, which that venv does not have, so
+tests byte-compile the installed files there and import them in this project's .venv with
+PYTHONPATH pointing at the scratch site-packages (`run_probe`), which shadows the installed SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script by path (distro/ is deliberately not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_probe(script: str, site: Path | None = None) -> dict:
+    """Run tests/distro/<script> with this .venv's Python; `site` first on sys.path if given."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
+    result = subprocess.run(
+        [sys.executable, str(HERE / script)], capture_output=True, text=True, env=env,
+        cwd=REPO, timeout=600,
+    )
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert result.returncode == 0 and lines, f"{script} failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+@pytest.fixture(scope="session")
+def probe():
+    """`probe(script, site=None) -> dict`: run a probe script, optionally against `site`."""
+    return run_probe
+
+
+@pytest.fixture(scope="session")
+def bw() -> ModuleType:
+    return load_script(REPO / "distro" / "build_wheel.py", "sglang_offload_build_wheel")
+
+
+@pytest.fixture(scope="session")
+def apply_mod() -> ModuleType:
+    return load_script(REPO / "distro" / "apply_patch.py", "sglang_offload_apply_patch")
+
+
+@pytest.fixture(scope="session")
+def pinned_wheel(bw) -> Path:
+    pin = bw.load_pin()
+    return bw.fetch_wheel(pin, bw.pick_wheel(pin))
+
+
+@pytest.fixture(scope="session")
+def built_wheel(bw, pinned_wheel, tmp_path_factory) -> Path:
+    return bw.build(tmp_path_factory.mktemp("dist"), from_file=pinned_wheel)
+
+
+@pytest.fixture(scope="session")
+def patched_site(built_wheel, tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("venv") / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+         "--no-compile", "--disable-pip-version-check", "-q", str(built_wheel)],
+        check=True,
+    )
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    return Path(site)
