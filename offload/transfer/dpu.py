@@ -41,6 +41,8 @@ class _Refused(_Down):
 
 
 class AgentStore:
+    name = "dpu"
+
     def __init__(self, address: str, secret: bytes, *, transport: str = "ucx",
                  timeout_s: float = 5.0, reconnect_s: float = 1.0, name: str | None = None):
         host, _, port = address.rpartition(":")
@@ -49,7 +51,7 @@ class AgentStore:
         self.transport = transport
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.host_name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
         self._ch: P.Channel | None = None
         self._info: P.HelloReply | None = None
@@ -59,6 +61,11 @@ class AgentStore:
         self._regions: list[tuple[int, int]] = []   # registered [start, end)
         self._regs: list[Any] = []
         self._namespaces: dict[bytes, Namespace] = {}
+
+    @classmethod
+    def open(cls, cfg: Any, decision: Any = None, store: Any = None) -> "AgentStore":
+        """The dpu `TransferPath` (`offload.transfer.base.open_path`): blocks live on the agent."""
+        return cls.from_config(cfg)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "AgentStore":
@@ -85,7 +92,7 @@ class AgentStore:
         addr, size = nixl_util.region_of(buffer)
         with self._lock:
             if self._nixl is None:
-                self._nixl = nixl_util.make_agent(self.name)
+                self._nixl = nixl_util.make_agent(self.host_name)
             self._regs.append(self._nixl.register_memory([(addr, size, 0, "")], "DRAM"))
             self._regions.append((addr, addr + size))
             self._drop()          # the next request says hello again, with the new metadata
@@ -122,7 +129,7 @@ class AgentStore:
             ch = P.handshake_client(sock, self.secret, self.timeout_s)
             self._ch = ch
             md = self._nixl.get_agent_metadata() if self._nixl is not None else None
-            info = self._request(P.HELLO, P.Hello(host=self.name, transport=self.transport,
+            info = self._request(P.HELLO, P.Hello(host=self.host_name, transport=self.transport,
                                                   nixl_md=md))[0]
             assert isinstance(info, P.HelloReply)
             self._info = info
