@@ -66,7 +66,7 @@ class Root:
             return []
 
     def realpath(self, machine_path: str) -> str | None:
-        """The machine path a (chain of) symlink(s) leads to; None if missing or outside the root."""
+        """The machine path a chain of symlinks leads to; None if missing or outside the root."""
         host = self.host(machine_path)
         if not os.path.lexists(host):
             return None

@@ -17,7 +17,8 @@ def _sysfs_gpus(pci: dict[str, PciDevice]) -> list[PciDevice]:
     return sorted((d for d in pci.values() if d.is_nvidia_gpu), key=lambda d: d.bdf)
 
 
-def probe_gpus(root: Root, pci: dict[str, PciDevice], live: Live) -> tuple[GpuProbe, tuple[Gpu, ...]]:
+def probe_gpus(root: Root, pci: dict[str, PciDevice],
+               live: Live) -> tuple[GpuProbe, tuple[Gpu, ...]]:
     sys_gpus = _sysfs_gpus(pci)
     nvml = live.nvml() if live.nvml is not None else None
     if nvml is not None and nvml.status == "ok":

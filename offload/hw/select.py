@@ -20,6 +20,7 @@ from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.hw.facts import Facts, NetCard, cache_numa_node, gpu_numa_node
 from offload.hw.gds import fs_gds_support
+from offload.hw.live import NOT_CHECKED
 from offload.hw.pci import DPU_CAPABLE_NET_IDS, level_rank
 
 PREFERENCE = ("dpu", "gds", "cpu")
@@ -146,7 +147,7 @@ def dpu_checks(facts: Facts, cfg: OffloadConfig) -> tuple[list[Check], list[NetC
         detail = (f"{other[0].model} {other[0].bdf} cannot serve the DPU path" if other else
                   "no BlueField DPU found (PCI 0x15b3 a2d6/a2d9/a2dc/a2df)")
         return [Check("bluefield", False, detail, "install a BlueField-2 or newer DPU")], []
-    checks = [Check("bluefield", True, ", ".join(f"{c.model} {c.bdf}" for c in cards))]
+    checks = [Check("bluefield", True, ", ".join(f"{c.model} {c.bdf}" for c in cards) + " found")]
     in_dpu = [c for c in cards if c.mode == "dpu"]
     if not in_dpu:
         c = cards[0]
@@ -157,8 +158,9 @@ def dpu_checks(facts: Facts, cfg: OffloadConfig) -> tuple[list[Check], list[NetC
             fix = ("run the host rshim service (so /dev/rshim*/misc shows BF_MODE) or install "
                    "mlxconfig; or set offload.hw.dpu_mode: dpu")
         src = f" from {c.mode_source}" if c.mode_source else ""
-        checks.append(Check("dpu_mode", False, f"{c.model} {c.bdf} is in {c.mode} mode"
-                            f"{' (' + c.mode_evidence + src + ')' if c.mode_evidence else ''}", fix))
+        evidence = f" ({c.mode_evidence}{src})" if c.mode_evidence else ""
+        checks.append(Check("dpu_mode", False, f"{c.model} {c.bdf} is in {c.mode} mode{evidence}",
+                            fix))
         return checks, []
     checks.append(Check("dpu_mode", True, "; ".join(
         f"{c.model} {c.bdf} in DPU mode ({c.mode_evidence} from {c.mode_source})"
@@ -215,7 +217,8 @@ def _numa(facts: Facts, cfg: OffloadConfig) -> int | None:
 
 
 def _assumed(checks: list[Check]) -> list[str]:
-    return [f"assumed: {c.name} passes ({c.detail}; not checked on a fixture root)"
+    return [f"assumed: {c.name} passes ({c.detail}"
+            + (")" if NOT_CHECKED in c.detail else f"; {NOT_CHECKED} on a fixture root)")
             for c in checks if c.ok is None]
 
 
@@ -255,7 +258,9 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         gpu_direct = True
         reasons += [f"gds: {c.detail}" for c in gchecks if c.ok] + _assumed(gchecks)
     else:
-        where = facts.cache_dir.fs_type or "the cache file system"
+        cd = facts.cache_dir
+        where = (cd.fs_type or "the cache file system") + (f" ({cd.block_device})"
+                                                            if cd.block_device else "")
         reasons.append(f"cpu staging: pinned host buffers + O_DIRECT I/O on {where}"
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:

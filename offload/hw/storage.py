@@ -55,7 +55,8 @@ def parse_mountinfo(text: str) -> list[Mount]:
 
 
 def _under(path: str, mount_point: str) -> bool:
-    return mount_point == "/" or path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+    return (mount_point == "/" or path == mount_point
+            or path.startswith(mount_point.rstrip("/") + "/"))
 
 
 def find_mount(mounts: list[Mount], path: str, device: str | None = None) -> Mount | None:
@@ -148,7 +149,8 @@ def probe_cache_dir(root: Root, path: str) -> CacheDir:
     return CacheDir(path=path, exists=exists, mount_point=m.mount_point, fs_type=m.fs_type,
                     mount_source=m.source, mount_options=m.options, device=m.device,
                     block_device=block, disks=tuple(disks), nvme=nvme, free_bytes=free,
-                    source=f"{how}{MOUNTINFO}" + ("" if root.live else f" (free space {NOT_CHECKED})"),
+                    source=f"{how}{MOUNTINFO}"
+                    + ("" if root.live else f" (free space {NOT_CHECKED})"),
                     reason=where)
 
 
@@ -171,11 +173,12 @@ def probe_nvme(root: Root, pci: dict[str, PciDevice]) -> tuple[Nvme, ...]:
             if not _NS.match(ns):
                 continue
             sectors = root.read_int(f"{base}/{ns}/size")
+            rot = root.read_int(f"{base}/{ns}/queue/rotational")
             namespaces.append(NvmeNamespace(
-                name=re.sub(r"c\d+n", "n", ns), size_bytes=sectors * 512 if sectors is not None
-                else None, logical_block_size=root.read_int(f"{base}/{ns}/queue/logical_block_size"),
-                rotational=(lambda r: None if r is None else bool(r))(
-                    root.read_int(f"{base}/{ns}/queue/rotational"))))
+                name=re.sub(r"c\d+n", "n", ns),
+                size_bytes=sectors * 512 if sectors is not None else None,
+                logical_block_size=root.read_int(f"{base}/{ns}/queue/logical_block_size"),
+                rotational=None if rot is None else bool(rot)))
         transport = root.read(f"{base}/transport")
         out.append(Nvme(name=name, model=root.read(f"{base}/model"),
                         serial=root.read(f"{base}/serial"),
