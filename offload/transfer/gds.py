@@ -1,0 +1,237 @@
+"""The gds path: GPUDirect Storage with kvikio `CuFile`, GPU memory <-> the disk store's slots.
+
+Used only when detection reports GDS really available (never compat-only): `GdsPath.open` refuses
+otherwise, and kvikio runs with compat mode OFF so that a file cuFile cannot take fails loudly
+instead of silently bouncing through host memory. Such a file (`CuFile` open or a transfer
+raising) falls back, for that file only and logged once, to the cpu path (pinned, double-buffered
+staging through the store's own O_DIRECT I/O).
+
+Primitives:
+- `SlotStore`: what the store exposes for a path that writes its slots itself (DiskStore):
+  `reserve_slots(keys, sizes) -> list[Slot | None]` (None: already stored or no room; slots are
+  4 KiB-aligned data areas inside slab files), `commit_slots(slots, checksums) -> list[bool]`
+  (writes headers with our checksum kind, fdatasync, makes them visible), `abort_slots(slots)`,
+  `locate_many(keys) -> list[Slot | None]` (committed blocks with their stored checksum).
+- `wsum64(tensor)`: the block checksum computed on the GPU (position-weighted 64-bit word sum;
+  the store verifies the same sum on the CPU with `wsum64_numpy` when such a block is read there).
+- `GdsPath(store)`: `put_many` / `get_many` on CUDA tensors; host buffers go to the cpu path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from offload.errors import PathUnavailableError
+from offload.keys import Namespace
+from offload.store.base import BlockStore, Buffer, StoreStats
+
+log = logging.getLogger(__name__)
+CHECKSUM_KIND = "wsum64"
+
+
+@dataclass(frozen=True)
+class Slot:
+    key: bytes
+    path: str          # slab file
+    offset: int        # where the block's data starts (4 KiB aligned)
+    length: int
+    checksum: int = 0  # stored checksum (locate_many), 0 when reserving
+    token: int = 0     # the store's handle of a reservation
+
+
+class SlotStore(BlockStore, Protocol):
+    def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]: ...
+    def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int]) -> list[bool]: ...
+    def abort_slots(self, slots: Sequence[Slot]) -> None: ...
+    def locate_many(self, keys: Sequence[bytes]) -> list[Slot | None]: ...
+
+
+def wsum64(data: Any) -> int:
+    """Checksum of a CUDA uint8 tensor: sum of 64-bit words times odd position weights, mod 2^64."""
+    import torch
+
+    flat = data.reshape(-1).view(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    words = flat.view(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) * 2 + 1
+    s = int((words * weights).sum().item()) & ((1 << 64) - 1)     # int64 wraps: mod 2^64
+    return s ^ (flat.numel() - pad)
+
+
+def wsum64_numpy(buf: Buffer) -> int:
+    """The same checksum on the CPU (for the store to verify gds-written blocks)."""
+    import numpy as np
+
+    raw = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    n = raw.size
+    if n % 8:
+        raw = np.concatenate([raw, np.zeros(8 - n % 8, np.uint8)])
+    words = raw.view(np.uint64)
+    weights = np.arange(words.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        s = int((words * weights).sum(dtype=np.uint64))
+    return s ^ n
+
+
+def gds_really_available(decision: Any) -> tuple[bool, str]:
+    """GDS only when detection chose it with GPU-direct (never a compat-only setup)."""
+    if decision is None:
+        return False, "no detection decision: run `sglang-offload detect`"
+    if getattr(decision, "path", None) != "gds" or not getattr(decision, "gpu_direct", False):
+        return False, f"detection chose {getattr(decision, 'path', '?')}, not GDS"
+    return True, "detection: GDS available (not compat mode)"
+
+
+class GdsPath:
+    name = "gds"
+
+    def __init__(self, store: SlotStore, fallback: BlockStore | None = None):
+        import kvikio
+        import kvikio.defaults
+
+        self.kvikio = kvikio
+        kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF)
+        self.store = store
+        if fallback is None:
+            from offload.transfer.cpu_staging import CpuStagingPath
+
+            fallback = CpuStagingPath(store)
+        self.fallback = fallback
+        self._files: dict[str, Any] = {}
+        self._no_gds: set[str] = set()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None) -> "GdsPath":
+        ok, why = gds_really_available(decision)
+        if not ok and cfg.transfer.path == "gds":
+            raise PathUnavailableError(f"offload.transfer.path gds: {why}")
+        if store is None:
+            from offload.store.disk import DiskStore
+
+            store = DiskStore(cfg.store)
+        if not hasattr(store, "reserve_slots"):
+            raise PathUnavailableError("gds: the store does not expose its slots (reserve_slots)")
+        try:
+            return cls(store)  # type: ignore[arg-type]
+        except ImportError as e:
+            raise PathUnavailableError(f"gds needs kvikio: pip install 'sglang-offload[gds]' "
+                                       f"({e})") from None
+
+    def _file(self, path: str) -> Any | None:
+        with self._lock:
+            if path in self._no_gds:
+                return None
+            f = self._files.get(path)
+            if f is None:
+                try:
+                    f = self.kvikio.CuFile(path, "r+")
+                except Exception as e:  # noqa: BLE001 - per-file fallback, logged once
+                    log.warning("gds: %s cannot be used by cuFile (%s); CPU staging for it", path, e)
+                    self._no_gds.add(path)
+                    return None
+                self._files[path] = f
+            return f
+
+    def _demote(self, path: str, e: BaseException) -> None:
+        with self._lock:
+            log.warning("gds: I/O on %s failed (%s); CPU staging for it from now on", path, e)
+            self._no_gds.add(path)
+            f = self._files.pop(path, None)
+        if f is not None:
+            f.close()
+
+    def register_region(self, buffer: Any) -> None:
+        """Nothing to register: cuFile registers GPU buffers per transfer."""
+
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
+        ok = [False] * len(keys)
+        gpu = [i for i, bs in enumerate(blocks) if len(bs) == 1 and getattr(bs[0], "is_cuda", False)]
+        rest = [i for i in range(len(keys)) if i not in set(gpu)]
+        sizes = [blocks[i][0].numel() * blocks[i][0].element_size() for i in gpu]
+        slots = self.store.reserve_slots([keys[i] for i in gpu], sizes) if gpu else []
+        done: list[Slot] = []
+        sums: list[int] = []
+        for i, slot in zip(gpu, slots):
+            if slot is None:
+                ok[i] = self.store.exists_many([keys[i]])[0]
+                continue
+            f = self._file(slot.path)
+            try:
+                if f is None:
+                    raise OSError("no GDS for this file")
+                t = blocks[i][0]
+                if f.pwrite(t, slot.length, slot.offset).get() != slot.length:
+                    raise OSError("short write")
+                done.append(slot)
+                sums.append(wsum64(t))
+            except Exception as e:  # noqa: BLE001
+                if f is not None:
+                    self._demote(slot.path, e)
+                self.store.abort_slots([slot])
+                rest.append(i)
+        for slot, flag in zip(done, self.store.commit_slots(done, sums) if done else []):
+            ok[keys.index(slot.key)] = flag
+        if rest:
+            for i, flag in zip(rest, self.fallback.put_many([keys[i] for i in rest],
+                                                            [blocks[i] for i in rest])):
+                ok[i] = flag
+        return ok
+
+    def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]) -> list[bool]:
+        ok = [False] * len(keys)
+        gpu = [i for i, bs in enumerate(dests) if len(bs) == 1 and getattr(bs[0], "is_cuda", False)]
+        rest = [i for i in range(len(keys)) if i not in set(gpu)]
+        slots = self.store.locate_many([keys[i] for i in gpu]) if gpu else []
+        for i, slot in zip(gpu, slots):
+            t = dests[i][0]
+            if slot is None or slot.length != t.numel() * t.element_size():
+                continue
+            f = self._file(slot.path)
+            if f is None:
+                rest.append(i)
+                continue
+            try:
+                if f.pread(t, slot.length, slot.offset).get() != slot.length:
+                    raise OSError("short read")
+            except Exception as e:  # noqa: BLE001
+                self._demote(slot.path, e)
+                rest.append(i)
+                continue
+            if wsum64(t) != slot.checksum:
+                log.warning("gds: block %s fails its checksum; deleted, a miss", keys[i].hex()[:16])
+                self.store.delete_many([keys[i]])
+                continue
+            ok[i] = True
+        if rest:
+            for i, flag in zip(rest, self.fallback.get_many([keys[i] for i in rest],
+                                                            [dests[i] for i in rest])):
+                ok[i] = flag
+        return ok
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.store.exists_many(keys)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        return self.store.delete_many(keys)
+
+    def register_namespace(self, ns: Namespace) -> None:
+        self.store.register_namespace(ns)
+
+    def stats(self) -> StoreStats:
+        s = self.store.stats()
+        s.extra = dict(s.extra, path="gds", gds_files=len(self._files),
+                       gds_fallback_files=len(self._no_gds))
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+        self.fallback.close()
