@@ -222,3 +222,8 @@ def test_fixture_links_are_relative_and_stay_inside() -> None:
                 assert not target.startswith("/"), p
                 machine = HOSTS / p.relative_to(HOSTS).parts[0]
                 assert Path(os.path.realpath(p)).is_relative_to(machine.resolve()), p
+
+
+def test_relative_cache_dir_with_a_fixture_root_is_bad_input(capsys) -> None:
+    rc = main(["detect", "--root", str(HOSTS / "cpu-box"), "--cache-dir", "kv"])
+    assert rc == 2 and "absolute path inside the root" in capsys.readouterr().err
