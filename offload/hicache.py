@@ -22,6 +22,7 @@ to swap in another tier (tests inject a `MemoryStore`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError, PathUnavailableError
 from offload.hicache_layout import PageMap
-from offload.keys import Namespace, block_key
+from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
 from offload.store.base import BlockStore, Buffer
 
 if TYPE_CHECKING:
@@ -115,6 +116,28 @@ def namespace_for(storage_config: HiCacheStorageConfig, host_pool: Any, page_byt
         pp_rank=sc.pp_rank, pp_size=sc.pp_size, mla=mla, salt=salt, extra=extra)
 
 
+def key_maker(ns_digest: bytes) -> Callable[[Sequence[str]], list[bytes]]:
+    """Block keys of a batch of page hashes: `block_key` with the hasher set up once per batch
+    (about 2x faster). Checked against `block_key` here; if they ever differ, `block_key` is used.
+    """
+    base = hashlib.blake2b(digest_size=KEY_BYTES - NS_BYTES, person=b"sglo-page-v1")
+
+    def fast(keys: Sequence[str]) -> list[bytes]:
+        out = []
+        new = base.copy
+        for k in keys:
+            h = new()
+            h.update(k.encode() if isinstance(k, str) else bytes(k))
+            out.append(ns_digest + h.digest())
+        return out
+
+    def slow(keys: Sequence[str]) -> list[bytes]:
+        return [block_key(ns_digest, k) for k in keys]
+
+    probe = ["0123abcd" * 8, "x"]
+    return fast if fast(probe) == slow(probe) else slow
+
+
 class OffloadStorage(HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
@@ -133,6 +156,7 @@ class OffloadStorage(HiCacheStorage):
         self.pages: PageMap | None = None
         self.namespace: Namespace | None = None
         self._ns_digest = b""
+        self._make_keys: Callable[[Sequence[str]], list[bytes]] = key_maker(b"")
         self._lock = threading.Lock()
         self._metrics = storage_config.enable_storage_metrics
         self._prefetch_pgs: list[int] = []
@@ -148,6 +172,7 @@ class OffloadStorage(HiCacheStorage):
         self.namespace = namespace_for(self.storage_config, mem_pool_host, self.pages.page_bytes,
                                        self.cfg.store.salt)
         self._ns_digest = self.namespace.digest()
+        self._make_keys = key_maker(self._ns_digest)
         self.store.register_namespace(self.namespace)
         logger.info("offload: HiCache backend on %s, layout %s, %d-byte pages in %d buffer(s), "
                     "zero copy %s, writer %s", self.cfg.store.path, self.pages.layout,
@@ -190,8 +215,7 @@ class OffloadStorage(HiCacheStorage):
     # ---------------------------------------------------------------- keys and bookkeeping
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        d = self._ns_digest
-        return [block_key(d, k) for k in keys]
+        return self._make_keys(keys)
 
     def _record(self, pages: list[int], bws: list[float], n: int, nbytes: int, t0: float) -> None:
         if not self._metrics or n == 0:

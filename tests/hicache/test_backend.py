@@ -214,3 +214,11 @@ def test_metrics_and_clear(tmp_path):
     assert quiet.batch_exists(KEYS[:3]) == 3                 # another namespace is kept
     b.close()
     quiet.close()
+
+
+def test_fast_block_keys_equal_block_key():
+    from offload.keys import block_key
+
+    ns = bytes(range(16))
+    hashes = ["", "a", "f" * 64, "é"] + KEYS
+    assert hicache.key_maker(ns)(hashes) == [block_key(ns, h) for h in hashes]
