@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 from typing import Any, Sequence
 
 from offload.config import RedisConfig
@@ -134,7 +135,13 @@ class RedisStore:
         self.link = link or RedisLink(cfg)
         self._stats = StoreStats(capacity=int(cfg.max_bytes or 0))
         self._scripts: dict[str, Any] = {}
-        self.size_mismatches = 0
+        self._lock = threading.Lock()
+        self._mismatches = 0
+
+    def _add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
 
     @staticmethod
     def rkey(key: bytes) -> bytes:
@@ -147,7 +154,7 @@ class RedisStore:
         todo = [i for i in range(n) if len(keys[i]) == KEY_BYTES]
         present = self._exists([keys[i] for i in todo]) if todo else []
         if present is None:
-            self._stats.put_skipped += n
+            self._add(put_skipped=n)
             return out
         missing = []
         for i, p in zip(todo, present):
@@ -183,9 +190,8 @@ class RedisStore:
                 if r:  # None: another replica stored it first
                     size = sum(v.nbytes for v in views[i])
                     written.append((self.rkey(keys[i]), size))
-                    self._stats.puts += 1
-                    self._stats.bytes_written += size
-        self._stats.put_skipped += out.count(False)
+                    self._add(puts=1, bytes_written=size)
+        self._add(put_skipped=out.count(False))
         if budget is not None and written:
             victims = set(self._budget_add(written))
             for i in missing:
@@ -224,7 +230,8 @@ class RedisStore:
                 corrupt.append(self.rkey(keys[i]))
                 continue
             if body.nbytes != want[i]:
-                self.size_mismatches += 1
+                with self._lock:
+                    self._mismatches += 1
                 continue
             pos = 0
             for b in dests[i]:
@@ -233,9 +240,9 @@ class RedisStore:
                 pos += mv.nbytes
             out[i] = True
             hits.append(self.rkey(keys[i]))
-            self._stats.bytes_read += body.nbytes
+            self._add(bytes_read=body.nbytes)
         if corrupt:
-            self._stats.checksum_failures += len(corrupt)
+            self._add(checksum_failures=len(corrupt))
             log.warning("deleting %d corrupt block(s) in Redis", len(corrupt))
             self._delete_raw(corrupt)
             gone += corrupt
@@ -244,8 +251,7 @@ class RedisStore:
                 self._script("touch", _TOUCH, [b"touch", *hits])
             if gone:
                 self._script("touch", _TOUCH, [b"forget", *gone])
-        self._stats.hits += len(hits)
-        self._stats.misses += n - len(hits)
+        self._add(hits=len(hits), misses=n - len(hits))
         return out
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -296,7 +302,7 @@ class RedisStore:
         victims = self._script("add", _ADD, args) or []
         if victims:
             self._delete_raw(victims)
-            self._stats.evictions += len(victims)
+            self._add(evictions=len(victims))
         return [bytes(v) for v in victims]
 
     # -- control path -----------------------------------------------------------------------
@@ -309,8 +315,10 @@ class RedisStore:
         self.link.ping()
 
     def stats(self) -> StoreStats:
-        s = StoreStats(**vars(self._stats))
-        s.extra = dict(self.link.counters(), size_mismatches=self.size_mismatches)
+        with self._lock:
+            s = StoreStats(**vars(self._stats))
+            mismatches = self._mismatches
+        s.extra = dict(self.link.counters(), size_mismatches=mismatches)
         if self.cfg.max_bytes is not None and self.link.available():
             def read(c: Any) -> list[Any]:
                 pipe = c.pipeline(transaction=False)

@@ -187,3 +187,22 @@ def test_redis_not_imported_by_offload() -> None:
             "print('redis' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_many_threads_share_one_store(redis_server: RedisProc) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = make(redis_server.url)
+
+    def work(t: int) -> bool:
+        ks = keys(8, 100 * t)
+        data = [[block_bytes(f"{t}-{i}", SIZE)] for i in range(8)]
+        if not all(s.put_many(ks, data)):
+            return False
+        dests = [[bytearray(SIZE)] for _ in ks]
+        return all(s.get_many(ks, dests)) and [bytes(d[0]) for d in dests] == [d[0] for d in data]
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(work, range(12)))
+    st = s.stats()
+    assert (st.puts, st.hits) == (96, 96)

@@ -100,6 +100,7 @@ def test_dead_redis_costs_one_timeout_then_nothing(redis_factory) -> None:
         s.ping()
 
 
+@pytest.mark.timeout(60)  # without the socket timeout this call would block forever
 def test_hung_redis_times_out(redis_server: RedisProc) -> None:
     s = make(redis_server.url)
     k = NS.key("h")
