@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     from offload.agent.auth import load_secret
     from offload.agent.server import AgentServer
 
-    logging.getLogger("offload.agent").setLevel(logging.INFO)
+    agent_log = logging.getLogger("offload.agent")
+    if agent_log.getEffectiveLevel() > logging.INFO:
+        agent_log.setLevel(logging.INFO)       # connections and rejections are always logged
     if args.max_clients < 1 or args.io_timeout <= 0 or args.max_frame < (1 << 20):
         raise ConfigError(["agent: --max-clients >= 1, --io-timeout > 0, --max-frame >= 1MiB"])
     secret = load_secret(args.secret_file)

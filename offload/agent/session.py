@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from offload.agent import protocol as P
@@ -47,6 +48,7 @@ class Session:
         self.host = "?"
         self.nixl_peer: str | None = None
         self.staging: "Staging | None" = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -82,6 +84,9 @@ class Session:
             self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.staging is not None:
             self.staging.close()
             self.staging = None
@@ -230,40 +235,59 @@ class Session:
         if not todo:
             return ok
         staging = self._staging()
-        pending: tuple[list[int], int, object] | None = None
+        writing: list[Future | None] = [None, None]     # store write in flight, per half
         for g, group in enumerate(self._groups(todo, req.sizes)):
-            view, base = staging.half(g % 2)
-            local, remote, off = [], [], 0
+            h = g % 2
+            self._collect(writing[h], ok)                # this half's previous group is stored
+            writing[h] = None
+            view, base = staging.half(h)
+            local, remote, off = self._pairs(req, group, base)
+            if time.monotonic() > deadline or not nixl_util.run_xfer(
+                    self.server.mover.agent, "READ", local, remote, self.nixl_peer, deadline):
+                break
+            self.server.count("bytes_nixl_in", off)
+            blocks, off = [], 0
             for i in group:
-                for addr, n in req.descs[i]:
-                    local.append((base + off, n))
-                    remote.append((addr, n))
-                    off += n
-            try:
-                handle = nixl_util.start_xfer(self.server.mover.agent, "READ", local, remote,
-                                              self.nixl_peer)
-            except Exception as e:  # noqa: BLE001
-                log.warning("host %s: NIXL READ refused: %s", self.host, e)
-                handle = None
-            if pending is not None:
-                self._finish_put(req, pending, deadline, ok)
-            pending = (group, g % 2, handle)
-        if pending is not None:
-            self._finish_put(req, pending, deadline, ok)
+                blocks.append([view[off:off + req.sizes[i]]])
+                off += req.sizes[i]
+            # The store writes this group while NIXL reads the next one into the other half.
+            writing[h] = self._io().submit(self._store_put, [req.keys[i] for i in group],
+                                           blocks, group)
+        for fut in writing:
+            self._collect(fut, ok)
         return ok
 
-    def _finish_put(self, req: P.Blocks, pending: tuple, deadline: float, ok: list[bool]) -> None:
-        group, half, handle = pending
-        if handle is None or not nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
+    def _store_put(self, keys: list[bytes], blocks: list, group: list[int]
+                   ) -> list[tuple[int, bool]]:
+        return list(zip(group, self.server.store.put_many(keys, blocks)))
+
+    @staticmethod
+    def _collect(fut: "Future | None", ok: list[bool]) -> None:
+        if fut is None:
             return
-        self.server.count("bytes_nixl_in", sum(req.sizes[i] for i in group))
-        view, _ = self.staging.half(half)
-        blocks, off = [], 0
-        for i in group:
-            blocks.append([view[off:off + req.sizes[i]]])
+        try:
+            for i, flag in fut.result():
+                ok[i] = flag
+        except Exception as e:  # noqa: BLE001 - the store never raises; be sure of it
+            log.warning("store call failed: %s", e)
+
+    def _pairs(self, req: P.Blocks, group: Sequence[int], base: int,
+               offs: Sequence[int] | None = None) -> tuple[list, list, int]:
+        """Matching (local staging, remote host) descriptor lists for a group of blocks."""
+        local, remote, off = [], [], 0
+        for k, i in enumerate(group):
+            o = offs[k] if offs is not None else off
+            for addr, n in req.descs[i]:           # type: ignore[index]
+                local.append((base + o, n))
+                remote.append((addr, n))
+                o += n
             off += req.sizes[i]
-        for i, flag in zip(group, self.server.store.put_many([req.keys[i] for i in group], blocks)):
-            ok[i] = flag
+        return local, remote, off
+
+    def _io(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"agent-io-{self.conn_id}")
+        return self._pool
 
     def _get(self, req: P.Blocks) -> tuple[list[bool], list[memoryview]]:
         self._check(req)
@@ -284,42 +308,39 @@ class Session:
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
         staging = self._staging()
-        pending: tuple[list[int], object, int] | None = None
-        for g, group in enumerate(self._groups(range(len(req.keys)), req.sizes)):
-            if time.monotonic() > deadline:
+        groups = self._groups(range(len(req.keys)), req.sizes)
+        reading = self._io().submit(self._store_get, req, groups[0], 0) if groups else None
+        for g, group in enumerate(groups):
+            assert reading is not None
+            try:
+                flags, offs = reading.result()
+            except Exception as e:  # noqa: BLE001
+                log.warning("store read failed: %s", e)
                 break
-            view, base = staging.half(g % 2)
-            dests, offs, off = [], [], 0
-            for i in group:
-                dests.append([view[off:off + req.sizes[i]]])
-                offs.append(off)
-                off += req.sizes[i]
-            flags = store.get_many([req.keys[i] for i in group], dests)
-            if pending is not None:
-                self._finish_get(pending, deadline, ok)
-                pending = None
-            local, remote, hits = [], [], []
-            for i, o, f in zip(group, offs, flags):
-                if f:
-                    for addr, n in req.descs[i]:
-                        local.append((base + o, n))
-                        remote.append((addr, n))
-                        o += n
-                    hits.append(i)
-            if hits and time.monotonic() < deadline:
-                try:
-                    handle = nixl_util.start_xfer(self.server.mover.agent, "WRITE", local,
-                                                  remote, self.nixl_peer)
-                    pending = (hits, handle, sum(req.sizes[i] for i in hits))
-                except Exception as e:  # noqa: BLE001
-                    log.warning("host %s: NIXL WRITE refused: %s", self.host, e)
-        if pending is not None:
-            self._finish_get(pending, deadline, ok)
+            # The store reads the next group into the other half while NIXL writes this one.
+            reading = (self._io().submit(self._store_get, req, groups[g + 1], (g + 1) % 2)
+                       if g + 1 < len(groups) and time.monotonic() < deadline else None)
+            hits = [i for i, f in zip(group, flags) if f]
+            if not hits or time.monotonic() > deadline:
+                continue
+            _, base = staging.half(g % 2)
+            local, remote, nbytes = self._pairs(req, hits, base,
+                                                [o for o, f in zip(offs, flags) if f])
+            if nixl_util.run_xfer(self.server.mover.agent, "WRITE", local, remote,
+                                  self.nixl_peer, deadline):
+                self.server.count("bytes_nixl_out", nbytes)
+                for i in hits:
+                    ok[i] = True
+        if reading is not None:
+            reading.result()     # never leave a read into staging running past this request
         return ok, []
 
-    def _finish_get(self, pending: tuple, deadline: float, ok: list[bool]) -> None:
-        hits, handle, nbytes = pending
-        if nixl_util.wait_xfer(self.server.mover.agent, handle, deadline):
-            self.server.count("bytes_nixl_out", nbytes)
-            for i in hits:
-                ok[i] = True
+    def _store_get(self, req: P.Blocks, group: list[int], half: int
+                   ) -> tuple[list[bool], list[int]]:
+        view, _ = self.staging.half(half)   # type: ignore[union-attr]
+        dests, offs, off = [], [], 0
+        for i in group:
+            dests.append([view[off:off + req.sizes[i]]])
+            offs.append(off)
+            off += req.sizes[i]
+        return self.server.store.get_many([req.keys[i] for i in group], dests), offs

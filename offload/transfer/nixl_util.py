@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
 from types import ModuleType
 from typing import Any, Sequence
@@ -37,12 +39,60 @@ def import_nixl() -> ModuleType:
     return nixl
 
 
-def make_agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend, safe to use from several threads."""
+PROGRESS_DELAY_US = 10_000
+_construct_lock = threading.Lock()
+
+
+class _PacedBindings:
+    """NIXL's bindings module, except that agent configs get our progress-thread delay."""
+
+    def __init__(self, bindings: ModuleType, delay_us: int):
+        self._b = bindings
+        self._delay = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._b, name)
+
+    def nixlAgentConfig(self) -> Any:  # noqa: N802 - mirrors the binding's name
+        return _PacedConfig(self._b.nixlAgentConfig(), self._delay)
+
+    def nixlAgent(self, name: str, cfg: Any) -> Any:  # noqa: N802
+        return self._b.nixlAgent(name, cfg.inner if isinstance(cfg, _PacedConfig) else cfg)
+
+
+class _PacedConfig:
+    def __init__(self, inner: Any, delay_us: int):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "delay", delay_us)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        setattr(self.inner, key, self.delay if key == "pthrDelay" else value)
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self.inner, key)
+
+
+def make_agent(name: str, progress_delay_us: int = PROGRESS_DELAY_US) -> Any:
+    """A NIXL agent with the UCX backend, safe to use from several threads.
+
+    NIXL's Python wrapper hard-codes a progress-thread delay of 0: its thread then polls UCX
+    without pause and burns a CPU core for the life of the process, even on a host whose memory
+    is only read and written by its peer. `progress_delay_us` paces that thread instead (it
+    still wakes on UCX events; one-sided RDMA / CMA transfers need no target-side progress).
+    """
     nixl = import_nixl()
     cfg = nixl.nixl_agent_config(backends=["UCX"],
                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-    agent = nixl.nixl_agent(name, cfg)
+    api = sys.modules.get("nixl._api")
+    with _construct_lock:
+        original = getattr(api, "nixlBind", None)
+        if api is not None and original is not None and progress_delay_us:
+            api.nixlBind = _PacedBindings(original, progress_delay_us)
+        try:
+            agent = nixl.nixl_agent(name, cfg)
+        finally:
+            if api is not None and original is not None:
+                api.nixlBind = original
     if "UCX" not in agent.backends:
         raise PathUnavailableError("NIXL has no UCX backend on this host")
     return agent

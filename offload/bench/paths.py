@@ -1,0 +1,253 @@
+"""`sglang-offload bench paths`: GB/s of each transfer path beside its baselines, same run.
+
+For each block size (2-16 MiB): raw O_DIRECT disk bandwidth (`rawdisk`), NIXL's own loopback
+bandwidth (a second process READs / WRITEs this process's registered memory with nothing else in
+the way), then
+- cpu: `CpuStagingPath` over a `DiskStore` (ratio to raw disk);
+- dpu: `AgentStore` against a real agent process on loopback (UCX), with the agent's store in DRAM
+  (ratio to NIXL loopback: the protocol's overhead) and on disk (ratio to raw disk);
+- gds: only where CUDA, kvikio and the store's slots are there (else reported as skipped).
+Host CPU seconds per GB moved (time.process_time of this process, all its threads) for cpu vs
+dpu: the point of the DPU path is that the host CPU copies nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from offload.config import Size, StoreConfig, format_size
+
+SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="cache directory on the disk to measure "
+                   "(default: a temporary directory under $TMPDIR)")
+    p.add_argument("--total", default="512MiB", help="bytes moved per path and block size")
+    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
+                   help="block sizes, comma separated")
+    p.add_argument("--batch", type=int, default=8, help="blocks per put/get call")
+    p.add_argument("--paths", default="cpu,dpu,gds", help="paths to measure")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _timed(fn: Callable[[], list[bool]]) -> tuple[float, float, bool]:
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    ok = all(fn())
+    return time.perf_counter() - t0, time.process_time() - cpu0, ok
+
+
+def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag: bytes
+            ) -> dict[str, float]:
+    """Put then get `total` bytes in calls of `batch` blocks; GB/s and host CPU s/GB."""
+    rounds = max(1, total // (size * batch))
+    blocks = [[buf[i * size:(i + 1) * size]] for i in range(batch)]
+    keys = [[tag + r.to_bytes(8, "big") + i.to_bytes(8, "big") + bytes(16 - len(tag))
+             for i in range(batch)] for r in range(rounds)]
+    wall = {"put": 0.0, "get": 0.0}
+    cpu = {"put": 0.0, "get": 0.0}
+    failed = 0
+    for r in range(rounds):
+        w, c, ok = _timed(lambda: store.put_many(keys[r], blocks))
+        wall["put"] += w
+        cpu["put"] += c
+        failed += not ok
+    for r in range(rounds):
+        w, c, ok = _timed(lambda: store.get_many(keys[r], blocks))
+        wall["get"] += w
+        cpu["get"] += c
+        failed += not ok
+    gb = rounds * batch * size / 1e9
+    return {"put_gbps": gb / wall["put"], "get_gbps": gb / wall["get"],
+            "cpu_s_per_gb": (cpu["put"] + cpu["get"]) / (2 * gb), "failed_calls": failed}
+
+
+def nixl_peer_main() -> None:
+    """The loopback baseline's other process: READ then WRITE the host's memory, timed."""
+    from offload.transfer import nixl_util
+
+    req = json.loads(sys.stdin.readline())
+    agent = nixl_util.make_agent(f"bench-peer-{os.getpid()}")
+    peer = agent.add_remote_agent(bytes.fromhex(req["md"]))
+    size, batch, rounds = req["size"], req["batch"], req["rounds"]
+    local = mmap.mmap(-1, size * batch)
+    base, _ = nixl_util.region_of(local)
+    agent.register_memory([(base, size * batch, 0, "")], "DRAM")
+    ldesc = [(base + i * size, size) for i in range(batch)]
+    rdesc = [(req["addr"] + i * size, size) for i in range(batch)]
+    out = {}
+    for op in ("READ", "WRITE"):
+        nixl_util.run_xfer(agent, op, ldesc, rdesc, peer, time.monotonic() + 60)   # warm-up
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            if not nixl_util.run_xfer(agent, op, ldesc, rdesc, peer, time.monotonic() + 60):
+                out["error"] = f"{op} failed"
+        out[op] = rounds * batch * size / (time.perf_counter() - t0) / 1e9
+    print(json.dumps(out), flush=True)
+
+
+def nixl_loopback(buf: memoryview, size: int, batch: int, total: int) -> dict[str, float]:
+    from offload.transfer import nixl_util
+
+    agent = nixl_util.make_agent(f"bench-host-{os.getpid()}")
+    addr, n = nixl_util.region_of(buf)
+    reg = agent.register_memory([(addr, n, 0, "")], "DRAM")
+    code = "from offload.bench.paths import nixl_peer_main; nixl_peer_main()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = p.communicate(json.dumps({
+            "md": agent.get_agent_metadata().hex(), "addr": addr, "size": size, "batch": batch,
+            "rounds": max(1, total // (size * batch))}) + "\n", timeout=600)
+        res = json.loads(out.strip().splitlines()[-1])
+    finally:
+        if p.poll() is None:
+            p.kill()
+        agent.deregister_memory(reg)
+    return {"put_gbps": res["READ"], "get_gbps": res["WRITE"]}
+
+
+class Agent:
+    """A real agent process for the dpu path."""
+
+    def __init__(self, args: list[str], secret: str, tmp: str):
+        ready = os.path.join(tmp, f"ready-{time.monotonic_ns()}")
+        env = dict(os.environ, SGLANG_OFFLOAD_SECRET=secret)
+        env.setdefault("UCX_MODULES", "^ib")
+        self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "agent", "--listen",
+                                      "127.0.0.1:0", "--ready-file", ready, *args], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 60
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("the agent did not start")
+            time.sleep(0.05)
+        with open(ready) as f:
+            self.address = f"127.0.0.1:{f.read()}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
+    total = int(Size.parse(args.total))
+    paths = set(args.paths.split(","))
+    from offload.bench.rawdisk import raw_bandwidth
+
+    results: dict[str, Any] = {"total_bytes": total, "batch": args.batch, "sizes": {}}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        buf_map = mmap.mmap(-1, max(sizes) * args.batch)
+        buf_map.write(os.urandom(1 << 20) * (len(buf_map) >> 20))
+        buf = memoryview(buf_map)
+        for size in sizes:
+            row: dict[str, Any] = {}
+            w, r = raw_bandwidth(tmp, total, size)
+            row["raw_disk"] = {"put_gbps": w, "get_gbps": r}
+            if "cpu" in paths:
+                row["cpu"] = _cpu(tmp, size, total, args.batch, buf)
+            if "dpu" in paths:
+                row.update(_dpu(tmp, size, total, args.batch, buf))
+            if "gds" in paths:
+                row["gds"] = {"skipped": _gds_skip_reason()}
+            results["sizes"][format_size(size)] = row
+    _ratios(results)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        _table(results)
+    return 0
+
+
+def _cpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, float]:
+    from offload.store.disk import DiskStore
+    from offload.transfer.cpu_staging import CpuStagingPath
+
+    d = os.path.join(tmp, f"cpu-{size}")
+    path = CpuStagingPath(DiskStore(StoreConfig(path=d, capacity=Size(2 * total + (64 << 20)),
+                                                min_free=Size(0))))
+    try:
+        return measure(path, size, total, batch, buf, b"cpu")
+    finally:
+        path.close()
+
+
+def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, Any]:
+    from offload.transfer.dpu import AgentStore
+
+    out: dict[str, Any] = {}
+    try:
+        out["nixl_loopback"] = nixl_loopback(buf, size, batch, total)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports what it could not measure
+        return {"dpu": {"skipped": f"NIXL loopback failed: {e}"}}
+    secret = os.urandom(16).hex()
+    staging = str(max(64 << 20, 4 * size))
+    for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30))]),
+                             ("dpu_disk", ["--store", os.path.join(tmp, f"agent-{size}"),
+                                           "--capacity", str(2 * total + (64 << 20))])):
+        agent = Agent([*store_args, "--staging", staging], secret, tmp)
+        client = AgentStore(agent.address, secret.encode(), timeout_s=120)
+        try:
+            client.register_region(buf)
+            out[name] = measure(client, size, total, batch, buf, b"dpu")
+            out[name]["nixl_bytes"] = client.stats().extra.get("agent_bytes_nixl_in", 0)
+        finally:
+            client.close()
+            agent.stop()
+    return out
+
+
+def _gds_skip_reason() -> str:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU"
+        import kvikio  # noqa: F401
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    return "run on a GDS host with the store's slots API (see docs/transfer.md)"
+
+
+def _ratios(res: dict[str, Any]) -> None:
+    for row in res["sizes"].values():
+        for path, base in (("cpu", "raw_disk"), ("dpu", "nixl_loopback"),
+                           ("dpu_disk", "raw_disk")):
+            if path in row and base in row and "put_gbps" in row[path]:
+                for op in ("put", "get"):
+                    row[path][f"{op}_ratio"] = row[path][f"{op}_gbps"] / row[base][f"{op}_gbps"]
+        if "put_gbps" in row.get("cpu", {}) and "put_gbps" in row.get("dpu", {}):
+            row["host_cpu_dpu_over_cpu"] = (row["dpu"]["cpu_s_per_gb"] /
+                                            max(row["cpu"]["cpu_s_per_gb"], 1e-9))
+
+
+def _table(res: dict[str, Any]) -> None:
+    print(f"bench paths: {format_size(res['total_bytes'])} per path and size, {res['batch']} "
+          "blocks per call; GB/s put/get (ratio to its baseline); host CPU s per GB")
+    for size, row in res["sizes"].items():
+        print(f"\n{size} blocks")
+        for name, r in row.items():
+            if not isinstance(r, dict):
+                print(f"  host CPU dpu/cpu: {r:.2f}")
+            elif "skipped" in r:
+                print(f"  {name:14s} skipped: {r['skipped']}")
+            else:
+                line = f"  {name:14s} {r['put_gbps']:7.2f} / {r['get_gbps']:7.2f}"
+                if "put_ratio" in r:
+                    line += f"  ({r['put_ratio']:.2f}x / {r['get_ratio']:.2f}x)"
+                if "cpu_s_per_gb" in r:
+                    line += f"  cpu {r['cpu_s_per_gb']:.3f} s/GB"
+                print(line)
