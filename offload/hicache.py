@@ -45,8 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Keys of `--hicache-storage-backend-extra-config` this backend understands.
+# Keys of `--hicache-storage-backend-extra-config` this backend understands, and keys SGLang
+# itself reads from (or adds to) the same dictionary, which the backend ignores.
 EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "offload", "config_file")
+SGLANG_KEYS = ("allocator", "file_storage_path", "tp_lcm_size", "prefetch_threshold",
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys")
 
 
 def settings_from_extra(extra: Optional[dict]) -> OffloadConfig:
@@ -58,7 +62,7 @@ def settings_from_extra(extra: Optional[dict]) -> OffloadConfig:
     extra = dict(extra or {})
     problems = []
     for key in extra:
-        if key not in EXTRA_KEYS:
+        if key not in EXTRA_KEYS and key not in SGLANG_KEYS:
             problems.append(f"hicache-storage-backend-extra-config.{key}: unknown key; allowed: "
                             + ", ".join(EXTRA_KEYS))
     inline = extra.get("offload")

@@ -104,3 +104,27 @@ def test_corrupt_block_is_a_miss_through_the_controller(tmp_path):
         assert backend.store.stats().checksum_failures == 1
     finally:
         ctrl.detach_storage_backend()
+
+
+def test_legacy_interface_through_the_controller(tmp_path):
+    """Without interface_v1 the controller copies flat pages; the blocks are the same bytes."""
+    kv = hp.device_pool(False)
+    host = hp.host_pool(kv, "layer_first", pages=32)
+    extra = hp.extra(str(tmp_path / "store"))
+    del extra["interface_v1"]
+    ctrl = ch.make_controller(kv, host, extra)
+    try:
+        assert ctrl.page_set_func == ctrl._generic_page_set
+        hp.fill(host, seed=9)
+        src = host.alloc(4 * hp.PAGE)
+        tokens = list(range(300, 300 + 4 * hp.PAGE))
+        want = [hp.page_bytes(host, int(src[i * hp.PAGE])) for i in range(4)]
+        assert ch.backup(ctrl, src, tokens) == len(tokens)
+        hits, loaded, dst = ch.prefetch(ctrl, host, tokens)
+        assert hits == loaded == len(tokens)
+        assert [hp.page_bytes(host, int(dst[i * hp.PAGE])) for i in range(4)] == want
+        # The same blocks through the zero-copy interface.
+        backend = ctrl.storage_backend
+        assert backend.batch_get_v1(ch.page_hashes(tokens), dst) == [True] * 4
+    finally:
+        ctrl.detach_storage_backend()
