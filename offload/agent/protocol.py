@@ -263,7 +263,12 @@ def _derive(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 
 
 def _read_hello(sock: socket.socket) -> bytes:
-    magic, version, nonce = HANDSHAKE.unpack(recv_exact(sock, HANDSHAKE.size))
+    buf = bytearray(HANDSHAKE.size)
+    if sock.recv_into(memoryview(buf)[:1], 1) == 0:
+        # A bare connect-and-close (a reachability probe such as `detect`) is not an attack.
+        raise EOFError("peer closed before the handshake")
+    recv_exact_into(sock, memoryview(buf)[1:])
+    magic, version, nonce = HANDSHAKE.unpack(buf)
     if magic != HANDSHAKE_MAGIC:
         raise ProtocolError(f"not an sglang-offload agent peer (magic {bytes(magic)!r})")
     if version != VERSION:

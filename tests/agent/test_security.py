@@ -190,3 +190,11 @@ def test_inconsistent_request_refused_connection_kept(agent) -> None:
     ch.send(P.EXISTS, 3, P.KeyList([KEY]))            # same connection still served
     assert ch.recv().decode(P.Flags).ok == [False]
     assert_still_serving(agent)
+
+
+def test_reachability_probe_is_not_logged_as_an_attack(agent) -> None:
+    """`detect` opens and closes a TCP connection to see that the agent is there."""
+    sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+    sock.close()
+    assert_still_serving(agent)
+    assert "rejected" not in agent.text()
