@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tests.hicache import controller_harness as ch
 from tests.hicache import hicache_pools as hp
