@@ -1,6 +1,7 @@
 """Build the patched SGLang wheel from the pinned upstream wheel and patches/series.
 
     .venv/bin/python distro/build_wheel.py            # -> dist/sglang-0.5.23+offload.N-<tags>.whl
+    .venv/bin/python distro/build_wheel.py --check    # does patches/series still apply cleanly?
 
 Primitives, in the order `build()` runs them:
   load_pin()        distro/upstream.toml: the SGLang version and the sha256 of every upstream wheel
@@ -196,10 +197,26 @@ def apply_one(patch_file: Path, tree: Path, applier: str) -> list[str]:
     return [ln for ln in result.stdout.splitlines() if "offset" in ln or "fuzz" in ln]
 
 
-def patch_tree(wheel_path: Path, tree: Path, patches: list[Path], applier: str = "auto") -> list[str]:
-    """Unpack `wheel_path` into `tree` and apply `patches` in order; return notes on moved hunks."""
+def touched_files(patches: list[Path]) -> list[str]:
+    """Wheel-relative paths the patches read or write (their `--- a/` / `+++ b/` names)."""
+    out: set[str] = set()
+    for patch_file in patches:
+        for line in patch_file.read_text(encoding="utf-8").splitlines():
+            if line.startswith(("--- a/", "+++ b/")):
+                out.add(line[len("--- a/"):].split("\t")[0].strip())
+    return sorted(out)
+
+
+def patch_tree(wheel_path: Path, tree: Path, patches: list[Path], applier: str = "auto",
+               only_touched: bool = False) -> list[str]:
+    """Unpack `wheel_path` into `tree` (only the files the patches touch, if `only_touched`) and
+    apply `patches` in order; return notes on hunks that moved."""
     with zipfile.ZipFile(wheel_path) as zf:
-        zf.extractall(tree)
+        if only_touched:
+            present = set(zf.namelist())
+            zf.extractall(tree, [name for name in touched_files(patches) if name in present])
+        else:
+            zf.extractall(tree)
     notes: list[str] = []
     for patch_file in patches:
         notes.extend(f"{patch_file.name}: {n}" for n in apply_one(patch_file, tree, applier))
@@ -274,18 +291,29 @@ def repack(original: Path, tree: Path, out: Path, pin: Pin, version: str, patche
         dst.writestr(zinfo, text.getvalue().encode("utf-8"), compress_type=zipfile.ZIP_DEFLATED)
 
 
+def check(wheel: str | None = None, from_file: Path | None = None,
+          cache_dir: Path = DEFAULT_CACHE, applier: str = "auto") -> list[str]:
+    """Apply the series to the pinned wheel's files without building; return notes on moved hunks."""
+    source, _ = _source(load_pin(), wheel, from_file, cache_dir)
+    with tempfile.TemporaryDirectory(prefix="sglang-offload-check-") as tmp:
+        return patch_tree(source, Path(tmp), read_series(), applier, only_touched=True)
+
+
+def _source(pin: Pin, wheel: str | None, from_file: Path | None, cache_dir: Path) -> tuple[Path, str]:
+    """The verified pinned wheel to build from, and its file name."""
+    name = pick_wheel(pin, from_file.name if from_file is not None else wheel)
+    if from_file is not None:
+        verify(from_file, pin.wheels[name])
+        return from_file, name
+    return fetch_wheel(pin, name, cache_dir), name
+
+
 def build(out_dir: Path, wheel: str | None = None, from_file: Path | None = None,
           cache_dir: Path = DEFAULT_CACHE, applier: str = "auto") -> Path:
     """Run the whole build; return the path of the patched wheel in `out_dir`."""
     pin = load_pin()
     version = f"{pin.version}+{local_version()}"
-    name = from_file.name if from_file is not None else pick_wheel(pin, wheel)
-    name = pick_wheel(pin, name)
-    if from_file is not None:
-        verify(from_file, pin.wheels[name])
-        source = from_file
-    else:
-        source = fetch_wheel(pin, name, cache_dir)
+    source, name = _source(pin, wheel, from_file, cache_dir)
     patches = read_series()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / name.replace(f"-{pin.version}-", f"-{version}-", 1)
@@ -307,8 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="download cache")
     parser.add_argument("--applier", choices=["auto", "patch", "python"], default="auto",
                         help="`patch` program or the pure-Python applier (auto: patch if installed)")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that patches/series applies cleanly (no offset, no fuzz)")
     args = parser.parse_args(argv)
     try:
+        if args.check:
+            notes = check(args.wheel, args.from_file, args.cache_dir, args.applier)
+            for note in notes:
+                print(f"not clean: {note}")
+            print("patches/series applies cleanly" if not notes else "patches/series needs a refresh")
+            return 1 if notes else 0
         target = build(args.out, args.wheel, args.from_file, args.cache_dir, args.applier)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -5,7 +5,8 @@ patched wheel built from it, and a scratch virtualenv with that wheel installed.
 The scratch venv is a plain `python -m venv` (no system site-packages) with only the patched wheel
 (`--no-deps`). SGLang's modules need torch and friends to import, which that venv does not have, so
 tests byte-compile the installed files there and import them in this project's .venv with
-PYTHONPATH pointing at the scratch site-packages (`run_probe`), which shadows the installed SGLang.
+PYTHONPATH pointing at the scratch site-packages (`run_probes`), which shadows the installed SGLang.
+The probe scripts (probe_*.py) run once per tree, all in one interpreter, to import SGLang once.
 """
 
 from __future__ import annotations
@@ -34,25 +35,37 @@ def load_script(path: Path, name: str) -> ModuleType:
     return sys.modules[name]
 
 
-def run_probe(script: str, site: Path | None = None) -> dict:
-    """Run tests/distro/<script> with this .venv's Python; `site` first on sys.path if given."""
+PROBES = ["imports", "cache_salt", "offload_backend"]  # offload_backend last: it stubs a module
+
+
+def run_probes(site: Path | None = None) -> dict:
+    """Run tests/distro/run_probes.py with this .venv's Python; `site` first on sys.path if given."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if site is not None:
         env["PYTHONPATH"] = str(site)
     result = subprocess.run(
-        [sys.executable, str(HERE / script)], capture_output=True, text=True, env=env,
-        cwd=REPO, timeout=600,
+        [sys.executable, str(HERE / "run_probes.py"), *PROBES], capture_output=True, text=True,
+        env=env, cwd=REPO, timeout=600,
     )
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("PROBE ")]
-    assert result.returncode == 0 and lines, f"{script} failed:\n{result.stdout}\n{result.stderr}"
-    return json.loads(lines[-1][len("PROBE "):])
+    assert result.returncode == 0 and lines, f"probes failed:\n{result.stdout}\n{result.stderr}"
+    results = json.loads(lines[-1][len("PROBE "):])
+    for name, value in results.items():
+        assert "exception" not in value, f"probe {name} raised:\n{value['exception']}"
+    return results
 
 
 @pytest.fixture(scope="session")
-def probe():
-    """`probe(script, site=None) -> dict`: run a probe script, optionally against `site`."""
-    return run_probe
+def installed_probes() -> dict:
+    """Probe results from the SGLang installed in this .venv (the unpatched upstream wheel)."""
+    return run_probes()
+
+
+@pytest.fixture(scope="session")
+def patched_probes(patched_site) -> dict:
+    """Probe results from the patched wheel installed in the scratch venv."""
+    return run_probes(patched_site)
 
 
 @pytest.fixture(scope="session")

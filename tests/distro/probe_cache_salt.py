@@ -1,6 +1,6 @@
 """Probe: do a request's `cache_salt` / `extra_key` reach the page hashes that name L3 blocks?
 
-Run by tests/distro/test_cache_salt.py in a subprocess against the installed SGLang and against
+Run by tests/distro/run_probes.py (for test_cache_salt.py) in a subprocess against the installed SGLang and against
 the patched wheel's install. Uses only SGLang's own code:
   write path  the default (Rust) radix tree: insert a request's tokens under its RadixKey, then
               read the node's storage hash values (the `hash_value` a HiCache backup hands to the
@@ -8,7 +8,7 @@ the patched wheel's install. Uses only SGLang's own code:
   read path   get_storage_hash_str(RadixKey(...), None) -- what HybridCacheController.
               _storage_hit_query and UnifiedCacheLinker compute for a prefetch from the root
   decode path DecodeKVCacheOffloadManager._compute_prefix_hash's seed, storage_namespace_seed
-Prints one JSON object: sglang_file, and per namespace label the write and read key lists.
+`probe()` returns sglang_file and, per namespace label, the write / read / decode key lists.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def decode_keys(extra_key, cache_salt) -> list[str]:
     return out
 
 
-def main() -> None:
+def probe() -> dict:
     import sglang
 
     result = {"sglang_file": sglang.__file__, "namespaces": {}}
@@ -87,8 +87,8 @@ def main() -> None:
             "read": read_keys(extra_key, salt),
             "decode": decode_keys(extra_key, salt),
         }
-    print("PROBE " + json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    print("PROBE " + json.dumps(probe()))

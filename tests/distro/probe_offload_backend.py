@@ -1,14 +1,16 @@
 """Probe: does the SGLang on sys.path offer `--hicache-storage-backend offload`?
 
-Run by tests/distro/test_offload_backend_patch.py in a subprocess, once against the installed
-(unpatched) SGLang and once with PYTHONPATH pointing at the patched wheel's install. Prints one
-JSON object:
+Run by tests/distro/run_probes.py (for test_offload_backend_patch.py) in a subprocess, once
+against the installed (unpatched) SGLang and once with PYTHONPATH pointing at the patched wheel's
+install. `probe()` returns:
   sglang_file   where `sglang` was imported from (which tree was probed)
   cli_accepts   whether SGLang's own argument parser accepts the choice
   registry      the StorageBackendFactory entry for "offload" (module_path, class_name) or null
   created       how create_backend("offload", ...) built the backend: class and constructor args
   zero_copy     whether HiCacheController.attach_storage_backend picked the interface_v1 page
                 functions (batch_get_v1 / batch_set_v1) for it
+  real_class    null until offload/hicache.py exists; then "ok" if SGLang's loader accepts the
+                real offload.hicache.OffloadStorage (a HiCacheStorage subclass), else why not
 `offload.hicache` is replaced by a recording stand-in, so the probe tests SGLang's wiring and
 not our backend (which has its own tests).
 """
@@ -134,23 +136,39 @@ def probe_attach() -> bool | str:
     )
 
 
-def main() -> None:
+def probe_real_class() -> str | None:
+    """None while offload/hicache.py does not exist; else "ok" or why SGLang would refuse it."""
+    import importlib.util
+
+    if importlib.util.find_spec("offload.hicache") is None:
+        return None
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    try:
+        StorageBackendFactory._load_backend_class("offload.hicache", "OffloadStorage", "offload")
+    except Exception as exc:  # report, the test prints it
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def probe() -> dict:
     import offload
     import sglang
 
+    real_class = probe_real_class()
     module = _stand_in_module()
     sys.modules["offload.hicache"] = module
     offload.hicache = module
     registry, created = probe_factory(module)
-    result = {
+    return {
         "sglang_file": sglang.__file__,
         "cli_accepts": probe_cli(),
         "registry": registry,
         "created": created,
         "zero_copy": probe_attach(),
+        "real_class": real_class,
     }
-    print("PROBE " + json.dumps(result))
 
 
 if __name__ == "__main__":
-    main()
+    print("PROBE " + json.dumps(probe()))

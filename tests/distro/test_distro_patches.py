@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from datetime import date
 from pathlib import Path
 
@@ -55,17 +57,18 @@ def test_series_applies_cleanly_to_the_pinned_wheel(bw, pinned_wheel, tmp_path):
     """With `patch -p1 --fuzz=0`: every hunk applies at its stated line (no offset, no fuzz)."""
     if shutil.which("patch") is None:
         pytest.skip("the `patch` program is not installed (the Python applier test still runs)")
-    notes = bw.patch_tree(pinned_wheel, tmp_path / "tree", bw.read_series(), applier="patch")
+    notes = bw.patch_tree(pinned_wheel, tmp_path / "tree", bw.read_series(), applier="patch",
+                          only_touched=True)
     assert notes == []
 
 
 def test_python_applier_gives_the_same_tree_as_patch(bw, pinned_wheel, tmp_path):
     series = bw.read_series()
-    notes = bw.patch_tree(pinned_wheel, tmp_path / "py", series, applier="python")
+    notes = bw.patch_tree(pinned_wheel, tmp_path / "py", series, applier="python", only_touched=True)
     assert notes == []
     touched = {p[len("b/"):] for patch in series for p in touched_paths(patch)}
     if shutil.which("patch") is not None:
-        bw.patch_tree(pinned_wheel, tmp_path / "gnu", series, applier="patch")
+        bw.patch_tree(pinned_wheel, tmp_path / "gnu", series, applier="patch", only_touched=True)
         for path in touched:
             assert (tmp_path / "py" / path).read_bytes() == (tmp_path / "gnu" / path).read_bytes()
     import zipfile
@@ -73,6 +76,15 @@ def test_python_applier_gives_the_same_tree_as_patch(bw, pinned_wheel, tmp_path)
     with zipfile.ZipFile(pinned_wheel) as zf:
         for path in touched:  # every patched file really changed
             assert (tmp_path / "py" / path).read_bytes() != zf.read(path)
+
+
+def test_check_command_reports_a_clean_series(pinned_wheel):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "distro" / "build_wheel.py"), "--check", "--from-file",
+         str(pinned_wheel)], capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "applies cleanly" in result.stdout
 
 
 def test_a_patch_that_does_not_apply_stops_the_build(bw, pinned_wheel, tmp_path):
@@ -84,4 +96,4 @@ def test_a_patch_that_does_not_apply_stops_the_build(bw, pinned_wheel, tmp_path)
     )
     for applier in ("python", "patch") if shutil.which("patch") else ("python",):
         with pytest.raises(bw.BuildError, match="9999-bad.patch does not apply"):
-            bw.patch_tree(pinned_wheel, tmp_path / applier, [bad], applier=applier)
+            bw.patch_tree(pinned_wheel, tmp_path / applier, [bad], applier=applier, only_touched=True)

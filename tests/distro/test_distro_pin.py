@@ -64,3 +64,14 @@ def test_a_broken_pin_file_names_the_problem(bw, tmp_path: Path):
     pin.write_text("[sglang]\n")
     with pytest.raises(bw.BuildError, match="cannot read the pin"):
         bw.load_pin(pin)
+
+
+def test_fetch_downloads_and_verifies_any_pinned_wheel(bw, tmp_path):
+    """A real `pip download --require-hashes` of a wheel for another Python and machine (the
+    Docker build may target those); a download failure fails the test."""
+    pin = bw.load_pin()
+    name = "sglang-0.5.23-cp312-cp312-manylinux_2_34_aarch64.whl"
+    got = bw.fetch_wheel(pin, name, tmp_path / "cache")
+    assert got == tmp_path / "cache" / name
+    assert hashlib.sha256(got.read_bytes()).hexdigest() == pin.wheels[name]
+    assert bw.fetch_wheel(pin, name, tmp_path / "cache") == got  # second call: from the cache
