@@ -332,7 +332,10 @@ class Session:
                 for i in hits:
                     ok[i] = True
         if reading is not None:
-            reading.result()     # never leave a read into staging running past this request
+            try:
+                reading.result()     # never leave a read into staging running past this request
+            except Exception:  # noqa: BLE001 - already logged or irrelevant now
+                pass
         return ok, []
 
     def _store_get(self, req: P.Blocks, group: list[int], half: int

@@ -222,3 +222,27 @@ def test_two_hosts_share_one_agent(agent_factory) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@needs_nixl
+def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> None:
+    """A host can only make the agent touch memory that host registered itself."""
+    from offload.agent import protocol as P
+
+    agent = agent_factory("--memory")
+    store = client(agent)
+    region = np.zeros(1 << 16, np.uint8)
+    outside = np.ones(1 << 16, np.uint8)
+    store.register_region(region)
+    try:
+        assert store.exists_many([b"x" * 32]) == [False]          # connected, NIXL on
+        addr = outside.ctypes.data
+        with store._lock:
+            reply, _ = store._request(P.PUT, P.Blocks(keys=[b"x" * 32], sizes=[4096],
+                                                      descs=[[(addr, 4096)]]))
+        assert reply.ok == [False]
+        assert store.exists_many([b"x" * 32]) == [False]
+        # The same connection keeps working for memory that is registered.
+        assert store.put_many([b"y" * 32], [[region[:4096]]]) == [True]
+    finally:
+        store.close()

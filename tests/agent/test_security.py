@@ -20,11 +20,25 @@ KEY = b"K" * 32
 
 @pytest.fixture
 def agent(agent_factory):
-    return agent_factory("--memory", "--transport", "tcp", "--max-frame", "1MiB")
+    a = agent_factory("--memory", "--transport", "tcp", "--max-frame", "1MiB")
+    # A host connected before the attack keeps its own connection and service throughout.
+    bystander = good(a)
+    assert bystander.put_many([b"B" * 32], [[b"before"]]) == [True]
+    channel = bystander._ch
+    yield a
+    assert bystander._ch is channel, "the bystander's connection was dropped"
+    assert bystander.get_bytes_ok(), "the bystander lost service"
+    bystander.close()
 
 
-def good(agent) -> AgentStore:
-    return AgentStore(agent.address, SECRET, transport="tcp", timeout_s=5, reconnect_s=0.1)
+class Bystander(AgentStore):
+    def get_bytes_ok(self) -> bool:
+        buf = bytearray(6)
+        return self.get_many([b"B" * 32], [[buf]]) == [True] and bytes(buf) == b"before"
+
+
+def good(agent) -> Bystander:
+    return Bystander(agent.address, SECRET, transport="tcp", timeout_s=5, reconnect_s=0.1)
 
 
 def raw(agent, secret: bytes = SECRET) -> P.Channel:
