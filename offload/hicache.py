@@ -163,10 +163,9 @@ class OffloadStorage(HiCacheStorage):
         self._make_keys: Callable[[Sequence[str]], list[bytes]] = key_maker(b"")
         self._lock = threading.Lock()
         self._metrics = storage_config.enable_storage_metrics
-        self._prefetch_pgs: list[int] = []
-        self._backup_pgs: list[int] = []
-        self._prefetch_bw: list[float] = []
-        self._backup_bw: list[float] = []
+        # Since the last get_stats(): pages and GiB/s of each prefetch / backup call.
+        self._pgs: dict[str, list[int]] = {"prefetch": [], "backup": []}
+        self._bw: dict[str, list[float]] = {"prefetch": [], "backup": []}
 
     # ---------------------------------------------------------------- control path
 
@@ -209,25 +208,25 @@ class OffloadStorage(HiCacheStorage):
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         with self._lock:
-            m = StorageMetrics(prefetch_pgs=self._prefetch_pgs, backup_pgs=self._backup_pgs,
-                               prefetch_bandwidth=self._prefetch_bw,
-                               backup_bandwidth=self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs = [], []
-            self._prefetch_bw, self._backup_bw = [], []
-        return m
+            pgs, bw = self._pgs, self._bw
+            self._pgs = {"prefetch": [], "backup": []}
+            self._bw = {"prefetch": [], "backup": []}
+        return StorageMetrics(prefetch_pgs=pgs["prefetch"], backup_pgs=pgs["backup"],
+                              prefetch_bandwidth=bw["prefetch"], backup_bandwidth=bw["backup"])
 
     # ---------------------------------------------------------------- keys and bookkeeping
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return self._make_keys(keys)
 
-    def _record(self, pages: list[int], bws: list[float], n: int, nbytes: int, t0: float) -> None:
+    def _record(self, kind: str, n: int, nbytes: int, t0: float) -> None:
+        """Note one prefetch or backup call of n pages (SGLang's storage metrics)."""
         if not self._metrics or n == 0:
             return
         dt = max(time.perf_counter() - t0, 1e-9)
         with self._lock:
-            pages.append(n)
-            bws.append(nbytes / dt / (1 << 30))
+            self._pgs[kind].append(n)
+            self._bw[kind].append(nbytes / dt / (1 << 30))
 
     def _page_starts(self, keys: Sequence[str], host_indices: "torch.Tensor") -> list[int] | None:
         assert self.pages is not None
@@ -311,12 +310,12 @@ class OffloadStorage(HiCacheStorage):
                 if good:
                     pages.store_copy(s, page)
         n = sum(ok)
-        self._record(self._prefetch_pgs, self._prefetch_bw, n, n * pages.page_bytes, t0)
+        self._record("prefetch", n, n * pages.page_bytes, t0)
         return ok
 
     def _after_put(self, ok: Sequence[bool], page_bytes: int, t0: float) -> None:
         n = sum(ok)
-        self._record(self._backup_pgs, self._backup_bw, n, n * page_bytes, t0)
+        self._record("backup", n, n * page_bytes, t0)
 
     # ---------------------------------------------------------------- legacy interface
 
@@ -347,7 +346,7 @@ class OffloadStorage(HiCacheStorage):
             ok = self.store.get_many(self._keys(keys), dests)
             n = sum(ok)
             nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
-            self._record(self._prefetch_pgs, self._prefetch_bw, n, nbytes, t0)
+            self._record("prefetch", n, nbytes, t0)
             return [t if g else None for t, g in zip(target_locations, ok)]
         except Exception:
             logger.exception("offload: batch_get failed; reporting misses")
