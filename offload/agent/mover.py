@@ -1,9 +1,10 @@
 """The agent's byte mover: one NIXL agent (UCX) for all hosts, and per-connection staging memory.
 
 Primitives:
-- `Mover(name)`: the agent-side NIXL agent. `add_peer(md)` loads a host's metadata (its registered
-  host KV pool) and returns the host's NIXL name; `drop_peer(name)` forgets it when its last
-  connection closes. A name already held by another live connection is refused (no hijacking).
+- `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn)` loads a host's metadata (its
+  registered host KV pool) and returns the host's NIXL name; several connections of one host share
+  it; newer metadata of the same host replaces the old; `drop_peer(name, conn)` forgets it when
+  its last connection closes.
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
   two halves for double buffering (NIXL moves one half while the store reads/writes the other).
   Page alignment lets an O_DIRECT store use it without a bounce buffer.
@@ -32,32 +33,40 @@ class Mover:
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
         self._lock = threading.Lock()
-        self._peers: dict[str, int] = {}   # host NIXL name -> owning connection id
+        # host NIXL name -> (its metadata, the connections using it). A host may hold several
+        # connections; the peer is forgotten when the last one closes.
+        self._peers: dict[str, tuple[bytes, set[int]]] = {}
 
     def add_peer(self, metadata: bytes, owner: int) -> str:
+        """Load a host's metadata (once per distinct metadata) for connection `owner`."""
+        md = bytes(metadata)
         with self._lock:
+            for name, (known, owners) in self._peers.items():
+                if known == md:
+                    owners.add(owner)
+                    return name
             try:
-                name = self.agent.add_remote_agent(bytes(metadata))
+                # NIXL reloads a known host's newer metadata in place (more registered memory).
+                name = self.agent.add_remote_agent(md)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own types
                 raise PeerError(f"NIXL metadata rejected: {e}") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
-            holder = self._peers.get(name)
-            if holder is not None and holder != owner:
-                raise PeerError(f"NIXL agent name {name!r} is in use by another connection")
-            self._peers[name] = owner
+            owners = self._peers.get(name, (b"", set()))[1]
+            owners.add(owner)
+            self._peers[name] = (md, owners)
             return name
 
     def update_peer(self, name: str, metadata: bytes, owner: int) -> str:
         """New metadata of a known host (it registered more memory)."""
-        with self._lock:
-            if self._peers.get(name) == owner:
-                self._invalidate(name)
-                del self._peers[name]
         return self.add_peer(metadata, owner)
 
     def drop_peer(self, name: str, owner: int) -> None:
         with self._lock:
-            if self._peers.get(name) == owner:
+            entry = self._peers.get(name)
+            if entry is None:
+                return
+            entry[1].discard(owner)
+            if not entry[1]:
                 del self._peers[name]
                 self._invalidate(name)
 

@@ -22,29 +22,24 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from offload.agent import protocol as P
 from offload.keys import Namespace
 from offload.store.base import Buffer, StoreStats
+from offload.transfer.dpu_conn import AgentConn, Down, Refused
 
 log = logging.getLogger(__name__)
 NIXL_BATCH_BYTES = 256 << 20      # bytes moved by one NIXL request (bounded work per deadline)
-
-
-class _Down(Exception):
-    """The agent cannot be used right now (the call is a miss)."""
-
-
-class _Refused(_Down):
-    """The agent answered ERROR to one request; the connection stays usable."""
 
 
 class AgentStore:
     name = "dpu"
 
     def __init__(self, address: str, secret: bytes, *, transport: str = "ucx",
-                 timeout_s: float = 5.0, reconnect_s: float = 1.0, name: str | None = None):
+                 timeout_s: float = 5.0, reconnect_s: float = 1.0, name: str | None = None,
+                 connections: int = 2):
         host, _, port = address.rpartition(":")
         self.address = (host.strip("[]"), int(port))
         self.secret = secret
@@ -52,11 +47,11 @@ class AgentStore:
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
         self.host_name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._lock = threading.RLock()
-        self._ch: P.Channel | None = None
-        self._info: P.HelloReply | None = None
-        self._down_until = 0.0
-        self._req_id = 0
+        self.down_until = 0.0
+        self._lock = threading.RLock()        # registration state and namespaces
+        # Several connections so that a prefetch (get) need not wait behind a backup (put).
+        self._conns = [AgentConn(self) for _ in range(max(1, connections))]
+        self._next = 0
         self._nixl: Any = None
         self._regions: list[tuple[int, int]] = []   # registered [start, end)
         self._regs: list[Any] = []
@@ -95,8 +90,10 @@ class AgentStore:
                 self._nixl = nixl_util.make_agent(self.host_name)
             self._regs.append(self._nixl.register_memory([(addr, size, 0, "")], "DRAM"))
             self._regions.append((addr, addr + size))
-            self._drop()          # the next request says hello again, with the new metadata
-            self._down_until = 0.0
+        for c in self._conns:     # the next request says hello again, with the new metadata
+            with c.lock:
+                c.drop()
+        self.down_until = 0.0
 
     def _descs(self, bufs: Sequence[Any]) -> list[tuple[int, int]] | None:
         """(address, length) per buffer if all lie in registered memory, else None."""
@@ -117,74 +114,36 @@ class AgentStore:
             out.append((addr, n))
         return out
 
-    # ---------------------------------------------------------------- connection
-    def _connect(self) -> P.Channel:
-        if self._ch is not None:
-            return self._ch
-        if time.monotonic() < self._down_until:
-            raise _Down("agent marked down")
-        try:
-            sock = socket.create_connection(self.address, timeout=self.timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ch = P.handshake_client(sock, self.secret, self.timeout_s)
-            self._ch = ch
-            md = self._nixl.get_agent_metadata() if self._nixl is not None else None
-            info = self._request(P.HELLO, P.Hello(host=self.host_name, transport=self.transport,
-                                                  nixl_md=md))[0]
-            assert isinstance(info, P.HelloReply)
-            self._info = info
-            ch.max_body = info.max_body
-            if md is not None and not info.nixl:
-                log.warning("agent %s:%d does not move bytes by NIXL; they travel on the "
-                            "control connection", *self.address)
-            for ns in self._namespaces.values():
-                self._request(P.REGISTER_NS, P.NamespaceMsg(dataclasses.asdict(ns)))
-            log.info("connected to agent %s at %s:%d", info.agent, *self.address)
-            return ch
-        except _Down:
-            raise
-        except (OSError, P.ProtocolError, EOFError) as e:
-            self._fail(e)
-            raise _Down(str(e)) from None
+    # ---------------------------------------------------------------- connections
+    def nixl_metadata(self) -> bytes | None:
+        with self._lock:
+            return self._nixl.get_agent_metadata() if self._nixl is not None else None
 
-    def _drop(self) -> None:
-        if self._ch is not None:
-            try:
-                self._ch.sock.close()
-            except OSError:
-                pass
-        self._ch = None
+    def namespaces(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._namespaces.values())
 
-    def _fail(self, e: BaseException) -> None:
-        if self._down_until <= time.monotonic():
+    def mark_down(self, e: BaseException) -> None:
+        if self.down_until <= time.monotonic():
             log.warning("agent %s:%d unreachable (%s); misses until it answers again",
                         *self.address, e)
-        self._drop()
-        self._down_until = time.monotonic() + self.reconnect_s
+        self.down_until = time.monotonic() + self.reconnect_s
 
-    def _request(self, op: int, msg: P.Msg, payload: list[memoryview] | None = None
-                 ) -> tuple[P.Msg, memoryview]:
-        """Send one request and read its reply (lock held). Raises _Down on any failure."""
-        ch = self._ch if op == P.HELLO else self._connect()
-        assert ch is not None
-        self._req_id += 1
+    @contextmanager
+    def _use(self) -> Iterator[AgentConn]:
+        """A free connection (else wait for the next one in turn), held for one call."""
+        for c in self._conns:
+            if c.lock.acquire(blocking=False):
+                break
+        else:
+            with self._lock:
+                c = self._conns[self._next % len(self._conns)]
+                self._next += 1
+            c.lock.acquire()
         try:
-            ch.send(op, self._req_id, msg, payload)
-            frame = ch.recv(idle_timeout=self.timeout_s)
-            if frame.req_id != self._req_id:
-                raise P.ProtocolError(f"reply to request {frame.req_id}, expected {self._req_id}")
-            if frame.op == P.ERROR | P.REPLY:
-                err = frame.decode(P.ErrorReply)
-                log.warning("agent refused %s: %s", P.OP_NAMES.get(op, op), err.message)
-                raise _Refused(err.message)
-            if frame.op != op | P.REPLY:
-                raise P.ProtocolError(f"reply op {frame.op} to op {op}")
-            return frame.decode(P.REPLY_TYPES[op]), frame.payload
-        except _Down:
-            raise
-        except (OSError, P.ProtocolError, EOFError) as e:
-            self._fail(e)
-            raise _Down(str(e)) from None
+            yield c
+        finally:
+            c.lock.release()
 
     def _budget_ms(self) -> int:
         return max(1, int(self.timeout_s * 800))
@@ -199,13 +158,11 @@ class AgentStore:
     def _blocks(self, op: int, keys: Sequence[bytes], bufs: Sequence[Sequence[Buffer]]
                 ) -> list[bool]:
         ok = [False] * len(keys)
-        with self._lock:
+        with self._use() as c:
             try:
-                self._connect()
-            except _Down:
+                info = c.connect()
+            except Down:
                 return ok
-            info = self._info
-            assert info is not None
             sizes = [sum(memoryview(b).nbytes if not hasattr(b, "data_ptr")
                          else b.numel() * b.element_size() for b in bs) for bs in bufs]
             nixl_idx: list[int] = []
@@ -223,7 +180,7 @@ class AgentStore:
             for batch in _batches(nixl_idx, sizes, info.max_keys, NIXL_BATCH_BYTES):
                 req = P.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                descs=[descs[i] for i in batch], budget_ms=self._budget_ms())
-                if not self._send_batch(op, req, batch, ok):
+                if not self._send_batch(c, op, req, batch, ok):
                     return ok
             room = info.max_body - (64 << 10)
             for batch in _batches(inline_idx, sizes, min(info.max_keys, room // 64), room):
@@ -232,27 +189,27 @@ class AgentStore:
                 payload = None
                 if op == P.PUT:
                     payload = [memoryview(b).cast("B") for i in batch for b in bufs[i]]
-                if not self._send_batch(op, req, batch, ok, payload, bufs):
+                if not self._send_batch(c, op, req, batch, ok, payload, bufs):
                     return ok
         return ok
 
-    def _send_batch(self, op: int, req: P.Blocks, batch: list[int], ok: list[bool],
-                    payload: list[memoryview] | None = None,
+    def _send_batch(self, c: AgentConn, op: int, req: P.Blocks, batch: list[int],
+                    ok: list[bool], payload: list[memoryview] | None = None,
                     bufs: Sequence[Sequence[Buffer]] | None = None) -> bool:
         try:
-            reply, data = self._request(op, req, payload)
-        except _Refused:
+            reply, data = c.request(op, req, payload)
+        except Refused:
             return True
-        except _Down:
+        except Down:
             return False
         flags = reply.ok  # type: ignore[attr-defined]
         if len(flags) != len(batch):
-            self._fail(P.ProtocolError("reply flags do not match the request"))
+            c.fail(P.ProtocolError("reply flags do not match the request"))
             return False
         if op == P.GET and req.descs is None and bufs is not None:
             expect = sum(s for s, f in zip(req.sizes, flags) if f)
             if data.nbytes != expect:
-                self._fail(P.ProtocolError(f"reply payload {data.nbytes} bytes, expected {expect}"))
+                c.fail(P.ProtocolError(f"reply payload {data.nbytes} bytes, expected {expect}"))
                 return False
             off = 0
             for i, f in zip(batch, flags):
@@ -267,40 +224,41 @@ class AgentStore:
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []
-        with self._lock:
+        with self._use() as c:
             for start in range(0, len(keys), P.MAX_KEYS):
                 chunk = list(keys[start:start + P.MAX_KEYS])
                 try:
-                    out += self._request(P.EXISTS, P.KeyList(chunk))[0].ok  # type: ignore[attr-defined]
-                except _Down:
+                    out += c.request(P.EXISTS, P.KeyList(chunk))[0].ok  # type: ignore[attr-defined]
+                except Down:
                     out += [False] * len(chunk)
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         n = 0
-        with self._lock:
+        with self._use() as c:
             for start in range(0, len(keys), P.MAX_KEYS):
+                chunk = list(keys[start:start + P.MAX_KEYS])
                 try:
-                    n += self._request(P.DELETE, P.KeyList(list(keys[start:start + P.MAX_KEYS])))[
-                        0].n  # type: ignore[attr-defined]
-                except _Down:
+                    n += c.request(P.DELETE, P.KeyList(chunk))[0].n  # type: ignore[attr-defined]
+                except Down:
                     pass
         return n
 
     def register_namespace(self, ns: Namespace) -> None:
         with self._lock:
             self._namespaces[ns.digest()] = ns
+        with self._use() as c:
             try:
-                self._request(P.REGISTER_NS, P.NamespaceMsg(dataclasses.asdict(ns)))
-            except _Down:
+                c.request(P.REGISTER_NS, P.NamespaceMsg(dataclasses.asdict(ns)))
+            except Down:
                 pass   # sent again on reconnect
 
     def stats(self) -> StoreStats:
         names = {f.name for f in dataclasses.fields(StoreStats)} - {"extra"}
-        with self._lock:
+        with self._use() as c:
             try:
-                fields = self._request(P.STATS, P.Empty())[0].fields  # type: ignore[attr-defined]
-            except _Down:
+                fields = c.request(P.STATS, P.Empty())[0].fields  # type: ignore[attr-defined]
+            except Down:
                 return StoreStats(extra={"agent": "unreachable"})
         s = StoreStats(**{k: v for k, v in fields.items() if k in names})
         s.extra = {k: v for k, v in fields.items() if k not in names}
@@ -308,8 +266,10 @@ class AgentStore:
         return s
 
     def close(self) -> None:
+        for c in self._conns:
+            with c.lock:
+                c.drop()
         with self._lock:
-            self._drop()
             if self._nixl is not None:
                 for reg in self._regs:
                     try:

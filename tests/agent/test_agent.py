@@ -237,12 +237,54 @@ def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> Non
     try:
         assert store.exists_many([b"x" * 32]) == [False]          # connected, NIXL on
         addr = outside.ctypes.data
-        with store._lock:
-            reply, _ = store._request(P.PUT, P.Blocks(keys=[b"x" * 32], sizes=[4096],
-                                                      descs=[[(addr, 4096)]]))
+        with store._use() as conn:
+            reply, _ = conn.request(P.PUT, P.Blocks(keys=[b"x" * 32], sizes=[4096],
+                                                    descs=[[(addr, 4096)]]))
         assert reply.ok == [False]
         assert store.exists_many([b"x" * 32]) == [False]
         # The same connection keeps working for memory that is registered.
         assert store.put_many([b"y" * 32], [[region[:4096]]]) == [True]
+    finally:
+        store.close()
+
+
+@needs_nixl
+def test_concurrent_put_and_get_use_separate_connections_by_nixl(agent_factory) -> None:
+    """SGLang backs up and prefetches from different threads: neither waits behind the other,
+    and both connections of the host move their bytes by NIXL."""
+    agent = agent_factory("--memory")
+    store = client(agent)
+    pool = np.random.default_rng(5).integers(0, 255, size=(16, 1 << 18), dtype=np.uint8)
+    out = np.zeros_like(pool)
+    store.register_region(pool)
+    store.register_region(out)
+    ks = keys(16, "conc")
+    assert store.put_many(ks[:8], [[pool[i]] for i in range(8)]) == [True] * 8
+    errors: list[str] = []
+    gate = threading.Barrier(2)
+
+    def putter() -> None:
+        gate.wait()
+        for _ in range(10):
+            if store.put_many(ks[8:], [[pool[i]] for i in range(8, 16)]) != [True] * 8:
+                errors.append("put")
+
+    def getter() -> None:
+        gate.wait()
+        for _ in range(10):
+            if store.get_many(ks[:8], [[out[i]] for i in range(8)]) != [True] * 8:
+                errors.append("get")
+
+    threads = [threading.Thread(target=putter), threading.Thread(target=getter)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        assert np.array_equal(out[:8], pool[:8])
+        assert all(c.ch is not None for c in store._conns)       # both connections were used
+        extra = store.stats().extra
+        assert "agent_bytes_inline_in" not in extra and "agent_bytes_inline_out" not in extra
     finally:
         store.close()

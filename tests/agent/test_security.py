@@ -24,9 +24,10 @@ def agent(agent_factory):
     # A host connected before the attack keeps its own connection and service throughout.
     bystander = good(a)
     assert bystander.put_many([b"B" * 32], [[b"before"]]) == [True]
-    channel = bystander._ch
+    channel = bystander._conns[0].ch
+    assert channel is not None
     yield a
-    assert bystander._ch is channel, "the bystander's connection was dropped"
+    assert bystander._conns[0].ch is channel, "the bystander's connection was dropped"
     assert bystander.get_bytes_ok(), "the bystander lost service"
     bystander.close()
 
