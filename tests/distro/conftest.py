@@ -100,7 +100,7 @@ def patched_site(built_wheel, tmp_path_factory) -> Path:
         check=True,
     )
     site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     return Path(site)
