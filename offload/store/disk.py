@@ -133,9 +133,11 @@ class DiskStore:
             if parsed is None:
                 continue
             seg, sb = parsed
-            nslots = os.path.getsize(os.path.join(self.directory, name)) // sb
-            segments.append((seg, sb, nslots, nslots))
-            for s in range(nslots):
+            used = -(-os.path.getsize(os.path.join(self.directory, name)) // sb)
+            segments.append((seg, sb, max(used, self.cfg.segment_size // sb), used))
+            allocated = self._slabs.allocated_slots(seg, sb, used)
+            free += [(sb, seg, s) for s in range(used) if s not in allocated]
+            for s in sorted(allocated):
                 h = self._slabs.read_header(seg, sb, s)
                 if h is None or h.key in seen or slab.slot_bytes_for(h.length) != sb:
                     free.append((sb, seg, s))
@@ -277,13 +279,18 @@ class DiskStore:
         with self._lock:
             locs = self._index.locate(list(keys))
         jobs = []
+        bad_sizes: list[Location] = []
         for i, (k, bufs) in enumerate(zip(keys, dests)):
             loc = locs.get(k)
             if loc is None:
+                self._keys.discard(k)  # the index does not hold it: stop claiming it exists
                 continue
             if total_len(bufs) != loc.length:
-                log.error("get %s: destination holds %d bytes, block has %d", k.hex()[:16],
-                          total_len(bufs), loc.length)
+                if self._index_lies(loc):
+                    bad_sizes.append(loc)
+                else:
+                    log.error("get %s: destination holds %d bytes, block has %d", k.hex()[:16],
+                              total_len(bufs), loc.length)
                 continue
             jobs.append((i, loc, bufs))
 
@@ -293,7 +300,7 @@ class DiskStore:
                                           loc.length, loc.csum, bufs)
 
         result = [False] * len(keys)
-        corrupt: list[Location] = []
+        corrupt: list[Location] = list(bad_sizes)
         for (i, loc, _), err in zip(jobs, self._pool.map(read, jobs)):
             if not err:
                 result[i] = True
@@ -315,6 +322,11 @@ class DiskStore:
             if time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S:
                 self._flush_touches()
         return result
+
+    def _index_lies(self, loc: Location) -> bool:
+        """A size mismatch: is the index row damaged (slot header disagrees) or the caller wrong?"""
+        h = self._slabs.read_header(loc.seg, loc.slot_bytes, loc.slot)
+        return h is None or h.key != loc.key or h.length != loc.length or h.csum != loc.csum
 
     def _flush_touches(self) -> None:
         touched, self._touched = list(self._touched), set()

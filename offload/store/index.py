@@ -174,7 +174,7 @@ class Index:
         """(last change seq, every committed key): one consistent snapshot."""
         with self.txn(write=False):
             seq = self.db.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()[0]
-            keys = [r[0] for r in self.db.execute("SELECT key FROM blocks WHERE state=1")]
+            keys = [r[0] for r in self.db.execute("SELECT key FROM blocks WHERE +state=1")]
         return seq, keys
 
     def changes_since(self, seq: int) -> tuple[int, list[tuple[bytes, int]]] | None:

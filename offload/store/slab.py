@@ -152,11 +152,9 @@ class SlabFiles:
         return os.path.join(self.directory, segment_name(seg, slot_bytes))
 
     def create(self, seg: int, slot_bytes: int, nslots: int) -> None:
-        fd = os.open(self.path(seg, slot_bytes), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            os.ftruncate(fd, slot_bytes * nslots)
-        finally:
-            os.close(fd)
+        """An empty segment file; it grows slot by slot as slots are written (never sparse-huge,
+        so copying the directory with ordinary tools costs only its real size)."""
+        os.close(os.open(self.path(seg, slot_bytes), os.O_RDWR | os.O_CREAT, 0o644))
 
     def fd(self, seg: int, slot_bytes: int) -> int:
         with self._lock:
@@ -268,6 +266,27 @@ class SlabFiles:
                 mv[:] = copy_from[pos:pos + mv.nbytes]
                 pos += mv.nbytes
         return ""
+
+    def allocated_slots(self, seg: int, slot_bytes: int, nslots: int) -> set[int]:
+        """Slots holding data (SEEK_DATA/SEEK_HOLE), so a rebuild skips the sparse rest."""
+        fd = self.fd(seg, slot_bytes)
+        end = nslots * slot_bytes
+        out: set[int] = set()
+        pos = 0
+        try:
+            while pos < end:
+                try:
+                    start = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # no data past pos
+                        break
+                    raise
+                stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+                out.update(range(start // slot_bytes, (stop + slot_bytes - 1) // slot_bytes))
+                pos = max(stop, start + 1)
+        except OSError:  # no SEEK_DATA support: every slot may hold data
+            return set(range(nslots))
+        return {s for s in out if s < nslots}
 
     def read_header(self, seg: int, slot_bytes: int, slot: int) -> Header | None:
         try:
