@@ -69,7 +69,7 @@ class AgentServer:
         sock.listen(128)
         self.port = sock.getsockname()[1]
         self._sock = sock
-        log.warning("agent %s listening on %s:%d (transport %s)", self.name, self.host, self.port,
+        log.info("agent %s listening on %s:%d (transport %s)", self.name, self.host, self.port,
                     self.transport)
 
     def serve_forever(self) -> None:

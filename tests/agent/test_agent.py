@@ -288,3 +288,19 @@ def test_concurrent_put_and_get_use_separate_connections_by_nixl(agent_factory) 
         assert "agent_bytes_inline_in" not in extra and "agent_bytes_inline_out" not in extra
     finally:
         store.close()
+
+
+def test_agent_cli_refuses_to_start_without_a_secret_or_store(tmp_path: Path) -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_OFFLOAD_SECRET"}
+    base = [sys.executable, "-m", "offload.cli", "agent", "--listen", "127.0.0.1:0",
+            "--transport", "tcp"]
+    r = subprocess.run(base + ["--memory"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no agent secret" in r.stderr
+    env["SGLANG_OFFLOAD_SECRET"] = SECRET.decode()
+    r = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--store DIR" in r.stderr
+    r = subprocess.run(base[:4] + ["--listen", "nonsense"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
