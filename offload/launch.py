@@ -1,0 +1,164 @@
+"""`sglang-offload launch --config FILE [--dry-run] [--json] [--root DIR] [-- SGLANG FLAGS]`.
+
+Config -> SGLang server arguments -> process. Steps, in order:
+1. `load_file` validates the `offload:` section; `check_sglang` (launch_sglang_args) validates the
+   `sglang:` section and the extra flags against SGLang's own parser and refuses combinations that
+   cannot work with the tier;
+2. detection decides the transfer path (`offload.hw.detect_and_decide`, `--root` for a fixture);
+   an explicit gds/dpu that cannot work stops here (exit 1, the failed check named);
+3. `compose` builds the command: `python -m sglang.launch_server`, the section's flags (SGLang's
+   own `--config` conversion), `--enable-hierarchical-cache`, `--hicache-mem-layout page_first`
+   (unless set), the `dynamic` storage backend `offload.hicache.OffloadStorage` with
+   `interface_v1` and the effective offload tree (transfer.path = the decided path), then the
+   extra flags last (they win, as on SGLang's own command line);
+4. `--dry-run` prints the decision, the effective config and the shell-quoted command and exits 0;
+   otherwise `os.execvp` replaces this process with SGLang (signals reach SGLang directly).
+Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+import yaml
+
+from offload.config import DeploymentConfig, OffloadConfig, load_file, to_dict
+from offload.launch_sglang_args import SglangArgs, check_sglang
+
+BACKEND = {"backend_name": "offload", "module_path": "offload.hicache",
+           "class_name": "OffloadStorage", "interface_v1": 1}
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything launch decided: printed by --dry-run, executed otherwise."""
+
+    config: DeploymentConfig
+    sglang: SglangArgs
+    decision: Any                       # offload.hw.Decision
+    offload_tree: dict[str, Any]        # effective offload: tree, transfer.path decided
+    argv: list[str]
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="deployment YAML with sglang: and offload: sections")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the decision, the effective config and the command; do not start")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
+    p.add_argument("--root", default="/", metavar="DIR",
+                   help="detect from the machine under DIR (a fixture tree); default /")
+    p.add_argument("--cache-dir", metavar="PATH",
+                   help="cache directory to judge (default: offload.store.path)")
+    p.add_argument("--python", default=sys.executable, metavar="EXE",
+                   help="interpreter that runs SGLang (default: this one)")
+    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAG",
+                   help="extra SGLang flags after `--`, appended last (they win)")
+
+
+def compose(dep: DeploymentConfig, sg: SglangArgs, path: str,
+            python: str = sys.executable) -> tuple[dict[str, Any], list[str]]:
+    """(effective offload tree, SGLang argv) for the decided transfer path."""
+    tree = to_dict(dep.offload)
+    tree["transfer"]["path"] = path
+    # The backend fills in defaults itself: the command carries only what differs from them.
+    extra = {**sg.extra_config, **BACKEND, "offload": _changed(tree, to_dict(OffloadConfig()))}
+    argv = [python, "-m", "sglang.launch_server", *sg.section_argv, "--enable-hierarchical-cache"]
+    if "hicache_mem_layout" not in sg.set_by_user:
+        argv += ["--hicache-mem-layout", "page_first"]
+    argv += ["--hicache-storage-backend", "dynamic",
+             "--hicache-storage-backend-extra-config", json.dumps(extra, separators=(",", ":"))]
+    return tree, argv + sg.extra_argv
+
+
+def _changed(tree: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """The keys of `tree` whose values differ from `default`, sections kept nested."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub = _changed(value, default.get(key, {}))
+            if sub:
+                out[key] = sub
+        elif value != default.get(key):
+            out[key] = value
+    return out
+
+
+def plan(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
+         cache_dir: str | None = None, python: str = sys.executable) -> Plan:
+    """Validate, detect, decide and compose. Raises ConfigError / PathRejectedError / DetectError."""
+    from offload.hw import detect_and_decide
+    from offload.launch_sglang_args import sglang_parser
+
+    dep = load_file(config_file)
+    extra_argv = list(extra_argv or [])
+    sg = check_sglang(dep.sglang, extra_argv, dep.offload)
+    _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir)
+    tree, argv = compose(dep, sg, decision.path, python)
+    sglang_parser().parse_args(argv[3:])          # the composed command parses (raises if not)
+    return Plan(dep, sg, decision, tree, argv)
+
+
+def render(p: Plan, config_file: str) -> str:
+    d = p.decision
+    lines = [f"sglang-offload launch: {config_file} (dry run)", "", "Decision",
+             f"  role: {d.role}   path: {d.path}   (requested: {d.requested})", "  reasons:"]
+    lines += [f"    - {r}" for r in d.reasons]
+    if d.rejected:
+        lines.append("  rejected:")
+        for r in d.rejected:
+            lines += [f"    - {r.path}: {r.check}", f"        fix: {r.fix}"]
+    if p.sglang.warnings:
+        lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
+    if p.sglang.notes:
+        lines += ["", "Notes"] + [f"  - {n}" for n in p.sglang.notes]
+    eff = {"sglang": dict(p.config.sglang), "offload": p.offload_tree}
+    lines += ["", "Effective config (offload.transfer.path is the decided path)",
+              *("  " + ln for ln in yaml.safe_dump(eff, sort_keys=False).splitlines()),
+              "", "Command", p.command, ""]
+    return "\n".join(lines)
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+    d = p.decision
+    return {"decision": {"role": d.role, "path": d.path, "requested": d.requested,
+                         "reasons": list(d.reasons),
+                         "rejected": [{"path": r.path, "check": r.check, "fix": r.fix}
+                                      for r in d.rejected]},
+            "warnings": p.sglang.warnings, "notes": p.sglang.notes,
+            "config": {"sglang": dict(p.config.sglang), "offload": p.offload_tree},
+            "argv": p.argv, "command": p.command}
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.hw import PathRejectedError
+
+    try:
+        p = plan(args.config, args.sglang_args, root=args.root, cache_dir=args.cache_dir,
+                 python=args.python)
+    except PathRejectedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for w in p.sglang.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.dry_run:
+        if args.json:
+            json.dump(to_json(p), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(render(p, args.config))
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(p.argv[0], p.argv)  # replaces this process: SGLang gets our PID and signals
+    return 0  # pragma: no cover - execvp does not return
