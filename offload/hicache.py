@@ -18,6 +18,12 @@ Data path: every call returns per-page success; nothing raises into SGLang. A fa
 read is a miss (the store verifies checksums). MLA: every TP rank reads one shared namespace and
 only the storage writer (rank 0) writes. The store is opened by `_open_store(cfg)`, the one place
 to swap in another tier (tests inject a `MemoryStore`).
+
+Metrics (`offload.metrics`, unless `offload.metrics.enabled: false`): load/store latency, the
+path, the worth-it decisions, and per-tier counters read from the store's stats by a watcher
+thread; SGLang's own `StorageMetrics` come from `get_stats`. The worth-it rule
+(`offload.worth_it`): `batch_exists` reports the leading hits only if loading them is faster than
+recomputing them, at the read bandwidth measured on this backend's loads.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError, PathUnavailableError
 from offload.hicache_layout import PageMap
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
+from offload.metrics import StoreWatch, TierMetrics, count_agent, serve, tier_metrics
 from offload.store.base import BlockStore, Buffer
+from offload.worth_it import WorthIt, cuda_gpu_name, from_config
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +102,11 @@ def _open_store(cfg: OffloadConfig) -> BlockStore:
     from offload.store.disk import DiskStore
 
     return DiskStore(cfg.store)
+
+
+def path_of(store: BlockStore) -> str:
+    """The transfer path a store stands for (the `path` label of the metrics)."""
+    return "dpu" if type(store).__name__ == "AgentStore" else "cpu"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -166,6 +179,17 @@ class OffloadStorage(HiCacheStorage):
         # Since the last get_stats(): pages and GiB/s of each prefetch / backup call.
         self._pgs: dict[str, list[int]] = {"prefetch": [], "backup": []}
         self._bw: dict[str, list[float]] = {"prefetch": [], "backup": []}
+        self.transfer_path = path_of(self.store)
+        self.worth: WorthIt = from_config(self.cfg.worth_it, storage_config.model_name or "",
+                                          storage_config.tp_size, cuda_gpu_name)
+        self.tm: TierMetrics | None = None
+        self._watch: StoreWatch | None = None
+        if self.cfg.metrics.enabled:
+            self.tm = tier_metrics()
+            self.tm.set_path(self.transfer_path)
+            self._watch = StoreWatch(self.store, self.tm).start()
+            serve(self.cfg.metrics, storage_config.pp_rank * storage_config.tp_size
+                  + storage_config.tp_rank)
 
     # ---------------------------------------------------------------- control path
 
@@ -183,6 +207,9 @@ class OffloadStorage(HiCacheStorage):
                     self.pages.zero_copy, self.is_writer)
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         try:
             self.store.close()
         except Exception:
@@ -219,11 +246,23 @@ class OffloadStorage(HiCacheStorage):
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return self._make_keys(keys)
 
-    def _record(self, kind: str, n: int, nbytes: int, t0: float) -> None:
-        """Note one prefetch or backup call of n pages (SGLang's storage metrics)."""
+    def _record(self, kind: str, n: int, nbytes: int, t0: float, asked: int = 0) -> None:
+        """Note one prefetch or backup call of n pages out of `asked` (SGLang's storage metrics,
+        ours, and the bandwidth the worth-it rule uses)."""
+        dt = max(time.perf_counter() - t0, 1e-9)
+        if kind == "prefetch" and n:
+            bw = self.worth.observe(nbytes, dt)
+            if self.tm is not None and bw is not None:
+                self.tm.read_bandwidth.set(bw)
+        if self.tm is not None:
+            (self.tm.load_seconds if kind == "prefetch" else
+             self.tm.store_seconds).labels(self.transfer_path).observe(dt)
+            if self.transfer_path == "dpu":
+                read = kind == "prefetch"
+                count_agent(self.tm, n if read else 0, max(asked - n, 0) if read else 0,
+                            nbytes if read else 0, 0 if read else nbytes)
         if not self._metrics or n == 0:
             return
-        dt = max(time.perf_counter() - t0, 1e-9)
         with self._lock:
             self._pgs[kind].append(n)
             self._bw[kind].append(nbytes / dt / (1 << 30))
@@ -251,10 +290,21 @@ class OffloadStorage(HiCacheStorage):
                 if not present:
                     break
                 n += 1
-            return n
+            return self._worth_loading(n)
         except Exception:
             logger.exception("offload: batch_exists failed; reporting a miss")
             return 0
+
+    def _worth_loading(self, hits: int) -> int:
+        """The leading hits worth loading (the worth-it rule), counted in the metrics."""
+        if hits == 0 or self.pages is None:
+            return hits
+        n = self.worth.pages_to_load(hits, self.pages.page_size, self.pages.page_bytes)
+        if self.tm is not None:
+            self.tm.accepted.inc(n)
+            if n < hits:
+                self.tm.declined.inc(hits - n)
+        return n
 
     def batch_set_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -310,12 +360,12 @@ class OffloadStorage(HiCacheStorage):
                 if good:
                     pages.store_copy(s, page)
         n = sum(ok)
-        self._record("prefetch", n, n * pages.page_bytes, t0)
+        self._record("prefetch", n, n * pages.page_bytes, t0, len(keys))
         return ok
 
     def _after_put(self, ok: Sequence[bool], page_bytes: int, t0: float) -> None:
         n = sum(ok)
-        self._record("backup", n, n * page_bytes, t0)
+        self._record("backup", n, n * page_bytes, t0, len(ok))
 
     # ---------------------------------------------------------------- legacy interface
 
@@ -346,7 +396,7 @@ class OffloadStorage(HiCacheStorage):
             ok = self.store.get_many(self._keys(keys), dests)
             n = sum(ok)
             nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
-            self._record("prefetch", n, nbytes, t0)
+            self._record("prefetch", n, nbytes, t0, len(keys))
             return [t if g else None for t, g in zip(target_locations, ok)]
         except Exception:
             logger.exception("offload: batch_get failed; reporting misses")
