@@ -192,13 +192,18 @@ class Session:
                 raise RequestError("descriptors sent but this connection does not use NIXL")
 
     def _groups(self, idx: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-        """Pack block indices into groups that fit one staging half."""
+        """Pack block indices into groups that fit one staging half, about four per request
+        (so that NIXL and the store overlap even when the whole request would fit one half)."""
         assert self.staging is not None
+        idx = list(idx)
+        total = sum(sizes[i] for i in idx)
+        largest = max((sizes[i] for i in idx), default=0)
+        limit = min(self.staging.half_size, max(largest, total // 4))
         groups: list[list[int]] = []
         cur: list[int] = []
         used = 0
         for i in idx:
-            if cur and used + sizes[i] > self.staging.half_size:
+            if cur and used + sizes[i] > limit:
                 groups.append(cur)
                 cur, used = [], 0
             cur.append(i)
