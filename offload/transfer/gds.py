@@ -156,6 +156,7 @@ class GdsPath:
         sizes = [blocks[i][0].numel() * blocks[i][0].element_size() for i in gpu]
         slots = self.store.reserve_slots([keys[i] for i in gpu], sizes) if gpu else []
         done: list[Slot] = []
+        done_idx: list[int] = []
         sums: list[int] = []
         for i, slot in zip(gpu, slots):
             if slot is None:
@@ -169,14 +170,15 @@ class GdsPath:
                 if f.pwrite(t, slot.length, slot.offset).get() != slot.length:
                     raise OSError("short write")
                 done.append(slot)
+                done_idx.append(i)
                 sums.append(wsum64(t))
             except Exception as e:  # noqa: BLE001
                 if f is not None:
                     self._demote(slot.path, e)
                 self.store.abort_slots([slot])
                 rest.append(i)
-        for slot, flag in zip(done, self.store.commit_slots(done, sums) if done else []):
-            ok[keys.index(slot.key)] = flag
+        for i, flag in zip(done_idx, self.store.commit_slots(done, sums) if done else []):
+            ok[i] = flag
         if rest:
             for i, flag in zip(rest, self.fallback.put_many([keys[i] for i in rest],
                                                             [blocks[i] for i in rest])):
