@@ -52,6 +52,11 @@ def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag:
     blocks = [[buf[i * size:(i + 1) * size]] for i in range(batch)]
     keys = [[tag + r.to_bytes(8, "big") + i.to_bytes(8, "big") + bytes(16 - len(tag))
              for i in range(batch)] for r in range(rounds)]
+    # Warm-up (not timed, as for the NIXL baseline): connections, staging, UCX wire-up.
+    warm = [b"warmup" + i.to_bytes(26, "big") for i in range(batch)]
+    store.put_many(warm, blocks)
+    store.get_many(warm, blocks)
+    store.delete_many(warm)
     wall = {"put": 0.0, "get": 0.0}
     cpu = {"put": 0.0, "get": 0.0}
     failed = 0
