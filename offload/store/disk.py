@@ -396,5 +396,50 @@ class DiskStore:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    # ---- maintenance (`sglang-offload cache`) ----------------------------------------------------
+
+    def summary(self) -> dict[str, object]:
+        """Blocks, bytes and age per namespace (with descriptions): `cache stats`."""
+        with self._lock:
+            return self._index.summary()
+
+    def verify(self, progress: Callable[[int], None] | None = None,
+               batch: int = 64) -> tuple[int, list[tuple[bytes, str]]]:
+        """Re-read every committed block and check header and checksum; corrupt ones are deleted.
+
+        Safe while other processes use the directory: a block deleted or evicted meanwhile is
+        not counted as bad. `progress(n)` is called after each batch of n blocks.
+        Returns (blocks checked, [(key, why)] of the bad ones).
+        """
+        checked, bad, after = 0, [], b""
+
+        def read(loc: Location) -> str:
+            return self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, loc.length,
+                                          loc.csum, [bytearray(loc.length)])
+
+        while True:
+            with self._lock:
+                locs = self._index.committed_after(after, batch)
+            if not locs:
+                break
+            after = locs[-1].key
+            for loc, err in zip(locs, self._pool.map(read, locs)):
+                if not err:
+                    continue
+                corrupt = err.startswith("corrupt")   # deleted; an I/O error is only reported
+                with self._lock:
+                    if corrupt:
+                        still = self._index.drop_corrupt([loc], self._free_slot)
+                        self._keys.discard(loc.key)
+                    else:
+                        still = len(self._index.locate([loc.key]))
+                if still:       # the index still held that block: it really is bad
+                    bad.append((loc.key, err))
+                    self._stats.checksum_failures += int(corrupt)
+            checked += len(locs)
+            if progress is not None:
+                progress(len(locs))
+        return checked, bad
+
 
 __all__ = ["DiskStore", "fs_free_bytes"]

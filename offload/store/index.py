@@ -386,6 +386,36 @@ class Index:
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((r[0], OP_COMMIT) for r in rows))
 
+    # ---- maintenance (`sglang-offload cache`) --------------------------------------------------
+
+    def committed_after(self, key: bytes, limit: int) -> list[Location]:
+        """Up to `limit` committed blocks with keys after `key`, in key order (a paged scan)."""
+        rows = self.db.execute("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks "
+                               "WHERE key > ? AND +state=1 ORDER BY key LIMIT ?",
+                               (key, limit)).fetchall()
+        return [Location(k, seg, slot, sb, length, _unsigned(c)) for k, seg, slot, sb, length, c
+                in rows]
+
+    def summary(self) -> dict[str, object]:
+        """Blocks, bytes and age per namespace digest (with its description), in one snapshot."""
+        with self.txn(write=False):
+            per_ns = self.db.execute(
+                "SELECT substr(key, 1, 16), count(*), sum(length), sum(slot_bytes), min(created), "
+                "max(created), max(atime) FROM blocks WHERE state=1 GROUP BY 1").fetchall()
+            described = dict(self.db.execute("SELECT digest, description FROM namespaces"))
+            pending = self.db.execute("SELECT count(*) FROM blocks WHERE state=0").fetchone()[0]
+            used, cap = self._meta("used"), self._meta("capacity")
+        namespaces = []
+        for digest in sorted(set(described) | {r[0] for r in per_ns}):
+            row = next((r for r in per_ns if r[0] == digest), (digest, 0, 0, 0, None, None, None))
+            desc = described.get(digest)
+            namespaces.append({
+                "digest": bytes(digest).hex(), "blocks": row[1], "data_bytes": row[2] or 0,
+                "slot_bytes": row[3] or 0, "oldest": row[4], "newest": row[5],
+                "last_use": row[6], "description": json.loads(desc) if desc else None})
+        return {"used_bytes": used, "capacity": cap, "pending": pending,
+                "namespaces": namespaces}
+
 
 class _Txn:
     def __init__(self, db: sqlite3.Connection, write: bool = True):
