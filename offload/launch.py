@@ -98,14 +98,14 @@ def plan(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
          cache_dir: str | None = None, python: str = sys.executable) -> Plan:
     """Validate, detect, decide and compose. Raises ConfigError / PathRejectedError / DetectError."""
     from offload.hw import detect_and_decide
-    from offload.launch_sglang_args import sglang_parser
+    from offload.launch_argspec import sglang_parser
 
     dep = load_file(config_file)
     extra_argv = list(extra_argv or [])
     sg = check_sglang(dep.sglang, extra_argv, dep.offload)
     _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir)
     tree, argv = compose(dep, sg, decision.path, python)
-    sglang_parser().parse_args(argv[3:])          # the composed command parses (raises if not)
+    sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
     return Plan(dep, sg, decision, tree, argv)
 
 
@@ -120,8 +120,8 @@ def render(p: Plan, config_file: str) -> str:
             lines += [f"    - {r.path}: {r.check}", f"        fix: {r.fix}"]
     if p.sglang.warnings:
         lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
-    if p.sglang.notes:
-        lines += ["", "Notes"] + [f"  - {n}" for n in p.sglang.notes]
+    lines += ["", "Notes", f"  - sglang: checked with {p.sglang.parser_source}"]
+    lines += [f"  - {n}" for n in p.sglang.notes]
     eff = {"sglang": dict(p.config.sglang), "offload": p.offload_tree}
     lines += ["", "Effective config (offload.transfer.path is the decided path)",
               *("  " + ln for ln in yaml.safe_dump(eff, sort_keys=False).splitlines()),
@@ -136,6 +136,7 @@ def to_json(p: Plan) -> dict[str, Any]:
                          "rejected": [{"path": r.path, "check": r.check, "fix": r.fix}
                                       for r in d.rejected]},
             "warnings": p.sglang.warnings, "notes": p.sglang.notes,
+            "sglang_parser": p.sglang.parser_source,
             "config": {"sglang": dict(p.config.sglang), "offload": p.offload_tree},
             "argv": p.argv, "command": p.command}
 

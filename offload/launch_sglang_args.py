@@ -1,9 +1,9 @@
 """The `sglang:` section of a deployment file, checked against SGLang's own argument parser.
 
 Primitives:
-- `sglang_parser()`: SGLang's parser of the pinned release (`ServerArgs.add_cli_args` on a fresh
-  parser that raises instead of exiting). Importing SGLang costs seconds (it loads torch), so only
-  `launch` and `config validate` call this, once per process.
+- SGLang's parser comes from `offload.launch_argspec.sglang_parser()` (the installed SGLang's
+  own, or the pinned release's snapshot where SGLang cannot import); only `launch` and
+  `config validate` load it, once per process.
 - `check_sglang(section, extra_argv, offload_cfg) -> SglangArgs`: every key checked (unknown keys
   name the close match, values go through the flag's own type and choices), the section turned
   into argv exactly as SGLang's own `--config` would, the extra CLI flags appended, the whole
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any, Mapping
 
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.launch_argspec import ArgsRefused, sglang_parser, sglang_version
 
 ALIGN = 4096
 MIN_PAGE_TOKENS = 16
@@ -47,25 +47,6 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
                "human_readable_int": "an integer (e.g. 131072 or 128k)"}
 
 
-class _Refusal(Exception):
-    pass
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse calls this instead of raising
-        raise _Refusal(message)
-
-
-@functools.lru_cache(maxsize=1)
-def sglang_parser() -> argparse.ArgumentParser:
-    """SGLang's own server-argument parser (the pinned release), raising `_Refusal` on errors."""
-    from sglang.srt.server_args import ServerArgs
-
-    parser = _RaisingParser(prog="sglang.launch_server", add_help=False)
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
 @dataclass
 class SglangArgs:
     """The `sglang:` section as SGLang argv, the parsed values, and what launch should know."""
@@ -77,15 +58,7 @@ class SglangArgs:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     set_by_user: set[str] = field(default_factory=set)   # dests named in the file or the extras
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:  # pragma: no cover - sglang imported from a source tree
-        return "(unknown version)"
+    parser_source: str = ""              # SGLang's live parser, or the snapshot of it
 
 
 def _norm(key: str) -> str:
@@ -193,7 +166,7 @@ def _extra_config(value: Any, problems: list[str]) -> dict[str, Any]:
 def check_sglang(section: Mapping[str, Any], extra_argv: list[str] | None = None,
                  offload_cfg: OffloadConfig | None = None) -> SglangArgs:
     """Validate the `sglang:` section (+ extra CLI flags). Raises ConfigError, one line each."""
-    parser = sglang_parser()
+    parser, source = sglang_parser()
     index = _index(parser)
     problems: list[str] = []
     argv: list[str] = []
@@ -205,7 +178,8 @@ def check_sglang(section: Mapping[str, Any], extra_argv: list[str] | None = None
         if action is None:
             close = difflib.get_close_matches(_norm(key), list(index), n=1)
             hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
-            problems.append(f"sglang.{key}: not a server argument of SGLang {_version()}{hint}")
+            problems.append(f"sglang.{key}: not a server argument of SGLang "
+                            f"{sglang_version()}{hint}")
             continue
         user.add(action.dest)
         if action.dest == "enable_hierarchical_cache" and value is False:
@@ -239,11 +213,11 @@ def check_sglang(section: Mapping[str, Any], extra_argv: list[str] | None = None
         raise ConfigError(problems)
     try:
         values = parser.parse_args(argv + extra_argv)
-    except _Refusal as e:
+    except ArgsRefused as e:
         where = "extra SGLang flags" if extra_argv else "sglang"
         raise ConfigError([f"{where}: SGLang refuses the arguments: {e}"]) from None
     out = SglangArgs(section_argv=argv, extra_argv=extra_argv, values=values, extra_config=extra_cfg,
-                     set_by_user=user)
+                     set_by_user=user, parser_source=source)
     _combinations(out, offload_cfg or OffloadConfig())
     return out
 

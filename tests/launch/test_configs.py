@@ -1,0 +1,68 @@
+"""Every deployment in configs/ through `launch --dry-run` (this machine or a matching fixture)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from tests.launch.helpers import CONFIGS, HOSTS, dry_run
+
+# config -> (fixture machine or "/" for this one, expected transfer path there)
+EXPECTED = {
+    "llama-3.1-70b-128k-h100x8-nvme.yaml": [("/", "cpu"), ("h100x8-gds", "gds")],
+    "llama-3.1-70b-128k-h100x8-nvme-fp8kv.yaml": [("/", "cpu"), ("h100x8-gds", "gds")],
+    "llama-3.1-8b-128k-h200.yaml": [("/", "cpu")],
+    "llama-3.1-70b-128k-b200x4.yaml": [("/", "cpu")],
+    "llama-3.1-8b-128k-h100x2-bluefield3-dpu.yaml": [("h100-bf3-dpu", "dpu")],
+    "llama-3.1-8b-redis-shared-replicas.yaml": [("/", "cpu")],
+    "cpu-dev.yaml": [("/", "cpu"), ("cpu-box", "cpu")],
+}
+CASES = [(name, root, path) for name, runs in EXPECTED.items() for root, path in runs]
+
+
+def test_every_config_is_covered() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name,root,path", CASES)
+def test_dry_run(capsys: pytest.CaptureFixture[str], name: str, root: str, path: str) -> None:
+    root_dir = "/" if root == "/" else str(HOSTS / root)
+    out = dry_run(capsys, CONFIGS / name, root=root_dir)
+    assert out["decision"]["path"] == path
+    assert out["warnings"] == []
+    argv = out["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert "--enable-hierarchical-cache" in argv
+    assert argv[argv.index("--hicache-mem-layout") + 1] == "page_first"
+    assert argv[argv.index("--hicache-storage-backend") + 1] == "dynamic"
+    extra = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["module_path"] == "offload.hicache" and extra["class_name"] == "OffloadStorage"
+    assert extra["interface_v1"] == 1 and extra["backend_name"] == "offload"
+    assert extra["offload"]["transfer"]["path"] == path
+    assert out["config"]["offload"]["transfer"]["path"] == path
+    section = yaml.safe_load((CONFIGS / name).read_text())["sglang"]
+    assert argv[argv.index("--model-path") + 1] == section["model-path"]
+    if name != "cpu-dev.yaml":                  # a preset model: alignment was checked
+        assert any("4 KiB-aligned" in n for n in out["notes"])
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_key_is_commented(name: str) -> None:
+    for n, line in enumerate((CONFIGS / name).read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert re.search(r"\s#\s", line), f"{name}:{n} has no comment: {line!r}"
+
+
+def test_dpu_config_is_refused_on_a_machine_without_a_dpu(capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    from tests.launch.helpers import run_cli
+
+    rc, _, err = run_cli(capsys, "launch", "--config",
+                         str(CONFIGS / "llama-3.1-8b-128k-h100x2-bluefield3-dpu.yaml"),
+                         "--dry-run", "--root", str(HOSTS / "cpu-box"))
+    assert rc == 1
+    assert len(err) == 1 and err[0].startswith("error: offload.transfer.path is 'dpu'")
+    assert "bluefield" in err[0]
