@@ -34,7 +34,8 @@ from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
 from offload.store import slab
 from offload.store.base import Buffer, StoreStats, total_len
-from offload.store.index import Freed, Index, Location, owner_token
+from offload.store.disk_slots import SlotAccess
+from offload.store.index import Allocation, Freed, Index, Location, owner_token
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def fs_free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class DiskStore:
+class DiskStore(SlotAccess):
     def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes):
         self.cfg = cfg
         self.directory = os.path.abspath(cfg.path)
@@ -219,12 +220,7 @@ class DiskStore:
                 where.setdefault(k, []).append(i)
             if not items:
                 return result
-            alloc = self._index.allocate(
-                items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
-                free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
-                segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
-                free_slot=self._free_slot)
-        self._stats.evictions += alloc.evicted
+            alloc = self._allocate(items)
         for k in alloc.present:
             for i in where[k]:
                 result[i] = True
@@ -263,6 +259,16 @@ class DiskStore:
         self._stats.puts += len(good)
         self._stats.bytes_written += sum(total_len(bufs_of[k]) for k, _ in good)
         return result
+
+    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Allocation:
+        """Reserve slots (caller holds the lock and has refreshed the key set)."""
+        alloc = self._index.allocate(
+            items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
+            free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
+            segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
+            free_slot=self._free_slot)
+        self._stats.evictions += alloc.evicted
+        return alloc
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         try:

@@ -31,7 +31,7 @@ ALIGN = 4096
 HEADER_BYTES = ALIGN
 MAGIC = b"SGLOBLK1"
 VERSION = 1
-# magic, version, flags, key(32), length, checksum(xxh3-64), created (unix ns)
+# magic, version, flags, key(32), length, checksum, created (unix ns). flags: checksum kind.
 _HDR = struct.Struct("<8sHH32sQQQ")
 _HDR_CSUM = struct.Struct("<Q")
 IOV_MAX = 1024
@@ -62,6 +62,10 @@ def _xxh3():  # type: ignore[no-untyped-def]
     return xxhash.xxh3_64
 
 
+CSUM_XXH3 = 0    # xxh3-64 of the data: every block written from host memory
+CSUM_WSUM64 = 1  # position-weighted 64-bit word sum: blocks written by GDS (computed on the GPU)
+
+
 def checksum(buffers: Sequence[Buffer]) -> int:
     h = _xxh3()()
     for b in buffers:
@@ -69,8 +73,34 @@ def checksum(buffers: Sequence[Buffer]) -> int:
     return h.intdigest()
 
 
-def pack_header(key: bytes, length: int, csum: int, created_ns: int) -> bytes:
-    body = _HDR.pack(MAGIC, VERSION, 0, key, length, csum, created_ns)
+def wsum64(buffers: Sequence[Buffer]) -> int:
+    """The GDS path's checksum, on the CPU: sum of little-endian 64-bit words times odd position
+    weights (1, 3, 5, ...) mod 2^64, xor the length (zero padding to a whole word)."""
+    import numpy as np
+
+    raw = np.frombuffer(b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+                        if len(buffers) != 1 else memoryview(buffers[0]).cast("B"), dtype=np.uint8)
+    n = raw.size
+    if n % 8:
+        raw = np.concatenate([raw, np.zeros(8 - n % 8, np.uint8)])
+    words = raw.view("<u8")
+    weights = np.arange(words.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        s = int((words * weights).sum(dtype=np.uint64))
+    return s ^ n
+
+
+def checksum_of(kind: int, buffers: Sequence[Buffer]) -> int | None:
+    if kind == CSUM_XXH3:
+        return checksum(buffers)
+    if kind == CSUM_WSUM64:
+        return wsum64(buffers)
+    return None
+
+
+def pack_header(key: bytes, length: int, csum: int, created_ns: int,
+                kind: int = CSUM_XXH3) -> bytes:
+    body = _HDR.pack(MAGIC, VERSION, kind, key, length, csum, created_ns)
     return body + _HDR_CSUM.pack(_xxh3()(body).intdigest())
 
 
@@ -80,6 +110,7 @@ class Header:
     length: int
     csum: int
     created_ns: int
+    kind: int = CSUM_XXH3
 
 
 def unpack_header(raw: Buffer) -> Header | None:
@@ -91,10 +122,10 @@ def unpack_header(raw: Buffer) -> Header | None:
     (stored,) = _HDR_CSUM.unpack_from(mv, _HDR.size)
     if stored != _xxh3()(body).intdigest():
         return None
-    magic, version, _flags, key, length, csum, created = _HDR.unpack(body)
+    magic, version, kind, key, length, csum, created = _HDR.unpack(body)
     if magic != MAGIC or version != VERSION:
         return None
-    return Header(key, length, csum, created)
+    return Header(key, length, csum, created, kind)
 
 
 def address(buf: Buffer) -> int:
@@ -257,7 +288,7 @@ class SlabFiles:
             return "corrupt: bad slot header"
         if h.key != key or h.length != length or h.csum != csum:
             return "corrupt: slot header does not match the index"
-        if checksum(data) != csum:
+        if checksum_of(h.kind, data) != csum:
             return "corrupt: checksum mismatch"
         if copy_from is not None:
             pos = 0
@@ -287,6 +318,26 @@ class SlabFiles:
         except OSError:  # no SEEK_DATA support: every slot may hold data
             return set(range(nslots))
         return {s for s in out if s < nslots}
+
+    def write_header(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
+                     csum: int, created_ns: int, kind: int) -> str:
+        """Write only a slot's header (its data was written by another path, e.g. GDS)."""
+        try:
+            fd = self.fd(seg, slot_bytes)
+            hdr = self._tls.header
+            hdr.seek(0)
+            hdr.write(pack_header(key, length, csum, created_ns, kind).ljust(HEADER_BYTES, b"\0"))
+            n = os.pwritev(fd, [hdr], slot * slot_bytes)
+            return "" if n == HEADER_BYTES else f"short header write ({n} bytes)"
+        except OSError as e:
+            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+
+    def reserve_space(self, seg: int, slot_bytes: int, slot: int) -> str:
+        try:
+            os.posix_fallocate(self.fd(seg, slot_bytes), slot * slot_bytes, slot_bytes)
+            return ""
+        except OSError as e:
+            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
 
     def read_header(self, seg: int, slot_bytes: int, slot: int) -> Header | None:
         try:

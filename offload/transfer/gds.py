@@ -21,25 +21,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from offload.errors import PathUnavailableError
 from offload.keys import Namespace
 from offload.store.base import BlockStore, Buffer, StoreStats
+from offload.store.disk_slots import Slot
 
 log = logging.getLogger(__name__)
 CHECKSUM_KIND = "wsum64"
-
-
-@dataclass(frozen=True)
-class Slot:
-    key: bytes
-    path: str          # slab file
-    offset: int        # where the block's data starts (4 KiB aligned)
-    length: int
-    checksum: int = 0  # stored checksum (locate_many), 0 when reserving
-    token: int = 0     # the store's handle of a reservation
 
 
 class SlotStore(BlockStore, Protocol):
@@ -64,18 +54,10 @@ def wsum64(data: Any) -> int:
 
 
 def wsum64_numpy(buf: Buffer) -> int:
-    """The same checksum on the CPU (for the store to verify gds-written blocks)."""
-    import numpy as np
+    """The same checksum on the CPU (the store's own `slab.wsum64`, which verifies GDS blocks)."""
+    from offload.store.slab import wsum64 as cpu_wsum64
 
-    raw = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    n = raw.size
-    if n % 8:
-        raw = np.concatenate([raw, np.zeros(8 - n % 8, np.uint8)])
-    words = raw.view(np.uint64)
-    weights = np.arange(words.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        s = int((words * weights).sum(dtype=np.uint64))
-    return s ^ n
+    return cpu_wsum64([buf])
 
 
 def gds_really_available(decision: Any) -> tuple[bool, str]:
