@@ -1,0 +1,118 @@
+"""docker/Dockerfile read by a real Dockerfile parser (PyPI `dockerfile`, BuildKit's own), and
+the entrypoint run on this machine (the image itself: test_image.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+dockerfile = pytest.importorskip("dockerfile")
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+
+
+def commands() -> list:
+    return list(dockerfile.parse_file(str(DOCKERFILE)))
+
+
+def stages() -> dict[str, list]:
+    out: dict[str, list] = {}
+    name = None
+    for c in commands():
+        if c.cmd == "FROM":
+            name = c.value[2] if len(c.value) == 3 and c.value[1].upper() == "AS" else None
+            out[name] = []
+        elif name is not None:
+            out[name].append(c)
+    return out
+
+
+def test_base_is_the_pinned_sglang_release_and_every_arg_is_documented() -> None:
+    pin = tomllib.loads((REPO / "distro" / "upstream.toml").read_text())
+    first = commands()[0]
+    assert (first.cmd, first.value) == ("ARG", (f"BASE=lmsysorg/sglang:v{pin['sglang']['version']}",))
+    header = DOCKERFILE.read_text().split("\nARG ", 1)[0]
+    for c in commands():
+        if c.cmd == "ARG":
+            name = c.value[0].split("=")[0]
+            assert re.search(rf"^#\s+{name}\s", header, re.M), f"ARG {name} not documented"
+
+
+def test_named_stages_runtime_last_on_the_base() -> None:
+    froms = [c.value for c in commands() if c.cmd == "FROM"]
+    assert froms == [("${BASE}", "AS", "build"), ("${BASE}", "AS", "runtime")]
+
+
+def test_runtime_installs_built_wheels_only_no_tools_no_sed() -> None:
+    runtime = stages()["runtime"]
+    runs = [c for c in runtime if c.cmd == "RUN"]
+    tools = re.compile(r"\b(apt-get|apt|gcc|g\+\+|make|cmake|build-essential|git|patch)\b")
+    for c in commands():
+        if c.cmd == "RUN":
+            assert not re.search(r"\bsed\b", " ".join(c.value)), "no sed patching in RUN"
+    for c in runs:
+        assert not tools.search(" ".join(c.value)), c.value
+    install = [c for c in runs if "pip install" in c.value[0]]
+    assert len(install) == 1
+    assert "--no-deps" in install[0].value[0] and "--no-index" in install[0].value[0]
+    assert install[0].flags == ("--mount=type=bind,from=build,source=/wheels,target=/tmp/wheels",)
+    assert not [c for c in runtime if c.cmd in ("COPY", "ADD") and "--from=build" in c.flags]
+
+
+def test_build_stage_makes_both_wheels() -> None:
+    run = " ".join(" ".join(c.value) for c in stages()["build"] if c.cmd == "RUN")
+    assert "pip wheel --no-deps --wheel-dir /wheels ." in run
+    assert "distro/build_wheel.py --out /wheels" in run
+
+
+def test_volume_health_check_entrypoint() -> None:
+    by = {c.cmd: c for c in stages()["runtime"]}
+    assert by["VOLUME"].value == ("/var/cache/sglang-offload",)
+    assert by["HEALTHCHECK"].value[0] == "CMD" and "/health" in by["HEALTHCHECK"].value[1]
+    assert by["ENTRYPOINT"].value == ("/usr/local/bin/sglang-offload-entrypoint",)
+    copied = [c.value for c in stages()["runtime"] if c.cmd == "COPY"]
+    assert ("docker/entrypoint.sh", "/usr/local/bin/sglang-offload-entrypoint") in copied
+
+
+def run_entrypoint(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return subprocess.run(["sh", str(ENTRYPOINT), *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env})
+
+
+def test_entrypoint_reports_then_dry_runs_launch(tmp_path: Path) -> None:
+    res = run_entrypoint(tmp_path, "--port", "30001", DRY_RUN="1",
+                         SGLANG_OFFLOAD_CONFIG=str(REPO / "configs" / "cpu-dev.yaml"))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.index("sglang-offload detect: this machine") < out.index("sglang-offload launch:")
+    command = out.rstrip().splitlines()[-1]
+    assert "-m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct" in command
+    assert command.endswith("--port 30001")
+
+
+def test_entrypoint_execs_launch_and_other_commands(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-python"
+    fake.write_text('#!/bin/sh\necho "sglang started: $*"\n')
+    fake.chmod(0o755)
+    res = run_entrypoint(tmp_path, SGLANG_OFFLOAD_PYTHON=str(fake),
+                         SGLANG_OFFLOAD_CONFIG=str(REPO / "configs" / "cpu-dev.yaml"))
+    assert res.returncode == 0, res.stderr
+    assert "sglang started: -m sglang.launch_server --model-path" in res.stdout
+    res = run_entrypoint(tmp_path, "echo", "hello")
+    assert (res.returncode, res.stdout) == (0, "hello\n")
+
+
+def test_entrypoint_without_config_says_how_to_mount_one(tmp_path: Path) -> None:
+    res = run_entrypoint(tmp_path, SGLANG_OFFLOAD_CONFIG=str(tmp_path / "missing.yaml"))
+    assert res.returncode == 2
+    assert res.stderr.startswith("error: no deployment config at ")
