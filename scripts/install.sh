@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
+command -v buildah >/dev/null || need+=(buildah)          # tests/docker/test_image.py
+command -v debootstrap >/dev/null || need+=(debootstrap)  # its stand-in base image
 if ((${#need[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi

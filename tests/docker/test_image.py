@@ -1,0 +1,87 @@
+"""Build docker/Dockerfile with buildah (no Docker engine here) on a local stand-in for the
+SGLang base image, then run the entrypoint inside the image: `detect`, then `launch --dry-run`.
+
+The stand-in (tests/docker/image_tools.py) has Python and a few of SGLang's dependencies but no
+torch, so SGLang's parser cannot import inside it: launch checks the sglang: section with the
+pinned parser's snapshot, which the smoke test asserts. The build stage really downloads the
+pinned SGLang wheel (sha256-checked) and patches it; the runtime stage installs it --no-deps.
+The stand-in base is built once and cached under /var/cache/sglang-offload-test; buildah's
+storage lives in a temporary directory removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.docker.image_tools import HOST_CA, Buildah, ensure_base_tar, tools_missing
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = "localhost/sglang-offload-test-base:latest"
+IMAGE = "localhost/sglang-offload:test"
+
+pytestmark = pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))
+
+
+@pytest.fixture(scope="module")
+def image() -> Buildah:
+    tar = ensure_base_tar()
+    work = Path(tempfile.mkdtemp(prefix="sglang-offload-buildah-", dir="/var/tmp"))
+    b = Buildah(work)
+    try:
+        b.import_base(tar, BASE)
+        b("bud", "--isolation", "chroot", "--pull=never", "--format", "docker",
+          "--layers=false", "--build-arg", f"BASE={BASE}",
+          "--ignorefile", str(REPO / "docker" / "Dockerfile.dockerignore"),
+          "-v", f"{HOST_CA}:{HOST_CA}:ro",
+          "-t", IMAGE, "-f", str(REPO / "docker" / "Dockerfile"), str(REPO), timeout=900)
+        yield b
+    finally:
+        b.remove()
+
+
+def run_in(b: Buildah, *cmd: str, env: dict[str, str] | None = None,
+           config: Path | None = None) -> str:
+    ctr = b("from", "--pull=never", IMAGE).stdout.strip()
+    try:
+        if config is not None:
+            b("copy", ctr, str(config), "/etc/sglang-offload/config.yaml")
+        envs = [x for k, v in (env or {}).items() for x in ("--env", f"{k}={v}")]
+        res = b("run", "--isolation", "chroot", *envs, ctr, "--", *cmd, check=False)
+        assert res.returncode == 0, f"{cmd}: {res.returncode}\n{res.stdout}\n{res.stderr}"
+        return res.stdout
+    finally:
+        b("rm", ctr)
+
+
+def test_image_metadata(image: Buildah) -> None:
+    info = json.loads(image("inspect", "--type", "image", IMAGE).stdout)
+    cfg = info["Docker"]["config"]
+    assert cfg["Entrypoint"] == ["/usr/local/bin/sglang-offload-entrypoint"]
+    assert "/var/cache/sglang-offload" in cfg["Volumes"]
+    assert "/health" in " ".join(cfg["Healthcheck"]["Test"])
+    assert "SGLANG_OFFLOAD_CONFIG=/etc/sglang-offload/config.yaml" in cfg["Env"]
+
+
+def test_patched_sglang_and_our_package_are_installed(image: Buildah) -> None:
+    out = run_in(image, "python3", "-c",
+                 "import importlib.metadata as m, importlib.util as u, pathlib; "
+                 "print(m.version('sglang')); print(m.version('sglang-offload')); "
+                 "p = pathlib.Path(u.find_spec('sglang').origin).parent; "
+                 "print('\"offload\"' in (p / 'srt/arg_groups/fields/memory.py').read_text()); "
+                 "print(pathlib.Path('/tmp/wheels').exists())")
+    assert out.split() == ["0.5.23+offload.1", "0.1.0", "True", "False"]
+
+
+def test_entrypoint_detects_then_dry_runs_launch(image: Buildah) -> None:
+    out = run_in(image, "/usr/local/bin/sglang-offload-entrypoint", "--port", "30001",
+                 env={"DRY_RUN": "1"}, config=REPO / "configs" / "cpu-dev.yaml")
+    assert out.index("sglang-offload detect: this machine") < out.index("sglang-offload launch:")
+    assert "path: cpu" in out
+    assert "checked with snapshot of SGLang 0.5.23's parser" in out
+    command = out.rstrip().splitlines()[-1]
+    assert command.startswith("python3 -m sglang.launch_server --model-path Qwen/")
+    assert "--hicache-storage-backend dynamic" in command and command.endswith("--port 30001")
