@@ -6,7 +6,8 @@ Primitives:
 - `StoreWatch(store, metrics, interval_s)`: a daemon thread that reads `store.stats()` every
   `interval_s` and turns the process-local counters of each tier (local NVMe, Redis, agent) into
   Prometheus counter increments and capacity gauges. `poll()` does one round (tests, close).
-- `tiers_of(store)`: the per-tier `StoreStats` of a store (a `TieredStore` is local + Redis).
+- `tiers_of(store)`: the per-tier `StoreStats` of a store (a `TieredStore` is its first tier +
+  Redis); `path_of(store)`: the transfer path it stands for (`cpu`, `gds`, `dpu`).
 - `serve(cfg, rank)`: our own endpoint on `offload.metrics.port`, for servers that run without
   SGLang's `--enable-metrics`.
 
@@ -109,27 +110,57 @@ def tier_metrics() -> TierMetrics:
         return _process_metrics
 
 
+def _front(store: BlockStore) -> BlockStore:
+    """The first tier of a store (a `TieredStore`'s local side, else the store itself)."""
+    local = getattr(store, "local", None) if type(store).__name__ == "TieredStore" else None
+    return local if local is not None else store
+
+
+def path_of(store: BlockStore) -> str:
+    """The transfer path a store stands for (the `path` label): a `TransferPath`'s `name`
+    (cpu, gds, dpu); a bare block store is CPU staging."""
+    front = _front(store)
+    name = getattr(front, "name", None)
+    if name in PATHS:
+        return str(name)
+    return "dpu" if type(front).__name__ == "AgentStore" else "cpu"
+
+
 def tiers_of(store: BlockStore) -> dict[str, StoreStats]:
-    """Per-tier stats of `store`: a `TieredStore` is its local tier + Redis; an `AgentStore`
-    is the agent tier; anything else is the local tier."""
+    """Per-tier stats of `store`: a `TieredStore` is its first tier + Redis; an `AgentStore`
+    is the agent tier; anything else is the local (NVMe / memory) tier."""
     s = store.stats()
-    kind = type(store).__name__
-    if kind == "TieredStore":
+    first = "agent" if path_of(store) == "dpu" else "local"
+    if type(store).__name__ == "TieredStore":
         out = {}
-        for tier, key in (("local", "local"), ("redis", "shared")):
+        for tier, key in ((first, "local"), ("redis", "shared")):
             raw = s.extra.get(key)
             if isinstance(raw, Mapping):
                 out[tier] = StoreStats(**{k: v for k, v in raw.items() if k != "extra"})
+        counters = s.extra.get("tiers")
+        if first == "agent" and "agent" in out and isinstance(counters, Mapping):
+            # this process's own agent hits and misses, from the tiered store's counters
+            a = out["agent"]
+            a.hits = int(counters.get("local_hits", 0))
+            a.misses = int(counters.get("shared_hits", 0)) + int(counters.get("misses", 0))
+            a.extra = {"process_local": True}
         return out
-    return {"agent" if kind == "AgentStore" else "local": s}
+    return {first: s}
+
+
+def counted_by_backend(store: BlockStore) -> bool:
+    """True when the agent tier's hits and misses must be counted by the backend (the store is
+    the agent itself, whose own counters are agent-wide)."""
+    return path_of(store) == "dpu" and _front(store) is store
 
 
 class StoreWatch:
     """Turns a store's cumulative, process-local counters into Prometheus increments.
 
-    The agent's counters are agent-wide (shared by every host), so for the agent tier only the
-    gauges are taken from its stats; its hits, misses and bytes are counted by the backend
-    (`count_agent`).
+    The agent's own counters are agent-wide (shared by every host), so for the agent tier only
+    the gauges are taken from its stats; its hits and misses come from a `TieredStore`'s
+    process-local counters, or, for the agent alone, are counted by the backend (`count_agent`,
+    `counted_by_backend`).
     """
 
     def __init__(self, store: BlockStore, metrics: TierMetrics, interval_s: float = 10.0,
@@ -165,10 +196,11 @@ class StoreWatch:
         m.capacity_used.labels(tier).set(s.bytes_used)
         m.capacity.labels(tier).set(s.capacity)
         m.blocks.labels(tier).set(s.blocks)
-        if tier == "agent":
-            return
+        names = _COUNTED
+        if tier == "agent":      # agent-wide counters: only this process's hits/misses, if any
+            names = ("hits", "misses") if s.extra.get("process_local") else ()
         last = self._last.setdefault(tier, {})
-        for name in _COUNTED:
+        for name in names:
             now = int(getattr(s, name))
             delta = now - last.get(name, 0)
             if delta < 0:          # the store was reopened: its counters restarted
@@ -244,4 +276,4 @@ def serve(cfg: MetricsConfig, rank: int = 0, addr: str = "0.0.0.0") -> int | Non
 
 
 __all__ = ["PREFIX", "TIERS", "TierMetrics", "StoreWatch", "count_agent", "multiprocess_dir",
-           "serve", "tier_metrics", "tiers_of"]
+           "counted_by_backend", "path_of", "serve", "tier_metrics", "tiers_of"]

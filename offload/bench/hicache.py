@@ -32,6 +32,8 @@ import time
 import uuid
 from typing import Any, Callable
 
+from offload.bench.plot import emit
+
 TOKENS, LAYERS, HEADS, HEAD_DIM = 64, 32, 8, 128
 TARGETS = {"write_vs_stock": 3.0, "read_vs_stock": 1.8, "write_vs_raw": 0.85,
            "read_vs_raw": 0.85, "exists_us_per_key": 2.0}
@@ -298,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     r = out["ratios"]
     out["targets_met"] = {k: (r[k] <= v if k.endswith("key") else r[k] >= v)
                           for k, v in TARGETS.items()}
+    emit("hicache", out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from offload.bench.plot import emit
 from offload.config import Size, StoreConfig, format_size
 
 SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20)
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 row["gds"] = {"skipped": _gds_skip_reason()}
             results["sizes"][format_size(size)] = row
     _ratios(results)
+    emit("paths", results)
     if args.json:
         print(json.dumps(results, indent=1))
     else:

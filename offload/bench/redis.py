@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from offload.bench.plot import emit
 from offload.config import Size, format_size, load_offload
 from offload.errors import OffloadError, StoreError
 
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
             row = _measure(url, size, count, args.batch, args.rounds)
             row["redis_benchmark"] = _redis_benchmark(url, size, count, args.batch)
             rows.append(row)
+    emit("redis", {"url": url, "rows": rows})
     if args.json:
         print(json.dumps({"url": url, "rows": rows}, indent=2))
     else:

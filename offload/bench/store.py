@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from offload.bench.plot import emit
 from offload.config import Size, StoreConfig, format_size
 
 SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    emit("store", out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -1,0 +1,163 @@
+"""Bench report: throughput against block size per path, with the raw baseline, as a PNG.
+
+Primitives:
+- `emit(target, result)`: a benchmark hands over its result (the dict it prints with `--json`);
+  the dispatcher (`offload.bench.cli`) draws it when `--plot out.png` was given.
+- `series(result)`: the lines of any bench result (`store`, `paths`, `hicache`, `redis`; the kind
+  is recognised from its shape): `Series(name, op, xs, ys, baseline)` with block sizes in bytes
+  and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are drawn dashed.
+- `draw(result, out, title)`: two panels (read, write), log-2 block-size axis; matplotlib with
+  the Agg backend (headless), imported only here.
+- `bench plot RESULT.json --plot out.png`: the same from a saved `--json` result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload.config import Size, format_size
+from offload.errors import OffloadError
+
+_results: list[tuple[str, dict[str, Any]]] = []
+PATH_NAMES = {"cpu": "CPU staging", "gds": "GPUDirect Storage", "dpu": "DPU agent (memory)",
+              "dpu_disk": "DPU agent (NVMe)", "raw_disk": "raw disk",
+              "nixl_loopback": "NIXL loopback"}
+
+
+def emit(target: str, result: dict[str, Any]) -> None:
+    """Called by a benchmark with its final result (kept for the dispatcher's `--plot`)."""
+    _results.append((target, result))
+
+
+def take() -> tuple[str, dict[str, Any]] | None:
+    """The last emitted result (and forget them all)."""
+    last = _results[-1] if _results else None
+    _results.clear()
+    return last
+
+
+@dataclass
+class Series:
+    name: str
+    op: str                          # "read" or "write"
+    xs: list[int] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+    baseline: bool = False
+
+    def add(self, x: int, y: float | None) -> None:
+        if y is not None and y > 0:
+            self.xs.append(int(x))
+            self.ys.append(float(y))
+
+
+def kind_of(result: dict[str, Any]) -> str:
+    if isinstance(result.get("sizes"), list) and "raw" in result:
+        return "store"
+    if isinstance(result.get("sizes"), dict):
+        return "paths"
+    if "stock_file" in result and "offload" in result:
+        return "hicache"
+    if isinstance(result.get("rows"), list):
+        return "redis"
+    raise OffloadError("not a bench result: expected the --json output of bench store, paths, "
+                       "hicache or redis")
+
+
+def _collect(lines: dict[tuple[str, str], Series], name: str, op: str, x: int, y: Any,
+             baseline: bool = False) -> None:
+    s = lines.setdefault((name, op), Series(name, op, baseline=baseline))
+    s.add(x, y if isinstance(y, (int, float)) else None)
+
+
+def series(result: dict[str, Any]) -> list[Series]:
+    kind = kind_of(result)
+    lines: dict[tuple[str, str], Series] = {}
+    if kind == "store":
+        rows = result["sizes"]
+        for r in rows:
+            x = r["block_bytes"]
+            _collect(lines, "block store", "write", x, r.get("put_gbps"))
+            _collect(lines, "block store (cold)", "read", x, r.get("cold_get_gbps"))
+            _collect(lines, "block store (warm)", "read", x, r.get("warm_get_gbps"))
+            _collect(lines, "raw disk", "write", x, result["raw"].get("write_gbps"), True)
+            _collect(lines, "raw disk", "read", x, result["raw"].get("read_gbps"), True)
+    elif kind == "paths":
+        for label, row in result["sizes"].items():
+            x = int(Size.parse(label))
+            for path, r in row.items():
+                if isinstance(r, dict) and "put_gbps" in r:
+                    base = path in ("raw_disk", "nixl_loopback")
+                    name = PATH_NAMES.get(path, path)
+                    _collect(lines, name, "write", x, r["put_gbps"], base)
+                    _collect(lines, name, "read", x, r["get_gbps"], base)
+    elif kind == "hicache":
+        x = result["page_bytes"]
+        for key, name, base in (("offload", "offload backend", False),
+                                ("stock_file", "SGLang file backend", False),
+                                ("raw", "raw disk", True)):
+            _collect(lines, name, "write", x, result[key].get("write_gbps"), base)
+            _collect(lines, name, "read", x, result[key].get("read_gbps"), base)
+    else:
+        for r in result["rows"]:
+            x = r["block"]
+            _collect(lines, "redis tier", "write", x, r.get("ours_set"))
+            _collect(lines, "redis tier", "read", x, r.get("ours_get"))
+            _collect(lines, "raw redis-py", "write", x, r.get("raw_set"), True)
+            _collect(lines, "raw redis-py", "read", x, r.get("raw_get"), True)
+    return [s for s in lines.values() if s.xs]
+
+
+def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
+    """Write the plot of `result` to `out` (PNG); returns `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    lines = series(result)
+    if not lines:
+        raise OffloadError("the bench result holds no throughput to plot")
+    kind = kind_of(result)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
+    sizes = sorted({x for s in lines for x in s.xs})
+    colors: dict[str, Any] = {}
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, op in zip(axes, ("read", "write")):
+        for s in (s for s in lines if s.op == op):
+            color = colors.setdefault(s.name, cycle[len(colors) % len(cycle)])
+            ax.plot(s.xs, s.ys, "--" if s.baseline else "-", marker="o", color=color,
+                    label=s.name + (" (baseline)" if s.baseline else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [format_size(x) for x in sizes])
+        if len(sizes) == 1:
+            ax.set_xlim(sizes[0] / 2, sizes[0] * 2)
+        ax.set_xlabel("block size")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title("read (get)" if op == "read" else "write (put)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title or f"sglang-offload bench {kind}: throughput vs block size")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("result", help="a saved `sglang-offload bench TARGET --json` output")
+    p.add_argument("--plot", required=True, metavar="OUT.png", help="where to write the plot")
+    p.add_argument("--title", help="plot title")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with open(args.result) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise OffloadError(f"{args.result}: cannot read a JSON bench result ({e})") from None
+    print(draw(result, args.plot, args.title))
+    return 0

@@ -1,0 +1,93 @@
+"""`bench ... --plot out.png`: throughput vs block size per path with the raw baseline (Agg)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload.bench import plot
+from offload.cli import main
+from offload.errors import OffloadError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+# The shapes the four benchmarks print with --json (trimmed to the fields the plot reads).
+STORE = {"raw": {"write_gbps": 2.0, "read_gbps": 3.0},
+         "sizes": [{"block_bytes": 1 << 20, "put_gbps": 1.0, "cold_get_gbps": 2.0,
+                    "warm_get_gbps": 2.5},
+                   {"block_bytes": 4 << 20, "put_gbps": 1.8, "cold_get_gbps": 2.8,
+                    "warm_get_gbps": 2.9}]}
+PATHS = {"total_bytes": 1 << 30, "batch": 8, "sizes": {
+    "2MiB": {"raw_disk": {"put_gbps": 2.0, "get_gbps": 3.0},
+             "cpu": {"put_gbps": 1.5, "get_gbps": 2.5, "put_ratio": 0.75},
+             "gds": {"skipped": "no GPU"},
+             "nixl_loopback": {"put_gbps": 9.0, "get_gbps": 9.5},
+             "dpu": {"put_gbps": 8.0, "get_gbps": 8.5}},
+    "8MiB": {"raw_disk": {"put_gbps": 2.1, "get_gbps": 3.1},
+             "cpu": {"put_gbps": 1.9, "get_gbps": 2.9},
+             "dpu": {"skipped": "NIXL loopback failed"}}}}
+HICACHE = {"page_bytes": 8 << 20, "raw": {"write_gbps": 2.0, "read_gbps": 3.0},
+           "stock_file": {"write_gbps": 0.5, "read_gbps": 1.0},
+           "offload": {"write_gbps": 1.8, "read_gbps": 2.7}}
+REDIS = {"url": "redis://x", "rows": [{"block": 1 << 20, "raw_set": 1.0, "ours_set": 0.9,
+                                       "raw_get": 1.2, "ours_get": 1.1}]}
+
+
+def _lines(result):
+    return {(s.name, s.op): (s.xs, s.ys, s.baseline) for s in plot.series(result)}
+
+
+def test_series_of_every_bench_shape():
+    s = _lines(STORE)
+    assert s[("raw disk", "read")] == ([1 << 20, 4 << 20], [3.0, 3.0], True)
+    assert s[("block store (cold)", "read")][1] == [2.0, 2.8]
+    assert s[("block store", "write")][2] is False
+    p = _lines(PATHS)
+    assert p[("CPU staging", "write")][:2] == ([2 << 20, 8 << 20], [1.5, 1.9])
+    assert p[("DPU agent (memory)", "read")][:2] == ([2 << 20], [8.5])   # skipped sizes left out
+    assert p[("raw disk", "write")][2] and p[("NIXL loopback", "read")][2]
+    assert not any(name == "GPUDirect Storage" for name, _ in p)         # skipped: no line
+    h = _lines(HICACHE)
+    assert h[("SGLang file backend", "read")][:2] == ([8 << 20], [1.0])
+    assert h[("raw disk", "write")][2]
+    r = _lines(REDIS)
+    assert r[("redis tier", "read")][:2] == ([1 << 20], [1.1]) and r[("raw redis-py", "read")][2]
+    with pytest.raises(OffloadError, match="not a bench result"):
+        plot.series({"something": 1})
+
+
+@pytest.mark.parametrize("result", [STORE, PATHS, HICACHE, REDIS],
+                         ids=["store", "paths", "hicache", "redis"])
+def test_draw_writes_a_png(tmp_path, result):
+    out = tmp_path / "out.png"
+    assert plot.draw(result, str(out)) == str(out)
+    data = out.read_bytes()
+    assert data.startswith(PNG) and len(data) > 10_000
+
+
+def test_bench_store_plot_option_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "store.png"
+    rc = main(["bench", "store", "--sizes", "64KiB,256KiB", "--total", "4MiB",
+               "--lookup-blocks", "0", "--dir", str(tmp_path), "--json", "--plot", str(out)])
+    stdout, err = capsys.readouterr()
+    assert rc == 0 and out.read_bytes().startswith(PNG) and f"plot: {out}" in err
+    saved = tmp_path / "store.json"
+    saved.write_text(stdout)
+    assert [r["block_bytes"] for r in json.loads(stdout)["sizes"]] == [64 << 10, 256 << 10]
+    again = tmp_path / "again.png"
+    assert main(["bench", "plot", str(saved), "--plot", str(again)]) == 0
+    assert again.read_bytes().startswith(PNG)
+    eq = tmp_path / "eq.png"                                # --plot=OUT, among other options
+    assert main(["bench", "store", "--sizes", "64KiB", f"--plot={eq}", "--total", "1MiB",
+                 "--lookup-blocks", "0", "--dir", str(tmp_path)]) == 0
+    assert eq.read_bytes().startswith(PNG)
+
+
+def test_plot_errors_are_clean(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"x\": 1}")
+    assert main(["bench", "plot", str(bad), "--plot", str(tmp_path / "o.png")]) == 2
+    assert "not a bench result" in capsys.readouterr().err
+    assert main(["bench", "plot", str(tmp_path / "missing.json"), "--plot", "o.png"]) == 2
+    assert "cannot read" in capsys.readouterr().err
