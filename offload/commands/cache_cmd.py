@@ -154,7 +154,10 @@ def _stats(args: argparse.Namespace) -> int:
         print("  hit rate   not recorded in the directory; pass --metrics-url "
               "http://HOST:PORT/metrics of a running server")
     else:
-        for tier, c in sorted(rates.items()):
+        used = {t: c for t, c in sorted(rates.items()) if c["hits"] + c["misses"]}
+        if not used:
+            print("  hit rate   no loads recorded by the server yet")
+        for tier, c in used.items():
             print(f"  hit rate   {tier}: {c['hit_rate']:.1%} ({c['hits']:.0f} hits, "
                   f"{c['misses']:.0f} misses since the server started)")
     return 0
@@ -166,8 +169,7 @@ def _verify(args: argparse.Namespace) -> int:
     store = open_store(args.dir)
     try:
         total = store.stats().blocks
-        with tqdm(total=total, desc="verify", unit="block", file=sys.stderr,
-                  disable=None) as bar:
+        with tqdm(total=total, desc="verify", unit="block", file=sys.stderr) as bar:
             checked, bad = store.verify(bar.update)
     finally:
         store.close()
