@@ -85,3 +85,17 @@ def test_entrypoint_detects_then_dry_runs_launch(image: Buildah) -> None:
     command = out.rstrip().splitlines()[-1]
     assert command.startswith("python3 -m sglang.launch_server --model-path Qwen/")
     assert "--hicache-storage-backend dynamic" in command and command.endswith("--port 30001")
+
+
+def test_health_check_command_probes_health(image: Buildah) -> None:
+    """The image's HEALTHCHECK command, run inside the image against a stand-in /health."""
+    info = json.loads(image("inspect", "--type", "image", IMAGE).stdout)
+    kind, check = info["Docker"]["config"]["Healthcheck"]["Test"]
+    assert kind == "CMD-SHELL"
+    script = ("mkdir -p /tmp/h && cd /tmp/h && echo ok > health && "
+              "(python3 -m http.server 30917 --bind 127.0.0.1 >/dev/null 2>&1 & echo $! > /tmp/pid) "
+              "&& for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.3; " + check + " && break; done; "
+              + check + "; ok=$?; rm health; " + check + "; gone=$?; kill $(cat /tmp/pid); "
+              "echo \"ok=$ok gone=$gone\"")
+    out = run_in(image, "sh", "-c", script, env={"SGLANG_OFFLOAD_PORT": "30917"})
+    assert out.split()[-2:] == ["ok=0", "gone=1"]
