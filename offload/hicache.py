@@ -41,10 +41,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
-from offload.errors import ConfigError, PathUnavailableError
+from offload.errors import ConfigError
 from offload.hicache_layout import PageMap
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
-from offload.metrics import StoreWatch, TierMetrics, count_agent, serve, tier_metrics
+from offload.metrics import (StoreWatch, TierMetrics, count_agent, counted_by_backend,
+                             path_of, serve, tier_metrics)
 from offload.store.base import BlockStore, Buffer
 from offload.worth_it import WorthIt, cuda_gpu_name, from_config
 
@@ -94,19 +95,14 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _open_store(cfg: OffloadConfig) -> BlockStore:
-    """Open the block store the settings name (the one factory; tests replace it)."""
-    if cfg.transfer.path in ("gds", "dpu"):
-        raise PathUnavailableError(
-            f"offload.transfer.path: {cfg.transfer.path!r} is not available in the HiCache backend "
-            "yet; use 'cpu' or 'auto'")
-    from offload.store.disk import DiskStore
+    """Open the store the settings name (the one factory; tests replace it): the transfer path
+    (`offload.transfer.path`, or detection's choice for `auto`: cpu staging into the local
+    `DiskStore`, or the DPU agent), tiered over Redis when `offload.redis.url` is set. `launch`
+    passes the decided path explicitly, so scheduler processes do not rerun detection."""
+    from offload.store.tiered import make_tiered
+    from offload.transfer.base import open_path
 
-    return DiskStore(cfg.store)
-
-
-def path_of(store: BlockStore) -> str:
-    """The transfer path a store stands for (the `path` label of the metrics)."""
-    return "dpu" if type(store).__name__ == "AgentStore" else "cpu"
+    return make_tiered(open_path(cfg), cfg.redis)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -180,6 +176,7 @@ class OffloadStorage(HiCacheStorage):
         self._pgs: dict[str, list[int]] = {"prefetch": [], "backup": []}
         self._bw: dict[str, list[float]] = {"prefetch": [], "backup": []}
         self.transfer_path = path_of(self.store)
+        self._count_agent = counted_by_backend(self.store)
         self.worth: WorthIt = from_config(self.cfg.worth_it, storage_config.model_name or "",
                                           storage_config.tp_size, cuda_gpu_name)
         self.tm: TierMetrics | None = None
@@ -201,6 +198,9 @@ class OffloadStorage(HiCacheStorage):
         self._ns_digest = self.namespace.digest()
         self._make_keys = key_maker(self._ns_digest)
         self.store.register_namespace(self.namespace)
+        register_region = getattr(self.store, "register_region", None)
+        if register_region is not None:  # dpu: the agent moves pages in and out of this memory
+            register_region(mem_pool_host.kv_buffer)
         logger.info("offload: HiCache backend on %s, layout %s, %d-byte pages in %d buffer(s), "
                     "zero copy %s, writer %s", self.cfg.store.path, self.pages.layout,
                     self.pages.page_bytes, max(1, self.pages.buffers_per_page),
@@ -217,12 +217,11 @@ class OffloadStorage(HiCacheStorage):
 
     def clear(self) -> bool:
         """Delete every block of this rank's namespace (SGLang's clear-storage admin call)."""
-        clear_ns: Callable[..., int] | None = getattr(self.store, "clear", None)
-        if clear_ns is None or not self._ns_digest:
-            logger.warning("offload: this store cannot clear one namespace; nothing deleted")
+        if not self._ns_digest:
+            logger.warning("offload: clear before the host pool was registered; nothing deleted")
             return False
         try:
-            n = clear_ns(namespace=self._ns_digest)
+            n = self.store.clear(namespace=self._ns_digest)
             logger.info("offload: cleared %d blocks of namespace %s", n, self._ns_digest.hex())
             return True
         except Exception:
@@ -257,7 +256,7 @@ class OffloadStorage(HiCacheStorage):
         if self.tm is not None:
             (self.tm.load_seconds if kind == "prefetch" else
              self.tm.store_seconds).labels(self.transfer_path).observe(dt)
-            if self.transfer_path == "dpu":
+            if self._count_agent:
                 read = kind == "prefetch"
                 count_agent(self.tm, n if read else 0, max(asked - n, 0) if read else 0,
                             nbytes if read else 0, 0 if read else nbytes)

@@ -61,6 +61,11 @@ class BlockStore(Protocol):
         """Delete blocks; returns how many were stored."""
         ...
 
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Delete every block, or every block of one 16-byte namespace digest; returns how many
+        (as far as the tier can count them)."""
+        ...
+
     def register_namespace(self, ns: Namespace) -> None:
         """Record what a namespace digest stands for (shown by `cache stats`)."""
         ...

@@ -88,6 +88,11 @@ class MemoryStore:
                     n += 1
         return n
 
+    def clear(self, namespace: bytes | None = None) -> int:
+        with self._lock:
+            keys = [k for k in self._blocks if namespace is None or k.startswith(namespace)]
+        return self.delete_many(keys)
+
     def register_namespace(self, ns: Namespace) -> None:
         self.namespaces[ns.digest()] = ns.describe()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
 from typing import Any, Sequence
@@ -273,6 +274,23 @@ class RedisStore:
         n = self._delete_raw(rkeys)
         if self.cfg.max_bytes is not None and rkeys:
             self._script("touch", _TOUCH, [b"forget", *rkeys])
+        return n
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Delete our blocks (all, or one namespace's) with SCAN: never KEYS, never FLUSHDB."""
+        prefix = PREFIX + (bytes(namespace) if namespace else b"")
+        pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix) + b"*"
+
+        def scan(c: Any) -> list[bytes]:
+            return [k for k in c.scan_iter(match=pattern, count=1000)
+                    if not k.startswith((DIR_PREFIX, NS_PREFIX))]
+
+        found = self.link.run(scan, "clear") or []
+        n = 0
+        for i in range(0, len(found), 1000):
+            n += self._delete_raw(found[i:i + 1000])
+        if self.cfg.max_bytes is not None and found:
+            self._script("touch", _TOUCH, [b"forget", *found])
         return n
 
     def _delete_raw(self, rkeys: Sequence[bytes]) -> int:

@@ -196,6 +196,16 @@ class TieredStore:
             self._queue.join()
 
     # -- control path -----------------------------------------------------------------------
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Clear both tiers (the shared tier for every replica: an admin action)."""
+        return self.local.clear(namespace) + self.shared.clear(namespace)
+
+    def register_region(self, buffer: object) -> None:
+        """Memory the local path moves pages in and out of (NIXL registration on the dpu path)."""
+        register = getattr(self.local, "register_region", None)
+        if register is not None:
+            register(buffer)
+
     def register_namespace(self, ns: Namespace) -> None:
         self.local.register_namespace(ns)
         self.shared.register_namespace(ns)

@@ -127,6 +127,9 @@ class CpuStagingPath:
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self.store.delete_many(keys)
 
+    def clear(self, namespace: bytes | None = None) -> int:
+        return self.store.clear(namespace)
+
     def register_namespace(self, ns: Namespace) -> None:
         self.store.register_namespace(ns)
 

@@ -233,6 +233,12 @@ class AgentStore:
                     out += [False] * len(chunk)
         return out
 
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Not offered by the agent protocol: blocks on the agent are evicted by its own cap, or
+        cleared on the agent's host with `sglang-offload cache clear`."""
+        log.warning("dpu: clear is done on the agent's host (sglang-offload cache clear)")
+        return 0
+
     def delete_many(self, keys: Sequence[bytes]) -> int:
         n = 0
         with self._use() as c:

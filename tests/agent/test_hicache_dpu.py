@@ -16,15 +16,15 @@ hp = pytest.importorskip("tests.hicache.hicache_pools")
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_hicache_backend_pages_through_the_agent(agent_factory, tmp_path, monkeypatch,
                                                  layout: str) -> None:
-    from offload.transfer.dpu import AgentStore
-
+    """Configured as a user would (transfer.path dpu + agent address); no injection."""
     agent = agent_factory("--memory")
-    store = AgentStore(agent.address, SECRET, transport="ucx", timeout_s=5)
-    monkeypatch.setattr(hicache, "_open_store", lambda cfg: store)
+    monkeypatch.setenv("SGLANG_OFFLOAD_SECRET", SECRET.decode())
     host = hp.host_pool(hp.device_pool(False), layout, pages=16)
-    sc = hp.storage_config(hp.extra(str(tmp_path / "unused")), layout=layout)
-    backend = hp.make_backend(sc, host)
-    store.register_region(host.kv_buffer)      # what the backend does in dpu mode
+    sc = hp.storage_config(hp.extra(str(tmp_path / "unused"), transfer={"path": "dpu"},
+                                    agent={"address": agent.address, "transport": "ucx",
+                                           "timeout_s": 5}), layout=layout)
+    backend = hp.make_backend(sc, host)   # the backend registers the host pool with NIXL itself
+    store = backend.store
     try:
         P = hp.PAGE
         keys = [f"{i:064x}" for i in range(1, 7)]

@@ -13,10 +13,7 @@ from offload.store.base import get_bytes
 from offload.store.redis import HEADER, MAGIC, RedisDirectory, RedisStore, decode_value
 from offload.store.redis_link import parse_url
 
-try:
-    from redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
-except ImportError:  # tests/ laid out as packages
-    from .redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 4096
@@ -206,3 +203,21 @@ def test_many_threads_share_one_store(redis_server: RedisProc) -> None:
         assert all(pool.map(work, range(12)))
     st = s.stats()
     assert (st.puts, st.hits) == (96, 96)
+
+
+def test_clear_by_namespace_uses_scan_and_keeps_other_namespaces(redis_server):
+    from offload.config import RedisConfig
+    from offload.keys import Namespace
+    from offload.store.redis import RedisStore
+
+    a = Namespace("m", "bf16", "page_first", 16, salt="a")
+    b = Namespace("m", "bf16", "page_first", 16, salt="b")
+    s = RedisStore(RedisConfig(url=redis_server.url))
+    try:
+        ka, kb = [a.key(f"p{i}") for i in range(5)], [b.key(f"p{i}") for i in range(3)]
+        assert all(s.put_many(ka + kb, [[b"x" * 100]] * 8))
+        assert s.clear(a.digest()) == 5
+        assert s.exists_many(ka + kb) == [False] * 5 + [True] * 3
+        assert s.clear() == 3
+    finally:
+        s.close()

@@ -20,10 +20,7 @@ from offload.store.memory import MemoryStore
 from offload.store.redis import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
 
-try:
-    from redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
-except ImportError:
-    from .redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 2048

@@ -11,12 +11,8 @@ from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis import RedisStore
 
-try:
-    from redis_fixtures import (RedisProc, block_bytes, redis_cluster,  # noqa: F401
-                                redis_factory, tls_certs)
-except ImportError:
-    from .redis_fixtures import (RedisProc, block_bytes, redis_cluster,  # noqa: F401
-                                 redis_factory, tls_certs)
+from tests.store.redis_fixtures import (RedisProc, block_bytes, redis_cluster,  # noqa: F401
+                                redis_factory, tls_certs)  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 4096
