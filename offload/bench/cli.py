@@ -1,9 +1,9 @@
 """`sglang-offload bench TARGET [options]`: dispatch to one benchmark module, imported on use.
 
 Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`, and hands its
-result to `offload.bench.plot.emit`. `--plot OUT.png` (among the target's options) draws that result:
-throughput against block size per path, with the raw baseline. `bench plot RESULT.json --plot
-OUT.png` draws a result saved with `--json`.
+result to `offload.bench.plot.emit`. `--plot OUT.png` (among the target's options) draws that
+result: throughput against block size per path, with the raw baseline.
+`bench plot RESULT.json --plot OUT.png` draws a result saved with `--json`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One process of the multi-process metrics test: a real DiskStore, our metrics in multiprocess mode.
+"""One process of the multi-process metrics test: a real DiskStore, our metrics in multiprocess
+mode.
 
 Usage: python tests/metrics/metrics_worker.py STORE_DIR TAG PUTS MISSES
 (PROMETHEUS_MULTIPROC_DIR must be set, as SGLang sets it for its scheduler processes.)
