@@ -138,14 +138,17 @@ class HwConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = _doc("export Prometheus metrics", default=True)
-    port: int | None = _doc("serve metrics on this port if SGLang's endpoint cannot be joined",
+    port: int | None = _doc("also serve metrics on this port (SGLang's own /metrics has them "
+                            "with --enable-metrics; without it, each rank on port + rank)",
                             default=None)
 
 
 @dataclass(frozen=True)
 class WorthItConfig:
     enabled: bool = _doc("skip loads that would take longer than recomputing", default=True)
-    prefill_tokens_per_s: float | None = _doc("prefill speed; unset = measured", default=None)
+    prefill_tokens_per_s: float | None = _doc(
+        "prefill tokens/s of one replica (all TP ranks); unset = the plan module's estimate "
+        "from the model and GPU (rule off if either is unknown)", default=None)
 
 
 @dataclass(frozen=True)
