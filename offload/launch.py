@@ -96,7 +96,10 @@ def _changed(tree: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
 
 def plan(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
          cache_dir: str | None = None, python: str = sys.executable) -> Plan:
-    """Validate, detect, decide and compose. Raises ConfigError / PathRejectedError / DetectError."""
+    """Validate, detect, decide and compose.
+
+    Raises ConfigError (file or flags), PathRejectedError (an explicit path that cannot work),
+    DetectError (a bad root)."""
     from offload.hw import detect_and_decide
     from offload.launch_argspec import sglang_parser
 

@@ -33,8 +33,8 @@ from offload.launch_argspec import ArgsRefused, sglang_parser, sglang_version
 
 ALIGN = 4096
 MIN_PAGE_TOKENS = 16
-# Keys of --hicache-storage-backend-extra-config that SGLang itself reads (offload.hicache.SGLANG_KEYS;
-# repeated here so validation does not import the backend; tests/launch checks they agree).
+# Keys of --hicache-storage-backend-extra-config that SGLang itself reads: offload.hicache's
+# SGLANG_KEYS, repeated so validation does not import the backend (tests/launch: they agree).
 SGLANG_EXTRA_KEYS = ("allocator", "file_storage_path", "tp_lcm_size", "prefetch_threshold",
                      "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                      "hicache_storage_pass_prefix_keys")
@@ -216,7 +216,8 @@ def check_sglang(section: Mapping[str, Any], extra_argv: list[str] | None = None
     except ArgsRefused as e:
         where = "extra SGLang flags" if extra_argv else "sglang"
         raise ConfigError([f"{where}: SGLang refuses the arguments: {e}"]) from None
-    out = SglangArgs(section_argv=argv, extra_argv=extra_argv, values=values, extra_config=extra_cfg,
+    out = SglangArgs(section_argv=argv, extra_argv=extra_argv, values=values,
+                     extra_config=extra_cfg,
                      set_by_user=user, parser_source=source)
     _combinations(out, offload_cfg or OffloadConfig())
     return out
@@ -272,7 +273,8 @@ def _combinations(args: SglangArgs, cfg: OffloadConfig) -> None:
         args.warnings.append(
             f"sglang.page-size: {page} gives {slice_bytes}-byte slices in the "
             f"{v.hicache_mem_layout} host pool ({arch.name}, tp {v.tp_size}), not a multiple of "
-            f"4 KiB: O_DIRECT I/O goes through a bounce buffer (one copy) instead of zero copy{fix}")
+            f"4 KiB: O_DIRECT I/O goes through a bounce buffer (one copy) instead of zero "
+            f"copy{fix}")
     else:
         args.notes.append(f"page slices: {slice_bytes} bytes ({v.hicache_mem_layout}, "
                           f"{arch.name}, tp {v.tp_size}, page {page}) - 4 KiB-aligned, zero copy")

@@ -38,7 +38,8 @@ def stages() -> dict[str, list]:
 def test_base_is_the_pinned_sglang_release_and_every_arg_is_documented() -> None:
     pin = tomllib.loads((REPO / "distro" / "upstream.toml").read_text())
     first = commands()[0]
-    assert (first.cmd, first.value) == ("ARG", (f"BASE=lmsysorg/sglang:v{pin['sglang']['version']}",))
+    want = f"BASE=lmsysorg/sglang:v{pin['sglang']['version']}"
+    assert (first.cmd, first.value) == ("ARG", (want,))
     header = DOCKERFILE.read_text().split("\nARG ", 1)[0]
     for c in commands():
         if c.cmd == "ARG":

@@ -93,7 +93,8 @@ def test_health_check_command_probes_health(image: Buildah) -> None:
     kind, check = info["Docker"]["config"]["Healthcheck"]["Test"]
     assert kind == "CMD-SHELL"
     script = ("mkdir -p /tmp/h && cd /tmp/h && echo ok > health && "
-              "(python3 -m http.server 30917 --bind 127.0.0.1 >/dev/null 2>&1 & echo $! > /tmp/pid) "
+              "(python3 -m http.server 30917 --bind 127.0.0.1 >/dev/null 2>&1 & "
+              "echo $! > /tmp/pid) "
               "&& for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.3; " + check + " && break; done; "
               + check + "; ok=$?; rm health; " + check + "; gone=$?; kill $(cat /tmp/pid); "
               "echo \"ok=$ok gone=$gone\"")
