@@ -8,6 +8,7 @@ SGLang dependencies our tier imports; no torch) and caches it as BASE_TAR outsid
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -48,14 +49,24 @@ def debian_mirror() -> str:
 
 def ensure_base_tar() -> Path:
     """The stand-in base rootfs as a tar (built once, then reused)."""
-    if BASE_TAR.is_file():
-        return BASE_TAR
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one builder at a time; the others reuse it
+        if not BASE_TAR.is_file():
+            _build_base_tar()
+    return BASE_TAR
+
+
+def _build_base_tar() -> None:
     rootfs = CACHE_DIR / "rootfs.tmp"
     shutil.rmtree(rootfs, ignore_errors=True)
     try:
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
-                        SUITE, str(rootfs), debian_mirror()], check=True, capture_output=True)
+        res = subprocess.run(["debootstrap", "--variant=minbase",
+                              f"--include={','.join(PACKAGES)}", SUITE, str(rootfs),
+                              debian_mirror()], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"debootstrap failed ({res.returncode}): {res.stderr[-2000:]}"
+                               f"{res.stdout[-2000:]}")
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for p in (rootfs / junk).glob("*"):
                 if p.is_file():
@@ -66,7 +77,6 @@ def ensure_base_tar() -> Path:
         tmp.rename(BASE_TAR)
     finally:
         shutil.rmtree(rootfs, ignore_errors=True)
-    return BASE_TAR
 
 
 class Buildah:
