@@ -24,12 +24,16 @@ import json
 import os
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from offload.config import DeploymentConfig, OffloadConfig, load_file, to_dict
+from offload.errors import OffloadError
 from offload.launch_sglang_args import SglangArgs, check_sglang
+
+if TYPE_CHECKING:
+    from offload.hw.select import Decision
 
 BACKEND = {"backend_name": "offload", "module_path": "offload.hicache",
            "class_name": "OffloadStorage", "interface_v1": 1}
@@ -41,7 +45,7 @@ class Plan:
 
     config: DeploymentConfig
     sglang: SglangArgs
-    decision: Any                       # offload.hw.Decision
+    decision: "Decision"
     offload_tree: dict[str, Any]        # effective offload: tree, transfer.path decided
     argv: list[str]
 
@@ -73,7 +77,9 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str,
     tree["transfer"]["path"] = path
     # The backend fills in defaults itself: the command carries only what differs from them.
     extra = {**sg.extra_config, **BACKEND, "offload": _changed(tree, to_dict(OffloadConfig()))}
-    argv = [python, "-m", "sglang.launch_server", *sg.section_argv, "--enable-hierarchical-cache"]
+    argv = [python, "-m", "sglang.launch_server", *sg.section_argv]
+    if "enable_hierarchical_cache" not in sg.set_by_user:     # (false is refused earlier)
+        argv.append("--enable-hierarchical-cache")
     if "hicache_mem_layout" not in sg.set_by_user:
         argv += ["--hicache-mem-layout", "page_first"]
     argv += ["--hicache-storage-backend", "dynamic",
@@ -147,6 +153,8 @@ def to_json(p: Plan) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from offload.hw import PathRejectedError
 
+    if args.json and not args.dry_run:
+        raise OffloadError("--json goes with --dry-run (without it, launch starts SGLang)")
     try:
         p = plan(args.config, args.sglang_args, root=args.root, cache_dir=args.cache_dir,
                  python=args.python)

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.launch_argspec import ArgsRefused, sglang_parser, sglang_version
+from offload.plan_presets import Architecture
 
 ALIGN = 4096
 MIN_PAGE_TOKENS = 16
@@ -286,7 +287,7 @@ def _kv_bytes(kv_cache_dtype: str, dtype: str) -> float | None:
     return _KV_BYTES.get(kv_cache_dtype)
 
 
-def page_slices(arch: Any, tp: int, page_size: int, layout: str, kv_bytes: float) -> int:
+def page_slices(arch: Architecture, tp: int, page_size: int, layout: str, kv_bytes: float) -> int:
     """Bytes of one contiguous slice of a page in SGLang's host pool (the unit of one I/O)."""
     from offload.plan import kv_heads_per_rank
 
@@ -296,7 +297,7 @@ def page_slices(arch: Any, tp: int, page_size: int, layout: str, kv_bytes: float
     return int(page_size * layers * per_token_layer)
 
 
-def _architecture(model_path: str | None) -> tuple[Any, str]:
+def _architecture(model_path: str | None) -> tuple[Architecture | None, str]:
     """The model's shape from a local config.json or a plan preset, else (None, why not)."""
     from offload.plan_presets import architecture_from_config, find_model, load_architecture
 

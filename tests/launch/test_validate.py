@@ -178,3 +178,14 @@ def test_launch_execs_sglang_in_place(tmp_path) -> None:
     assert args[:4] == ["-m", "sglang.launch_server", "--model-path",
                         "meta-llama/Llama-3.1-70B-Instruct"]
     assert args[-2:] == ["--port", "30001"]
+
+
+def test_hierarchical_cache_set_in_the_file_appears_once(capsys, tmp_path) -> None:
+    argv = dry_run(capsys, write(tmp_path, BASE + "  enable-hicache: true\n"))["argv"]
+    assert argv.count("--enable-hicache") + argv.count("--enable-hierarchical-cache") == 1
+
+
+def test_json_without_dry_run_is_refused(capsys, tmp_path) -> None:
+    rc, _, err = run_cli(capsys, "launch", "--config", str(write(tmp_path, BASE)), "--json")
+    assert rc == 2 and err == ["error: --json goes with --dry-run (without it, launch starts "
+                               "SGLang)"]
