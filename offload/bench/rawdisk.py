@@ -2,7 +2,8 @@
 
 `raw_bandwidth(directory, total_bytes, chunk)` writes a file sequentially with O_DIRECT (then
 fdatasync), reads it back with O_DIRECT, deletes it, and returns (write GB/s, read GB/s) — what
-`dd oflag=direct` / `iflag=direct` would show. Falls back to buffered I/O + fdatasync +
+`dd oflag=direct` / `iflag=direct` would show. With `streams=N`, N threads share the chunks (queue
+depth N, like `fio --numjobs`): the disk's bandwidth when it is kept busy. Falls back to buffered I/O + fdatasync +
 posix_fadvise(DONTNEED) on file systems that refuse O_DIRECT.
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
-def raw_bandwidth(directory: str, total_bytes: int, chunk: int = 16 << 20) -> tuple[float, float]:
+def raw_bandwidth(directory: str, total_bytes: int, chunk: int = 16 << 20,
+                  streams: int = 1) -> tuple[float, float]:
     path = os.path.join(directory, f".raw-bench.{os.getpid()}")
     buf = mmap.mmap(-1, chunk)
     buf.write(os.urandom(1 << 20) * (chunk >> 20))
@@ -27,17 +30,19 @@ def raw_bandwidth(directory: str, total_bytes: int, chunk: int = 16 << 20) -> tu
             direct = False
         try:
             os.posix_fallocate(fd, 0, n * chunk)
-            t = time.perf_counter()
-            for i in range(n):
-                os.pwrite(fd, buf, i * chunk)
-            os.fdatasync(fd)
-            write_s = time.perf_counter() - t
-            if not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t = time.perf_counter()
-            for i in range(n):
-                os.preadv(fd, [buf], i * chunk)
-            read_s = time.perf_counter() - t
+            bufs = [buf] + [mmap.mmap(-1, chunk) for _ in range(streams - 1)]
+            with ThreadPoolExecutor(streams) as pool:
+                t = time.perf_counter()
+                list(pool.map(lambda i: os.pwrite(fd, buf, i * chunk), range(n)))
+                os.fdatasync(fd)
+                write_s = time.perf_counter() - t
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                t = time.perf_counter()
+                list(pool.map(lambda i: os.preadv(fd, [bufs[i % streams]], i * chunk), range(n)))
+                read_s = time.perf_counter() - t
+            for b in bufs[1:]:
+                b.close()
         finally:
             os.close(fd)
     finally:

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import slab
+from offload.store import runs, slab
 from offload.store.base import Buffer, StoreStats, total_len
 from offload.store.disk_slots import SlotAccess
 from offload.store.index import Allocation, Freed, Index, Location, owner_token
@@ -229,13 +229,23 @@ class DiskStore(SlotAccess):
             self._stats.put_skipped += 1
         created = time.time_ns()
 
-        def write(loc: Location) -> tuple[str, int]:
-            bufs = bufs_of[loc.key]
-            csum = slab.checksum(bufs)
-            return self._slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bufs,
-                                           loc.length, csum, created), csum
+        def write(run: list[int]) -> list[tuple[str, int]]:
+            locs = [alloc.new[i] for i in run]
+            bufs = [bufs_of[loc.key] for loc in locs]
+            csums = [slab.checksum(b) for b in bufs]
+            if len(locs) > 1:
+                errs = runs.write_run(self._slabs, locs, bufs, csums, created)
+            else:
+                loc = locs[0]
+                errs = [self._slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
+                                                bufs[0], loc.length, csums[0], created)]
+            return list(zip(errs, csums))
 
-        outcomes = list(self._pool.map(write, alloc.new))
+        plan = runs.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new])
+        outcomes: list[tuple[str, int]] = [("", 0)] * len(alloc.new)
+        for run, res in zip(plan, self._pool.map(write, plan)):
+            for i, r in zip(run, res):
+                outcomes[i] = r
         segs = {(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(alloc.new, outcomes) if not err}
         synced = dict(zip(segs, self._pool.map(lambda s: self._slabs.sync(*s), segs)))
         good: list[tuple[bytes, int]] = []
@@ -300,14 +310,22 @@ class DiskStore(SlotAccess):
                 continue
             jobs.append((i, loc, bufs))
 
-        def read(job: tuple[int, Location, Sequence[Buffer]]) -> str:
-            _, loc, bufs = job
-            return self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                          loc.length, loc.csum, bufs)
+        def read(run: list[int]) -> list[str]:
+            if len(run) > 1:
+                return runs.read_run(self._slabs, [jobs[j][1] for j in run],
+                                     [jobs[j][2] for j in run])
+            _, loc, bufs = jobs[run[0]]
+            return [self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
+                                           loc.length, loc.csum, bufs)]
 
+        plan = runs.plan_runs([j[1] for j in jobs], [j[2] for j in jobs])
+        errs = [""] * len(jobs)
+        for run, res in zip(plan, self._pool.map(read, plan)):
+            for j, err in zip(run, res):
+                errs[j] = err
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
-        for (i, loc, _), err in zip(jobs, self._pool.map(read, jobs)):
+        for (i, loc, _), err in zip(jobs, errs):
             if not err:
                 result[i] = True
                 self._stats.bytes_read += loc.length

@@ -128,6 +128,18 @@ def unpack_header(raw: Buffer) -> Header | None:
     return Header(key, length, csum, created, kind)
 
 
+def verify(raw_header: Buffer, key: bytes, length: int, csum: int, data: Sequence[Buffer]) -> str:
+    """'' if the header names this block and the data matches its checksum, else why not."""
+    h = unpack_header(raw_header)
+    if h is None:
+        return "corrupt: bad slot header"
+    if h.key != key or h.length != length or h.csum != csum:
+        return "corrupt: slot header does not match the index"
+    if checksum_of(h.kind, data) != csum:
+        return "corrupt: checksum mismatch"
+    return ""
+
+
 def address(buf: Buffer) -> int:
     import numpy as np
 
@@ -233,7 +245,8 @@ class SlabFiles:
         try:
             fd = self.fd(seg, slot_bytes)
             off = slot * slot_bytes
-            os.posix_fallocate(fd, off, slot_bytes)
+            # No fallocate first: it costs ~20% of a 2 MiB write; the file system allocates the
+            # slot's blocks as the O_DIRECT write lands, and ENOSPC surfaces from the write.
             hdr = self._tls.header
             hdr.seek(0)
             hdr.write(pack_header(key, length, csum, created_ns).ljust(HEADER_BYTES, b"\0"))
@@ -283,13 +296,9 @@ class SlabFiles:
                 data = [copy_from]
         except OSError as e:
             return f"io error {errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
-        h = unpack_header(hdr)
-        if h is None:
-            return "corrupt: bad slot header"
-        if h.key != key or h.length != length or h.csum != csum:
-            return "corrupt: slot header does not match the index"
-        if checksum_of(h.kind, data) != csum:
-            return "corrupt: checksum mismatch"
+        err = verify(hdr, key, length, csum, data)
+        if err:
+            return err
         if copy_from is not None:
             pos = 0
             for b in dests:
