@@ -78,7 +78,7 @@ class StoreConfig:
                                  default=0.95)
     low_watermark: float = _doc("evict least-recently-used blocks down to this fraction", default=0.85)
     min_free: Size = _doc("always leave this much free on the file system", default=Size(1 << 30))
-    segment_size: Size = _doc("size of one slab file (sparse; slots are allocated inside)",
+    segment_size: Size = _doc("most bytes of slots in one slab file (it grows as slots are written)",
                               default=Size(4 << 30))
     o_direct: OnOffAuto = _doc("O_DIRECT I/O: on (fail if refused), off, auto (fall back, logged)",
                                default="auto")

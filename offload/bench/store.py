@@ -3,8 +3,9 @@
 Measures, for block sizes 256 KiB ... 16 MiB: durable put (data fdatasync'ed and indexed), cold get
 (O_DIRECT, so the page cache is bypassed; on a buffered fallback the slabs are dropped from the page
 cache first) and warm get (the same blocks read again), each in GB/s and as a ratio to the raw
-O_DIRECT sequential bandwidth of the same directory, measured again right before each block size (a
-shared or virtual disk drifts), and to the disk kept busy by as many streams as store threads. Then
+O_DIRECT sequential bandwidth of the same directory, measured again beside each try (a shared or
+virtual disk drifts; `--repeat` alternating tries, medians reported), and to the disk kept busy by
+as many streams as store threads. Then
 the index at `--lookup-blocks` entries (default 1M, bookkeeping only: entries are bulk-inserted as a
 rebuild would, no data is written): `exists` and `locate` in microseconds per key in batches, and
 the time to reopen the store (lock, integrity check, reclaim, load of the key set).
@@ -18,6 +19,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated block sizes")
     p.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
     p.add_argument("--threads", type=int, default=8, help="store I/O threads")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="tries per block size, alternating with the raw disk (medians reported)")
     p.add_argument("--lookup-blocks", type=int, default=1_000_000,
                    help="index entries for the lookup/reopen figures (0 to skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -151,10 +155,16 @@ def run(args: argparse.Namespace) -> int:
         bar.update()
         rows = []
         for size in sizes:
-            # The raw disk again, right before this size: a shared or virtual disk drifts, so
-            # each ratio is against the baseline measured next to it.
-            raw_w, raw_r = raw_bandwidth(root, total)
-            r = bench_size(root, size, total, args.batch, args.threads)
+            # A shared or virtual disk drifts: the raw disk is measured again next to each try
+            # (alternating), and each figure is the median of --repeat tries.
+            tries = []
+            for _ in range(args.repeat):
+                raw = raw_bandwidth(root, total)
+                tries.append((raw, bench_size(root, size, total, args.batch, args.threads)))
+            raw_w = statistics.median(t[0][0] for t in tries)
+            raw_r = statistics.median(t[0][1] for t in tries)
+            r = {k: statistics.median(t[1][k] for t in tries) for k in tries[0][1]}
+            r["block_bytes"], r["blocks"] = int(r["block_bytes"]), int(r["blocks"])
             r["raw_write_gbps"], r["raw_read_gbps"] = raw_w, raw_r
             r["put_ratio"] = r["put_gbps"] / raw_w
             r["cold_get_ratio"] = r["cold_get_gbps"] / raw_r
@@ -184,8 +194,8 @@ def _table(out: dict) -> None:  # type: ignore[type-arg]
     print(f"raw disk (O_DIRECT sequential): write {raw['write_gbps']:.2f} GB/s, "
           f"read {raw['read_gbps']:.2f} GB/s; with {par['streams']} streams: write "
           f"{par['write_gbps']:.2f} GB/s, read {par['read_gbps']:.2f} GB/s")
-    print("ratios: x raw = to the sequential raw disk measured just before that row; x par = to "
-          "the parallel raw figure")
+    print("medians of alternating tries; x raw = to the sequential raw disk measured beside that "
+          "row; x par = to the parallel raw figure")
     print(f"{'block':>8} {'raw w':>6} {'put GB/s':>9} {'x raw':>6} {'x par':>6} {'raw r':>6} "
           f"{'cold get':>9} {'x raw':>6} {'x par':>6} {'warm get':>9} {'x raw':>6}")
     for r in out["sizes"]:
