@@ -1,0 +1,128 @@
+"""MemoryStore: LRU under the cap, slot reuse, reserve arena, failure switches, vectored I/O."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from offload.store.base import get_bytes
+from offload.store.memory import MemoryStore
+from tests.store.blocks import data, key
+
+KiB = 1024
+
+
+@pytest.mark.parametrize("prealloc", [False, True])
+def test_lru_eviction_under_capacity_and_slot_reuse(prealloc: bool) -> None:
+    s = MemoryStore(capacity=4 * 64 * KiB, reserve=prealloc * (1 << 20))
+    keys = [key(i) for i in range(10)]
+    for k in keys[:4]:
+        assert s.put_many([k], [[data(k, 64 * KiB)]]) == [True]
+    assert s.get_many([keys[0]], [[bytearray(64 * KiB)]]) == [True]   # keys[0] now recent
+    assert s.put_many(keys[4:6], [[data(k, 64 * KiB)] for k in keys[4:6]]) == [True, True]
+    assert s.exists_many(keys[:6]) == [True, False, False, True, True, True]
+    for k in (keys[0], *keys[3:6]):
+        assert get_bytes(s, k, 64 * KiB) == data(k, 64 * KiB)
+    st = s.stats()
+    assert st.blocks == 4 and st.bytes_used == 4 * 64 * KiB and st.evictions == 2
+    assert st.extra["recycled_slots"] == 2 and st.extra["spare_bytes"] == 0
+    assert s.delete_many(keys[:6]) == 4 and s.stats().bytes_used == 0
+    s.close()
+
+
+def test_vectored_blocks_and_size_mismatch() -> None:
+    s = MemoryStore(capacity=1 << 20)
+    k = key(1)
+    blob = data(k, 3000)
+    parts = [blob[:1000], bytearray(blob[1000:2500]), memoryview(blob)[2500:]]
+    assert s.put_many([k], [parts]) == [True]
+    a, b = bytearray(1200), bytearray(1800)
+    assert s.get_many([k], [[a, memoryview(b)]]) == [True] and bytes(a + b) == blob
+    assert s.get_many([k], [[bytearray(2999)]]) == [False]                # wrong size: miss
+    assert s.put_many([k], [[b"x" * 10]]) == [True]                       # present: no write
+    assert get_bytes(s, k, 3000) == blob
+
+
+def test_mixed_sizes_stay_within_capacity() -> None:
+    cap = 256 * KiB
+    s = MemoryStore(capacity=cap)
+    for i in range(40):
+        size = (16, 48, 100, 32)[i % 4] * KiB
+        k = key(i)
+        assert s.put_many([k], [[data(k, size)]]) == [True]
+        st = s.stats()
+        assert st.bytes_used <= cap and st.bytes_used + st.extra["spare_bytes"] <= cap
+        assert get_bytes(s, k, size) == data(k, size)
+    assert s.put_many([key(99)], [[bytes(cap + 1)]]) == [False]           # larger than the cap
+
+
+def test_reserve_arena_mixed_sizes_and_clear() -> None:
+    cap = 256 * KiB
+    s = MemoryStore(capacity=cap, reserve=64 * KiB)
+    for i in range(30):
+        size = (20, 60, 8)[i % 3] * KiB
+        k = key(i)
+        assert s.put_many([k], [[data(k, size)]]) == [True]
+        assert get_bytes(s, k, size) == data(k, size)
+        st = s.stats()
+        assert st.bytes_used <= cap
+    n = s.stats().blocks
+    assert n > 0 and s.clear() == n and s.stats().blocks == 0
+    k = key(1000)
+    assert s.put_many([k], [[data(k, 200 * KiB)]]) == [True]
+    assert get_bytes(s, k, 200 * KiB) == data(k, 200 * KiB)
+    s.close()
+
+
+def _wait_spare(s: MemoryStore, want: int) -> int:
+    for _ in range(500):
+        spare = int(s.stats().extra["spare_bytes"])
+        if spare >= want:
+            break
+        time.sleep(0.01)
+    return spare
+
+
+def test_reserve_is_faulted_in_ahead_of_the_fill_point() -> None:
+    s = MemoryStore(capacity=16 << 20, reserve=4 << 20)
+    assert _wait_spare(s, 4 << 20) == 4 << 20
+    k = key(7)
+    assert s.put_many([k], [[data(k, 3 << 20)]]) == [True]
+    assert _wait_spare(s, 4 << 20) == 4 << 20          # refilled past the new fill point
+    assert get_bytes(s, k, 3 << 20) == data(k, 3 << 20)
+    s.close()
+
+
+def test_failure_switches_and_clear_namespace() -> None:
+    s = MemoryStore()
+    k1, k2 = key(1), key(2)
+    s.fail_writes.add(k1)
+    assert s.put_many([k1, k2], [[b"a" * 10], [b"b" * 10]]) == [False, True]
+    s.fail_reads.add(k2)
+    assert s.get_many([k2], [[bytearray(10)]]) == [False]
+    s.fail_reads.clear()
+    assert get_bytes(s, k2, 10) == b"b" * 10
+    assert s.clear(b"\0" * 16) == 0 and s.clear(k2[:16]) == 1
+    assert s.stats().put_skipped == 1 and s.stats().misses == 1
+
+
+def test_threads_share_one_store() -> None:
+    s = MemoryStore(capacity=64 * 4 * KiB)
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for i in range(50):
+            k = key(t * 1000 + i)
+            s.put_many([k], [[data(k, 4 * KiB)]])
+            got = get_bytes(s, k, 4 * KiB)
+            if got is not None and got != data(k, 4 * KiB):
+                errors.append(f"thread {t} block {i} corrupt")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and s.stats().bytes_used <= 64 * 4 * KiB
