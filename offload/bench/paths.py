@@ -8,7 +8,8 @@ the way), then
   (ratio to NIXL loopback: the protocol's overhead) and on disk (ratio to raw disk);
 - gds: only where CUDA, kvikio and the store's slots are there (else reported as skipped).
 Host CPU seconds per GB moved (time.process_time of this process, all its threads) for cpu vs
-dpu: the point of the DPU path is that the host CPU copies nothing.
+dpu: the point of the DPU path is that the host CPU copies nothing. Each block size is measured
+`--repeat` times, baselines and paths alternating, and the medians are reported.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import json
 import mmap
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="block sizes, comma separated")
     p.add_argument("--batch", type=int, default=8, help="blocks per put/get call")
     p.add_argument("--paths", default="cpu,dpu,gds", help="paths to measure")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="alternating tries per block size (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -160,16 +165,19 @@ def run(args: argparse.Namespace) -> int:
         buf_map.write(os.urandom(1 << 20) * (len(buf_map) >> 20))
         buf = memoryview(buf_map)
         for size in sizes:
-            row: dict[str, Any] = {}
-            w, r = raw_bandwidth(tmp, total, size)
-            row["raw_disk"] = {"put_gbps": w, "get_gbps": r}
-            if "cpu" in paths:
-                row["cpu"] = _cpu(tmp, size, total, args.batch, buf)
-            if "dpu" in paths:
-                row.update(_dpu(tmp, size, total, args.batch, buf))
-            if "gds" in paths:
-                row["gds"] = {"skipped": _gds_skip_reason()}
-            results["sizes"][format_size(size)] = row
+            tries = []  # alternating tries (baselines and paths), medians reported: disks drift
+            for _ in range(args.repeat):
+                row: dict[str, Any] = {}
+                w, r = raw_bandwidth(tmp, total, size)
+                row["raw_disk"] = {"put_gbps": w, "get_gbps": r}
+                if "cpu" in paths:
+                    row["cpu"] = _cpu(tmp, size, total, args.batch, buf)
+                if "dpu" in paths:
+                    row.update(_dpu(tmp, size, total, args.batch, buf))
+                if "gds" in paths:
+                    row["gds"] = {"skipped": _gds_skip_reason()}
+                tries.append(row)
+            results["sizes"][format_size(size)] = _median(tries)
     _ratios(results)
     emit("paths", results)
     if args.json:
@@ -179,17 +187,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _median(tries: list[Any]) -> Any:
+    """Leaf-wise median of the same-shaped results of several tries."""
+    first = tries[0]
+    if isinstance(first, dict):
+        return {k: _median([t[k] for t in tries if isinstance(t, dict) and k in t])
+                for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(tries)
+    return first
+
+
 def _cpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, float]:
     from offload.store.disk import DiskStore
     from offload.transfer.cpu_staging import CpuStagingPath
 
-    d = os.path.join(tmp, f"cpu-{size}")
+    d = tempfile.mkdtemp(prefix=f"cpu-{size}-", dir=tmp)  # a fresh store for every try
     path = CpuStagingPath(DiskStore(StoreConfig(path=d, capacity=Size(2 * total + (64 << 20)),
                                                 min_free=Size(0))))
     try:
         return measure(path, size, total, batch, buf, b"cpu")
     finally:
         path.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, Any]:
@@ -203,7 +223,8 @@ def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[s
     secret = os.urandom(16).hex()
     staging = str(max(64 << 20, 4 * size))
     for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30))]),
-                             ("dpu_disk", ["--store", os.path.join(tmp, f"agent-{size}"),
+                             ("dpu_disk", ["--store", tempfile.mkdtemp(prefix=f"agent-{size}-",
+                                                                       dir=tmp),
                                            "--capacity", str(2 * total + (64 << 20))])):
         agent = Agent([*store_args, "--staging", staging], secret, tmp)
         client = AgentStore(agent.address, secret.encode(), timeout_s=120)
