@@ -266,8 +266,8 @@ class DiskStore(SlotAccess):
                 self._keys.add(k)
                 for i in where[k]:
                     result[i] = True
-        self._stats.puts += len(good)
-        self._stats.bytes_written += sum(total_len(bufs_of[k]) for k, _ in good)
+            self._stats.puts += len(good)
+            self._stats.bytes_written += sum(total_len(bufs_of[k]) for k, _ in good)
         return result
 
     def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Allocation:
@@ -325,19 +325,21 @@ class DiskStore(SlotAccess):
                 errs[j] = err
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
+        nbytes = 0
         for (i, loc, _), err in zip(jobs, errs):
             if not err:
                 result[i] = True
-                self._stats.bytes_read += loc.length
+                nbytes += loc.length
             else:
                 log.warning("block %s is a miss: %s", loc.key.hex()[:16], err)
                 if err.startswith("corrupt"):
                     corrupt.append(loc)
         hits = sum(result)
-        self._stats.hits += hits
-        self._stats.misses += len(keys) - hits
-        self._stats.checksum_failures += len(corrupt)
         with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += len(keys) - hits
+            self._stats.checksum_failures += len(corrupt)
+            self._stats.bytes_read += nbytes
             if corrupt:
                 self._index.drop_corrupt(corrupt, self._free_slot)
                 for loc in corrupt:
