@@ -241,7 +241,8 @@ class DiskStore(SlotAccess):
                                                 bufs[0], loc.length, csums[0], created)]
             return list(zip(errs, csums))
 
-        plan = runs.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new])
+        plan = runs.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new],
+                              self.cfg.io_threads)
         outcomes: list[tuple[str, int]] = [("", 0)] * len(alloc.new)
         for run, res in zip(plan, self._pool.map(write, plan)):
             for i, r in zip(run, res):
@@ -318,7 +319,7 @@ class DiskStore(SlotAccess):
             return [self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
                                            loc.length, loc.csum, bufs)]
 
-        plan = runs.plan_runs([j[1] for j in jobs], [j[2] for j in jobs])
+        plan = runs.plan_runs([j[1] for j in jobs], [j[2] for j in jobs], self.cfg.io_threads)
         errs = [""] * len(jobs)
         for run, res in zip(plan, self._pool.map(read, plan)):
             for j, err in zip(run, res):

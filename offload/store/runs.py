@@ -38,8 +38,14 @@ class _Headers(threading.local):
 _headers = _Headers()
 
 
-def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]]) -> list[list[int]]:
-    """Indices of `locs` grouped into runs of consecutive, exactly-filled, aligned slots."""
+def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
+              threads: int = 1) -> list[list[int]]:
+    """Indices of `locs` grouped into runs of consecutive, exactly-filled, aligned slots.
+
+    A run holds at most RUN_BYTES and at most its share of the batch over `threads`, so a small
+    batch still keeps every I/O thread (and the device queue) busy.
+    """
+    share = max(1, -(-len(locs) // max(1, threads)))
     runs: list[list[int]] = []
     joinable = False  # whether the last run may grow
     nbuf = 0
@@ -50,6 +56,7 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]]) -> lis
             prev = locs[runs[-1][-1]]
             if (prev.seg == loc.seg and prev.slot + 1 == loc.slot
                     and (len(runs[-1]) + 1) * loc.slot_bytes <= RUN_BYTES
+                    and len(runs[-1]) < share
                     and nbuf + 1 + len(bufs[i]) < slab.IOV_MAX):
                 runs[-1].append(i)
                 nbuf += 1 + len(bufs[i])
