@@ -11,7 +11,7 @@ Primitives:
   with one line per problem; `SglangArgs.warnings` holds what works but loses something.
 - `page_slices(...)`: the byte size of one contiguous slice of a host-pool page (4 KiB alignment).
 
-Rules (docs/launch.md): hierarchical cache on and the radix cache on; the storage backend and its
+Rules (README, "Deploying with launch"): hierarchical cache on and the radix cache on; the storage backend and its
 extra config's backend keys are ours (`hicache-storage-backend: offload` is accepted and ignored;
 SGLang's own extra-config keys such as `prefetch_threshold` pass through); an unaligned page
 slice or an unset / tiny `page-size` is a warning (the store falls back to one bounce-buffer copy),

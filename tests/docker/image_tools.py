@@ -1,5 +1,5 @@
 """Build and run the image without a Docker engine: Debian's buildah, chroot isolation, a local
-stand-in for the SGLang base image (docs/docker.md, "Testing the image without Docker").
+stand-in for the SGLang base image (README, "Testing the image without Docker").
 
 `ensure_base_tar()` makes the stand-in once (debootstrap minbase + python3, pip and the few
 SGLang dependencies our tier imports; no torch) and caches it as BASE_TAR outside the repo.
