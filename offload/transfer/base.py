@@ -20,6 +20,7 @@ from typing import Any, Protocol, Sequence
 
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
+from offload.keys import Namespace
 from offload.store.base import BlockStore, Buffer
 
 # path name -> (module, class); each class has `open(cfg, decision, store) -> TransferPath`.
@@ -44,6 +45,24 @@ class TransferPath(BlockStore, Protocol):
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         """Read pages into the given buffers; True only if read and verified."""
         ...
+
+
+class OverStore:
+    """What a path leaves to the store it moves bytes for: lookups, deletes, namespaces."""
+
+    store: BlockStore
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.store.exists_many(keys)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        return self.store.delete_many(keys)
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        return self.store.clear(namespace)
+
+    def register_namespace(self, ns: Namespace) -> None:
+        self.store.register_namespace(ns)
 
 
 def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:

@@ -22,8 +22,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from offload.keys import Namespace
 from offload.store.base import BlockStore, Buffer, StoreStats
+from offload.transfer.base import OverStore
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def pinning_for(node: int | None, root: str = "/") -> set[int] | None:
     return cpus
 
 
-class CpuStagingPath:
+class CpuStagingPath(OverStore):
     name = "cpu"
 
     def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/"):
@@ -120,18 +120,6 @@ class CpuStagingPath:
             if self._stager is None:
                 self._stager = _GpuStager(self)
             return self._stager
-
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.store.exists_many(keys)
-
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        return self.store.delete_many(keys)
-
-    def clear(self, namespace: bytes | None = None) -> int:
-        return self.store.clear(namespace)
-
-    def register_namespace(self, ns: Namespace) -> None:
-        self.store.register_namespace(ns)
 
     def stats(self) -> StoreStats:
         s = self.store.stats()

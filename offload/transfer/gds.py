@@ -24,8 +24,8 @@ import threading
 from typing import Any, Protocol, Sequence
 
 from offload.errors import PathUnavailableError
-from offload.keys import Namespace
 from offload.store.base import BlockStore, Buffer, StoreStats
+from offload.transfer.base import OverStore
 from offload.store.disk_slots import Slot
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def gds_really_available(decision: Any) -> tuple[bool, str]:
     return True, "detection: GDS available (not compat mode)"
 
 
-class GdsPath:
+class GdsPath(OverStore):
     name = "gds"
 
     def __init__(self, store: SlotStore, fallback: BlockStore | None = None):
@@ -197,18 +197,6 @@ class GdsPath:
                                                             [dests[i] for i in rest])):
                 ok[i] = flag
         return ok
-
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.store.exists_many(keys)
-
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        return self.store.delete_many(keys)
-
-    def clear(self, namespace: bytes | None = None) -> int:
-        return self.store.clear(namespace)
-
-    def register_namespace(self, ns: Namespace) -> None:
-        self.store.register_namespace(ns)
 
     def stats(self) -> StoreStats:
         s = self.store.stats()
