@@ -322,13 +322,20 @@ class OffloadStorage(HiCacheStorage):
                              len(keys))
             return [False] * len(keys)
 
+    def _pages_at(self, keys: Sequence[str], host_indices: "torch.Tensor"
+                  ) -> tuple[PageMap, list[int]] | None:
+        """The page map and each page's first host index, or None if the call cannot be served."""
+        pages = self.pages
+        starts = self._page_starts(keys, host_indices) if pages is not None else None
+        return None if pages is None or starts is None else (pages, starts)
+
     def _set_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
         if not keys:
             return []
-        pages = self.pages
-        starts = self._page_starts(keys, host_indices) if pages is not None else None
-        if pages is None or starts is None:
+        at = self._pages_at(keys, host_indices)
+        if at is None:
             return [False] * len(keys)
+        pages, starts = at
         bkeys = self._keys(keys)
         if not self.is_writer:  # MLA replica: rank 0 writes the shared namespace
             return list(self.store.exists_many(bkeys))
@@ -344,10 +351,10 @@ class OffloadStorage(HiCacheStorage):
     def _get_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
         if not keys:
             return []
-        pages = self.pages
-        starts = self._page_starts(keys, host_indices) if pages is not None else None
-        if pages is None or starts is None:
+        at = self._pages_at(keys, host_indices)
+        if at is None:
             return [False] * len(keys)
+        pages, starts = at
         t0 = time.perf_counter()
         bkeys = self._keys(keys)
         if pages.zero_copy:
