@@ -7,6 +7,8 @@ served by its own thread (`offload.agent.session.Session`). With `transport="ucx
 "tcp" NIXL is never imported and bytes travel on the connections.
 Limits: `max_clients` connections at once (more are closed at accept, logged), `max_body` bytes per
 frame, `max_block` bytes per block, `staging_size` bytes of staging per NIXL connection.
+A store with an arena and the slot API (the DRAM tier, `MemoryStore(reserve>0)`) gets it registered
+with NIXL (`.arena()`), and its blocks move with no staging copy.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import os
 import socket
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from offload.agent import protocol as P
 from offload.agent.session import Session
 from offload.store.base import BlockStore
+
+if TYPE_CHECKING:
+    from offload.agent.mover import Arena
 
 log = logging.getLogger("offload.agent")
 
@@ -48,6 +54,7 @@ class AgentServer:
         self._counters: Counter[str] = Counter()
         self._sessions: dict[int, threading.Thread] = {}
         self._next_id = 0
+        self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -56,6 +63,17 @@ class AgentServer:
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counters)
+
+    def arena(self) -> "Arena | None":
+        """The store's arena registered with NIXL (zero-copy moves), if the store has one."""
+        from offload.agent.mover import Arena
+
+        with self._lock:
+            if self._arena is None and self.mover is not None:
+                region = getattr(self.store, "arena_region", lambda: None)()
+                ok = region is not None and hasattr(self.store, "reserve_views")
+                self._arena = Arena(self.mover, *region) if ok else False
+            return self._arena if isinstance(self._arena, Arena) else None
 
     def start(self) -> None:
         if self.transport == "ucx":

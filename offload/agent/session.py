@@ -5,8 +5,10 @@ Primitives: `Session(server, sock, peer).run()`. The first frame must be an auth
 frame and gets one reply:
 - PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
   store writes the previous group (half B); blocks the store already holds are not read at all.
+  With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
 - GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
-  into host memory. A block is reported True only after its WRITE completed.
+  into host memory. A block is reported True only after its WRITE completed. With a store arena
+  NIXL WRITEs straight from the pinned slots.
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
 - EXISTS, DELETE, STATS, REGISTER_NS, METADATA.
@@ -25,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from offload.agent import protocol as P
+from offload.agent.mover import direct_get, direct_put
 from offload.keys import Namespace
 from offload.transfer import nixl_util
 
@@ -237,6 +240,7 @@ class Session:
         present = store.exists_many(req.keys)
         ok = list(present)
         todo = [i for i, p in enumerate(present) if not p]
+        todo = direct_put(self.server, self.nixl_peer, req, todo, ok, deadline)
         if not todo:
             return ok
         staging = self._staging()
@@ -251,6 +255,7 @@ class Session:
                     self.server.mover.agent, "READ", local, remote, self.nixl_peer, deadline):
                 break
             self.server.count("bytes_nixl_in", off)
+            self.server.count("blocks_staged_in", len(group))
             blocks, off = [], 0
             for i in group:
                 blocks.append([view[off:off + req.sizes[i]]])
@@ -312,8 +317,11 @@ class Session:
             return flags, out
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
+        rest = direct_get(self.server, self.nixl_peer, req, ok, deadline)
+        if not rest:
+            return ok, []
         staging = self._staging()
-        groups = self._groups(range(len(req.keys)), req.sizes)
+        groups = self._groups(rest, req.sizes)
         reading = self._io().submit(self._store_get, req, groups[0], 0) if groups else None
         for g, group in enumerate(groups):
             assert reading is not None
@@ -334,6 +342,7 @@ class Session:
             if nixl_util.run_xfer(self.server.mover.agent, "WRITE", local, remote,
                                   self.nixl_peer, deadline):
                 self.server.count("bytes_nixl_out", nbytes)
+                self.server.count("blocks_staged_out", len(hits))
                 for i in hits:
                     ok[i] = True
         if reading is not None:

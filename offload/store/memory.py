@@ -10,9 +10,16 @@ size and reused (the blocks of one deployment all have the same size), so that a
 into memory already in use instead of faulting in new pages (about 5x slower on small VMs).
 With `reserve > 0` (the agent's DRAM tier) slots are carved from one arena of `capacity` bytes of
 address space, and a background thread keeps `reserve` bytes past the fill point faulted in
-(MADV_POPULATE_WRITE), so that a burst of puts into an empty tier costs no page faults either.
+(MADV_POPULATE_WRITE), refilling once the store has had no call for 50 ms (zeroing pages during a
+burst would take memory bandwidth from the copies it is meant to speed up), so that a burst of
+puts into an empty tier costs no page faults either.
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
+
+Slot API (zero-copy movers such as the agent's NIXL path): `reserve_views(keys, sizes)` hands out
+slots for new blocks, invisible until `commit_views(keys, ok)` (a failed one is freed);
+`pin_views(keys)` hands out stored blocks' slots, which eviction skips and deletion does not reuse
+until `unpin(keys, ok)`. `arena_region()` is the (address, length) of the arena, if any.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Sequence
 
@@ -36,6 +44,7 @@ _NUMPY_FROM = 64 << 10       # copies at least this large go through numpy, whic
 _MAP_NORESERVE = 0x4000      # Linux; address space only, pages are committed as they are touched
 _MADV_POPULATE_WRITE = 23    # Linux >= 5.14
 _POPULATE_STEP = 4 << 20
+_IDLE_S = 0.05               # the reserve is refilled once the store had no call for this long
 
 
 def _pages(n: int) -> int:
@@ -63,6 +72,8 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity=capacity)
         self._recycled = 0
+        self._reserved: dict[bytes, memoryview] = {}    # reserved, uncommitted slots
+        self._pins: dict[bytes, list] = {}              # key -> [count, slot]
         # The arena (reserve > 0): slots carved page-aligned from _top; [_top, _ready) faulted in.
         self._arena: mmap.mmap | None = None
         self._arena_view: memoryview | None = None
@@ -71,6 +82,7 @@ class MemoryStore:
         self._reserve = _pages(min(reserve, capacity))
         self._arena_at: dict[int, int] = {}    # id of an arena slot -> its offset
         self._wake = threading.Condition(self._lock)
+        self._busy_until = 0.0                 # refills wait until then (calls in progress)
         self._closed = False
         if self._reserve > 0 and sys.platform.startswith("linux"):
             self._arena = mmap.mmap(-1, _pages(capacity),
@@ -100,6 +112,10 @@ class MemoryStore:
                     self._wake.wait()
                 if self._closed:
                     return
+                pause = self._busy_until - time.monotonic()
+                if pause > 0:    # zeroing pages would take memory bandwidth from the copies
+                    self._wake.wait(pause)
+                    continue
                 start = max(self._ready, self._top)
                 n = min(_POPULATE_STEP, min(size, self._top + self._reserve) - start)
             if madvise(base + start, n, _MADV_POPULATE_WRITE) != 0:
@@ -167,10 +183,125 @@ class MemoryStore:
             return None
         return memoryview(bytearray(size))
 
+    def _busy(self) -> None:
+        self._busy_until = time.monotonic() + _IDLE_S
+
+    def _make_room(self, size: int) -> bool:
+        """Evict least-recently-used unpinned blocks until `size` more bytes fit the cap."""
+        need = self._used + size - self.capacity
+        if need <= 0:
+            return True
+        victims = []
+        for key, slot in self._blocks.items():
+            if key not in self._pins:
+                victims.append(key)
+                need -= slot.nbytes
+                if need <= 0:
+                    break
+        for key in victims:
+            self._evict(key)
+        return need <= 0
+
+    def _evict(self, key: bytes) -> None:
+        old = self._blocks.pop(key)
+        self._used -= old.nbytes
+        self._release(old)
+        self._stats.evictions += 1
+
+    # ---------------------------------------------------------------- slot API
+    def arena_region(self) -> tuple[int, int] | None:
+        """(address, length) of the arena every arena slot lies in; None without one."""
+        if self._arena is None:
+            return None
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), len(self._arena)
+
+    def reserve_views(self, keys: Sequence[bytes], sizes: Sequence[int]
+                      ) -> list[memoryview | None]:
+        """Slots to write new blocks into, invisible until committed. None where the key is
+        stored or being written already, refused, or does not fit (use put_many for those)."""
+        out: list[memoryview | None] = []
+        with self._lock:
+            self._busy()
+            for key, size in zip(keys, sizes):
+                if (key in self._blocks or key in self._reserved or key in self.fail_writes
+                        or size <= 0 or size > self.capacity):
+                    out.append(None)
+                    continue
+                slot = self._make_room(size) and self._slot(size)
+                if not slot:
+                    out.append(None)
+                    continue
+                self._used += size
+                self._reserved[key] = slot
+                out.append(slot)
+        return out
+
+    def commit_views(self, keys: Sequence[bytes], ok: Sequence[bool]) -> list[bool]:
+        """Publish the reserved blocks whose write succeeded; free the others' slots."""
+        out = []
+        with self._lock:
+            for key, good in zip(keys, ok):
+                slot = self._reserved.pop(key, None)
+                if slot is None:
+                    out.append(False)
+                    continue
+                if good and key not in self._blocks:
+                    self._blocks[key] = slot
+                    self._stats.puts += 1
+                    self._stats.bytes_written += slot.nbytes
+                    out.append(True)
+                    continue
+                self._used -= slot.nbytes         # failed, or stored meanwhile by another put
+                self._release(slot)
+                if not good:
+                    self._stats.put_skipped += 1
+                out.append(bool(good))
+        return out
+
+    def pin_views(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """Stored blocks' slots, kept from eviction and reuse until `unpin`; None on a miss."""
+        out: list[memoryview | None] = []
+        with self._lock:
+            self._busy()
+            for key in keys:
+                slot = self._blocks.get(key)
+                if slot is None or key in self.fail_reads:
+                    self._stats.misses += 1
+                    out.append(None)
+                    continue
+                pin = self._pins.get(key)
+                if pin is not None and pin[1] is not slot:   # its deleted copy is still pinned
+                    out.append(None)
+                    continue
+                self._blocks.move_to_end(key)
+                if pin is None:
+                    pin = self._pins[key] = [0, slot]
+                pin[0] += 1
+                out.append(slot)
+        return out
+
+    def unpin(self, keys: Sequence[bytes], ok: Sequence[bool] | None = None) -> None:
+        """End `pin_views`; `ok` (per key) counts the reads that reached their reader."""
+        with self._lock:
+            for n, key in enumerate(keys):
+                pin = self._pins.get(key)
+                if pin is None:
+                    continue
+                if ok is None or ok[n]:
+                    self._stats.hits += 1
+                    self._stats.bytes_read += pin[1].nbytes
+                pin[0] -= 1
+                if pin[0] > 0:
+                    continue
+                del self._pins[key]
+                if self._blocks.get(key) is not pin[1]:     # deleted while pinned
+                    self._release(pin[1])
+
     # ---------------------------------------------------------------- BlockStore
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         out = []
         with self._lock:
+            self._busy()
             for key, bufs in zip(keys, blocks):
                 if key in self.fail_writes:
                     self._stats.put_skipped += 1
@@ -191,13 +322,8 @@ class MemoryStore:
                     self._stats.put_skipped += 1
                     out.append(False)
                     continue
-                while self._used + size > self.capacity:
-                    _, old = self._blocks.popitem(last=False)
-                    self._used -= old.nbytes
-                    self._release(old)
-                    self._stats.evictions += 1
-                slot = self._slot(size)
-                if slot is None:
+                slot = self._make_room(size) and self._slot(size)
+                if not slot:
                     self._stats.put_skipped += 1
                     out.append(False)
                     continue
@@ -215,6 +341,7 @@ class MemoryStore:
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         out = []
         with self._lock:
+            self._busy()
             for key, bufs in zip(keys, dests):
                 slot = self._blocks.get(key)
                 if slot is None or key in self.fail_reads or total_len(bufs) != slot.nbytes:
@@ -243,7 +370,9 @@ class MemoryStore:
                 slot = self._blocks.pop(k, None)
                 if slot is not None:
                     self._used -= slot.nbytes
-                    self._release(slot)
+                    pin = self._pins.get(k)
+                    if pin is None or pin[1] is not slot:   # a pinned slot is freed by unpin
+                        self._release(slot)
                     n += 1
         return n
 
