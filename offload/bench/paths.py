@@ -247,7 +247,7 @@ def _gds_skip_reason() -> str:
         import kvikio  # noqa: F401
     except ImportError as e:
         return f"not installed: {e.name}"
-    return "run on a GDS host with the store's slots API (see the README, "Transfer paths")"
+    return "run on a GDS host with the store's slots API (see the README: Transfer paths)"
 
 
 def _ratios(res: dict[str, Any]) -> None:
