@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap of the store (default 100GiB)")
     p.add_argument("--memory", action="store_true",
                    help="keep blocks in DRAM only (tests, benchmarks); lost on restart")
+    p.add_argument("--memory-reserve", type=_size, default=Size(256 << 20), metavar="SIZE",
+                   help="with --memory: DRAM faulted in ahead of the fill point (default 256MiB); "
+                        "set it to --capacity to preallocate the whole tier before serving")
     p.add_argument("--transport", choices=["ucx", "tcp"], default="ucx",
                    help="ucx: NIXL moves the bytes (RDMA, or UCX over TCP); tcp: no NIXL, bytes "
                         "travel on the control connection")
@@ -66,8 +69,12 @@ def open_store(args: argparse.Namespace) -> BlockStore:
     if args.memory:
         from offload.store.memory import MemoryStore
 
-        # 256MiB kept faulted in ahead of the fill point: a burst of puts copies without faults.
-        return MemoryStore(capacity=args.capacity, reserve=256 << 20)
+        # Memory kept faulted in ahead of the fill point: a burst of puts copies without faults.
+        store = MemoryStore(capacity=args.capacity, reserve=args.memory_reserve)
+        if not store.wait_reserve(timeout=600.0):
+            logging.getLogger("offload.agent").warning(
+                "the DRAM reserve is not fully faulted in yet; serving anyway")
+        return store
     if not args.store:
         raise ConfigError(["agent: name the cache directory with --store DIR (or use --memory)"])
     try:

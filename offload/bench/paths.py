@@ -222,7 +222,8 @@ def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[s
         return {"dpu": {"skipped": f"NIXL loopback failed: {e}"}}
     secret = os.urandom(16).hex()
     staging = str(max(64 << 20, 4 * size))
-    for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30))]),
+    for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30)),
+                                      "--memory-reserve", str(2 * total)]),
                              ("dpu_disk", ["--store", tempfile.mkdtemp(prefix=f"agent-{size}-",
                                                                        dir=tmp),
                                            "--capacity", str(2 * total + (64 << 20))])):

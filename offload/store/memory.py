@@ -125,6 +125,20 @@ class MemoryStore:
             with self._wake:
                 self._ready = max(self._ready, start + n)
 
+    def wait_reserve(self, timeout: float) -> bool:
+        """Block until the reserve is faulted in (start-up of a DRAM tier sized to be preallocated:
+        its first puts then copy without page faults). False if `timeout` passed first."""
+        if self._arena is None:
+            return True
+        end = time.monotonic() + timeout
+        with self._wake:
+            while self._ready < min(len(self._arena), self._top + self._reserve):
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._wake.wait(min(left, 0.05))
+        return True
+
     # ---------------------------------------------------------------- slots (lock held)
     def _held_bytes(self) -> int:
         """Memory held besides stored blocks: kept slots and the arena's uncarved part."""
