@@ -82,8 +82,11 @@ def series(result: dict[str, Any]) -> list[Series]:
             _collect(lines, "block store", "write", x, r.get("put_gbps"))
             _collect(lines, "block store (cold)", "read", x, r.get("cold_get_gbps"))
             _collect(lines, "block store (warm)", "read", x, r.get("warm_get_gbps"))
-            _collect(lines, "raw disk", "write", x, result["raw"].get("write_gbps"), True)
-            _collect(lines, "raw disk", "read", x, result["raw"].get("read_gbps"), True)
+            # the raw disk measured beside this block size when the result has it
+            _collect(lines, "raw disk", "write", x,
+                     r.get("raw_write_gbps", result["raw"].get("write_gbps")), True)
+            _collect(lines, "raw disk", "read", x,
+                     r.get("raw_read_gbps", result["raw"].get("read_gbps")), True)
     elif kind == "paths":
         for label, row in result["sizes"].items():
             x = int(Size.parse(label))
