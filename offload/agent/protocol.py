@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Type, TypeVar
+from typing import Annotated, Sequence, Type, TypeVar
 
 import msgspec
 
@@ -295,3 +295,20 @@ def handshake_client(sock: socket.socket, secret: bytes, io_timeout: float,
     return Channel(sock, _derive(secret, server_nonce, client_nonce), is_server=False,
                    io_timeout=io_timeout, max_body=max_body)
 
+
+def pack(idx: Sequence[int], sizes: Sequence[int], max_bytes: int,
+         max_keys: int | None = None) -> list[list[int]]:
+    """Indices in order, cut into groups of at most `max_bytes` (and `max_keys`); a block larger
+    than `max_bytes` gets a group of its own. Requests (client) and staging groups (agent)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in idx:
+        if cur and (used + sizes[i] > max_bytes or (max_keys is not None and len(cur) >= max_keys)):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += sizes[i]
+    if cur:
+        out.append(cur)
+    return out

@@ -202,18 +202,7 @@ class Session:
         total = sum(sizes[i] for i in idx)
         largest = max((sizes[i] for i in idx), default=0)
         limit = min(self.staging.half_size, max(largest, total // 4))
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        used = 0
-        for i in idx:
-            if cur and used + sizes[i] > limit:
-                groups.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += sizes[i]
-        if cur:
-            groups.append(cur)
-        return groups
+        return P.pack(idx, sizes, limit)
 
     def _staging(self) -> "Staging":
         if self.staging is None:

@@ -177,13 +177,13 @@ class AgentStore:
                     nixl_idx.append(i)
                 else:
                     inline_idx.append(i)
-            for batch in _batches(nixl_idx, sizes, info.max_keys, NIXL_BATCH_BYTES):
+            for batch in P.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys):
                 req = P.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                descs=[descs[i] for i in batch], budget_ms=self._budget_ms())
                 if not self._send_batch(c, op, req, batch, ok):
                     return ok
             room = info.max_body - (64 << 10)
-            for batch in _batches(inline_idx, sizes, min(info.max_keys, room // 64), room):
+            for batch in P.pack(inline_idx, sizes, room, min(info.max_keys, room // 64)):
                 req = P.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                budget_ms=self._budget_ms())
                 payload = None
@@ -285,18 +285,3 @@ class AgentStore:
                 self._regs.clear()
                 self._regions.clear()
                 self._nixl = None
-
-
-def _batches(idx: list[int], sizes: list[int], max_keys: int, max_bytes: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in idx:
-        if cur and (len(cur) >= max_keys or used + sizes[i] > max_bytes):
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += sizes[i]
-    if cur:
-        out.append(cur)
-    return out
