@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
-import io
 import hashlib
 import importlib.util
+import io
 import os
 import platform
 import shutil

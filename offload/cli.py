@@ -16,13 +16,13 @@ from offload.errors import OffloadError
 
 # name -> (module, one-line help). A duplicate name is a programming error caught at import.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("offload.commands.config_cmd", "validate a config file and print the effective config"),
-    "bench": ("offload.bench.cli", "measure the tier on this machine"),
-    "detect": ("offload.hw.cli", "inspect the hardware and decide the transfer path"),
-    "plan": ("offload.plan", "KV-cache sizing: bytes per user, users per GPU with/without offload"),
-    "cache": ("offload.commands.cache_cmd", "inspect and maintain a cache directory"),
-    "agent": ("offload.agent.cli", "run the storage agent (on a BlueField DPU or storage host)"),
-    "launch": ("offload.launch", "validate a deployment config and exec SGLang with the tier"),
+    "config": ("offload.commands.config", "validate a config file and print the effective config"),
+    "bench": ("offload.commands.bench", "measure the tier on this machine"),
+    "detect": ("offload.commands.detect", "inspect the hardware and decide the transfer path"),
+    "plan": ("offload.commands.plan", "KV-cache sizing: bytes per user, users per GPU with/without offload"),
+    "cache": ("offload.commands.cache", "inspect and maintain a cache directory"),
+    "agent": ("offload.commands.agent", "run the storage agent (on a BlueField DPU or storage host)"),
+    "launch": ("offload.commands.launch", "validate a deployment config and exec SGLang with the tier"),
 }
 
 

@@ -8,12 +8,25 @@ import pytest
 
 from offload.cli import main
 from offload.errors import ConfigError
-from offload.plan import (
-    DTYPE_BYTES, PlanInputs, kv_bytes_per_token, kv_heads_per_rank, make_plan, parse_count,
-    parse_tokens, prefill_flops_per_token, prefix_times, worth_loading,
+from offload.plan.dtypes import DTYPE_BYTES
+from offload.plan.model import (
+    PlanInputs,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    make_plan,
+    parse_count,
+    parse_tokens,
+    prefill_flops_per_token,
+    prefix_times,
+    worth_loading,
 )
-from offload.plan_presets import (
-    GPUS, MODELS, architecture_from_config, estimate_params, find_gpu, load_architecture,
+from offload.plan.presets import (
+    GPUS,
+    MODELS,
+    architecture_from_config,
+    estimate_params,
+    find_gpu,
+    load_architecture,
     preset_architecture,
 )
 

@@ -1,6 +1,6 @@
 """The worth-it rule: a hit is declined when loading it is slower than recomputing it.
 
-Unit tests of `offload.worth_it` with a fake clock, and the rule inside the HiCache backend (through
+Unit tests of `offload.hicache.worth_it` with a fake clock, and the rule inside the HiCache backend (through
 SGLang's factory, real host pools) on a slow tier (declined) and a fast one (accepted).
 """
 
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from offload import hicache
 from offload.config import WorthItConfig
+from offload.hicache import backend as hicache
+from offload.hicache.worth_it import Ewma, WorthIt, estimate_prefill_tps, from_config
 from offload.store.memory import MemoryStore
-from offload.worth_it import Ewma, WorthIt, estimate_prefill_tps, from_config
 from tests.hicache import hicache_pools as hp
 
 P = hp.PAGE

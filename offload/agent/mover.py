@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from offload.transfer import nixl_util
+from offload.agent import nixl_util
 
 if TYPE_CHECKING:
     from offload.agent.protocol import Blocks

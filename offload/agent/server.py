@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from offload.agent import protocol as P
+from offload.agent import protocol
 from offload.agent.session import Session
 from offload.store.base import BlockStore
 
@@ -32,7 +32,7 @@ log = logging.getLogger("offload.agent")
 
 class AgentServer:
     def __init__(self, store: BlockStore, secret: bytes, host: str = "0.0.0.0", port: int = 0, *,
-                 transport: str = "ucx", max_clients: int = 64, max_body: int = P.DEFAULT_MAX_BODY,
+                 transport: str = "ucx", max_clients: int = 64, max_body: int = protocol.DEFAULT_MAX_BODY,
                  staging_size: int = 64 << 20, io_timeout: float = 30.0,
                  idle_timeout: float = 3600.0, name: str | None = None):
         self.store = store
@@ -96,7 +96,7 @@ class AgentServer:
         while not self.stopping:
             try:
                 conn, addr = self._sock.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             except OSError:
                 if self.stopping:

@@ -26,10 +26,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from offload.agent import protocol as P
+from offload.agent import nixl_util, protocol
 from offload.agent.mover import direct_get, direct_put
 from offload.keys import Namespace
-from offload.transfer import nixl_util
 
 if TYPE_CHECKING:
     from offload.agent.mover import Staging
@@ -57,10 +56,10 @@ class Session:
     def run(self) -> None:
         srv = self.server
         try:
-            ch = P.handshake_server(self.sock, srv.secret, srv.io_timeout, srv.max_body)
+            ch = protocol.handshake_server(self.sock, srv.secret, srv.io_timeout, srv.max_body)
             frame = ch.recv()
-            if frame.op != P.HELLO:
-                raise P.ProtocolError(f"first frame is {P.OP_NAMES.get(frame.op, frame.op)}, "
+            if frame.op != protocol.HELLO:
+                raise protocol.ProtocolError(f"first frame is {protocol.OP_NAMES.get(frame.op, frame.op)}, "
                                       "expected hello")
             self._hello(ch, frame)
             while not srv.stopping:
@@ -69,13 +68,13 @@ class Session:
                 except EOFError:
                     return
                 self._dispatch(ch, frame)
-        except P.AuthError as e:
+        except protocol.AuthError as e:
             srv.count("rejected_auth")
             log.warning("rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
-        except P.ProtocolError as e:
+        except protocol.ProtocolError as e:
             srv.count("rejected_frame")
             log.warning("rejected %s (host %s): bad frame: %s", self.peer, self.host, e)
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             srv.count("timeouts")
             log.warning("closed %s (host %s): timed out", self.peer, self.host)
         except (EOFError, OSError) as e:
@@ -102,8 +101,8 @@ class Session:
             pass
 
     # ---------------------------------------------------------------- requests
-    def _hello(self, ch: P.Channel, frame: P.Frame) -> None:
-        hello = frame.decode(P.Hello)
+    def _hello(self, ch: protocol.Channel, frame: protocol.Frame) -> None:
+        hello = frame.decode(protocol.Hello)
         self.host = hello.host
         nixl_ok = False
         if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
@@ -115,36 +114,36 @@ class Session:
                             "control connection: %s", self.host, self.peer, e)
         log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
                  hello.transport, nixl_ok)
-        ch.send(P.HELLO | P.REPLY, frame.req_id, P.HelloReply(
-            agent=self.server.name, max_body=self.server.max_body, max_keys=P.MAX_KEYS,
+        ch.send(protocol.HELLO | protocol.REPLY, frame.req_id, protocol.HelloReply(
+            agent=self.server.name, max_body=self.server.max_body, max_keys=protocol.MAX_KEYS,
             max_block=self.server.max_block, nixl=nixl_ok))
 
-    def _dispatch(self, ch: P.Channel, frame: P.Frame) -> None:
+    def _dispatch(self, ch: protocol.Channel, frame: protocol.Frame) -> None:
         op = frame.op
-        typ = P.REQUEST_TYPES.get(op)
-        if typ is None or op == P.HELLO:
-            raise P.ProtocolError(f"unknown op {op}")
+        typ = protocol.REQUEST_TYPES.get(op)
+        if typ is None or op == protocol.HELLO:
+            raise protocol.ProtocolError(f"unknown op {op}")
         msg = frame.decode(typ)
         store = self.server.store
         payload: list[memoryview] = []
         try:
-            if op == P.PUT:
-                reply: P.Msg = P.Flags(self._put(msg, frame.payload))   # type: ignore[arg-type]
-            elif op == P.GET:
+            if op == protocol.PUT:
+                reply: protocol.Msg = protocol.Flags(self._put(msg, frame.payload))   # type: ignore[arg-type]
+            elif op == protocol.GET:
                 flags, payload = self._get(msg)                          # type: ignore[arg-type]
-                reply = P.Flags(flags)
-            elif op == P.EXISTS:
-                reply = P.Flags(store.exists_many(msg.keys))             # type: ignore[attr-defined]
-            elif op == P.DELETE:
-                reply = P.Count(store.delete_many(msg.keys))             # type: ignore[attr-defined]
-            elif op == P.STATS:
-                reply = P.StatsReply(self._stats())
-            elif op == P.REGISTER_NS:
+                reply = protocol.Flags(flags)
+            elif op == protocol.EXISTS:
+                reply = protocol.Flags(store.exists_many(msg.keys))             # type: ignore[attr-defined]
+            elif op == protocol.DELETE:
+                reply = protocol.Count(store.delete_many(msg.keys))             # type: ignore[attr-defined]
+            elif op == protocol.STATS:
+                reply = protocol.StatsReply(self._stats())
+            elif op == protocol.REGISTER_NS:
                 try:
                     store.register_namespace(Namespace(**msg.fields))    # type: ignore[attr-defined]
                 except TypeError as e:
                     raise RequestError(f"bad namespace: {e}") from None
-                reply = P.Empty()
+                reply = protocol.Empty()
             else:  # METADATA
                 if self.server.mover is None:
                     raise RequestError("this agent runs without NIXL (--transport tcp)")
@@ -157,15 +156,15 @@ class Session:
                             self.nixl_peer, msg.nixl_md, self.conn_id)   # type: ignore[attr-defined]
                 except Exception as e:  # noqa: BLE001
                     raise RequestError(f"NIXL metadata unusable: {e}") from None
-                reply = P.Empty()
+                reply = protocol.Empty()
         except RequestError as e:
             self.server.count("bad_requests")
             log.warning("host %s (%s): %s request refused: %s", self.host, self.peer,
-                        P.OP_NAMES[op], e)
-            ch.send(P.ERROR | P.REPLY, frame.req_id, P.ErrorReply(str(e)))
+                        protocol.OP_NAMES[op], e)
+            ch.send(protocol.ERROR | protocol.REPLY, frame.req_id, protocol.ErrorReply(str(e)))
             return
-        self.server.count(P.OP_NAMES[op])
-        ch.send(op | P.REPLY, frame.req_id, reply, payload)
+        self.server.count(protocol.OP_NAMES[op])
+        ch.send(op | protocol.REPLY, frame.req_id, reply, payload)
 
     def _stats(self) -> dict[str, int | float | str]:
         s = self.server.store.stats()
@@ -178,7 +177,7 @@ class Session:
         out.update({f"agent_{k}": v for k, v in self.server.counters().items()})
         return out
 
-    def _check(self, req: P.Blocks) -> None:
+    def _check(self, req: protocol.Blocks) -> None:
         n = len(req.keys)
         if len(req.sizes) != n or (req.descs is not None and len(req.descs) != n):
             raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
@@ -202,7 +201,7 @@ class Session:
         total = sum(sizes[i] for i in idx)
         largest = max((sizes[i] for i in idx), default=0)
         limit = min(self.staging.half_size, max(largest, total // 4))
-        return P.pack(idx, sizes, limit)
+        return protocol.pack(idx, sizes, limit)
 
     def _staging(self) -> "Staging":
         if self.staging is None:
@@ -212,7 +211,7 @@ class Session:
             self.staging = Staging(self.server.mover, self.server.staging_size)
         return self.staging
 
-    def _put(self, req: P.Blocks, payload: memoryview) -> list[bool]:
+    def _put(self, req: protocol.Blocks, payload: memoryview) -> list[bool]:
         self._check(req)
         store = self.server.store
         if req.descs is None:
@@ -270,7 +269,7 @@ class Session:
         except Exception as e:  # noqa: BLE001 - the store never raises; be sure of it
             log.warning("store call failed: %s", e)
 
-    def _pairs(self, req: P.Blocks, group: Sequence[int], base: int,
+    def _pairs(self, req: protocol.Blocks, group: Sequence[int], base: int,
                offs: Sequence[int] | None = None) -> tuple[list, list, int]:
         """Matching (local staging, remote host) descriptor lists for a group of blocks."""
         local, remote, off = [], [], 0
@@ -288,7 +287,7 @@ class Session:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"agent-io-{self.conn_id}")
         return self._pool
 
-    def _get(self, req: P.Blocks) -> tuple[list[bool], list[memoryview]]:
+    def _get(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
         self._check(req)
         store = self.server.store
         if req.descs is None:
@@ -341,7 +340,7 @@ class Session:
                 pass
         return ok, []
 
-    def _store_get(self, req: P.Blocks, group: list[int], half: int
+    def _store_get(self, req: protocol.Blocks, group: list[int], half: int
                    ) -> tuple[list[bool], list[int]]:
         view, _ = self.staging.half(half)   # type: ignore[union-attr]
         dests, offs, off = [], [], 0

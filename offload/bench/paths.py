@@ -83,7 +83,7 @@ def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag:
 
 def nixl_peer_main() -> None:
     """The loopback baseline's other process: READ then WRITE the host's memory, timed."""
-    from offload.transfer import nixl_util
+    from offload.agent import nixl_util
 
     req = json.loads(sys.stdin.readline())
     agent = nixl_util.make_agent(f"bench-peer-{os.getpid()}")
@@ -106,7 +106,7 @@ def nixl_peer_main() -> None:
 
 
 def nixl_loopback(buf: memoryview, size: int, batch: int, total: int) -> dict[str, float]:
-    from offload.transfer import nixl_util
+    from offload.agent import nixl_util
 
     agent = nixl_util.make_agent(f"bench-host-{os.getpid()}")
     addr, n = nixl_util.region_of(buf)
@@ -213,7 +213,7 @@ def _cpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[s
 
 
 def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, Any]:
-    from offload.transfer.dpu import AgentStore
+    from offload.agent.client import AgentStore
 
     out: dict[str, Any] = {}
     try:

@@ -2,7 +2,7 @@
 
 Primitives:
 - `emit(target, result)`: a benchmark hands over its result (the dict it prints with `--json`);
-  the dispatcher (`offload.bench.cli`) draws it when `--plot out.png` was given.
+  the dispatcher (`offload.commands.bench`) draws it when `--plot out.png` was given.
 - `series(result)`: the lines of any bench result (`store`, `paths`, `hicache`, `redis`; the kind
   is recognised from its shape): `Series(name, op, xs, ys, baseline)` with block sizes in bytes
   and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are drawn dashed.

@@ -3,7 +3,8 @@
 `raw_bandwidth(directory, total_bytes, chunk)` writes a file sequentially with O_DIRECT (then
 fdatasync), reads it back with O_DIRECT, deletes it, and returns (write GB/s, read GB/s) — what
 `dd oflag=direct` / `iflag=direct` would show. With `streams=N`, N threads share the chunks (queue
-depth N, like `fio --numjobs`): the disk's bandwidth when it is kept busy. Falls back to buffered I/O + fdatasync +
+depth N, like `fio --numjobs`): the disk's bandwidth when it is kept busy. Falls back to buffered
+I/O + fdatasync +
 posix_fadvise(DONTNEED) on file systems that refuse O_DIRECT.
 """
 

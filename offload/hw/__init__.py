@@ -8,24 +8,24 @@ Public API (what launch and the transfer router call):
 - `detect(cfg, root="/", cache_dir=None, live=None, env=None) -> Facts`      (detect.py)
 - `decide(facts, cfg) -> Decision`: pure; an explicit `transfer.path` gds/dpu that cannot work
   raises `PathRejectedError`, a subclass of `offload.errors.PathUnavailableError`, whose `.path`,
-  `.check` ("name: detail") and `.fix` say why                                   (select.py)
+  `.check` ("name: detail") and `.fix` say why                                   (decide.py)
 - `detect_and_decide(cfg, root="/", cache_dir=None, live=None) -> (Facts, Decision)`
 - `staging_numa_node(facts, cfg, gpu_index=0) -> int | None`: the NUMA node for CPU staging
   buffers and I/O threads (config override, else the GPU's, else the cache NVMe's);
   `gpu_numa_node(facts, index)`, `cache_numa_node(facts)`.
 - `render_text(facts, decision)`, `to_json(facts, decision)` (report.py; schema.json).
-Modules: fsroot (Root), live, pci, gpus, dpu, rdma, storage, gds, detect, select, report,
-probe_io, cli (`sglang-offload detect`).
+Modules: fsroot (Root), live, pci, gpus, dpu, rdma, storage, gds, detect, decide, report,
+probe_io. The command is `offload.commands.detect`.
 """
 
 from __future__ import annotations
 
 from offload.config import OffloadConfig
+from offload.hw.decide import Decision, PathRejectedError, Rejection, decide
 from offload.hw.detect import detect
 from offload.hw.facts import Facts, cache_numa_node, gpu_numa_node
 from offload.hw.live import Live
 from offload.hw.report import render_text, to_json
-from offload.hw.select import Decision, PathRejectedError, Rejection, decide
 
 __all__ = ["Decision", "Facts", "Live", "PathRejectedError", "Rejection", "cache_numa_node",
            "decide", "detect", "detect_and_decide", "gpu_numa_node", "render_text",

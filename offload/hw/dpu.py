@@ -19,8 +19,7 @@ import re
 from offload.hw.facts import Doca, NetCard, Platform, RdmaDevice
 from offload.hw.fsroot import Root
 from offload.hw.live import NOT_CHECKED, Live
-from offload.hw.pci import (BLUEFIELD_IDS, CONNECTX_IDS, PCI_DEVICES, VENDOR_MELLANOX,
-                            PciDevice)
+from offload.hw.pci import BLUEFIELD_IDS, CONNECTX_IDS, PCI_DEVICES, VENDOR_MELLANOX, PciDevice
 
 MLX_KEY = "INTERNAL_CPU_OFFLOAD_ENGINE"
 OTHER_NICS = {(0x1AF4, 0x1000): "virtio-net (legacy)", (0x1AF4, 0x1041): "virtio-net",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from offload.hw.decide import Decision, PathRejectedError, first_failure, gds_checks
 from offload.hw.facts import SCHEMA_VERSION, Facts
-from offload.hw.select import Decision, PathRejectedError, first_failure, gds_checks
 
 COMPAT_CHECKS = {"cache_fs", "cufile_json"}
 

@@ -8,13 +8,14 @@ miss. Control-path problems (a directory that cannot be opened) raise `StoreErro
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, Union
 
 from offload.keys import Namespace
 
 # Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview, numpy.
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
 
 
 @dataclass

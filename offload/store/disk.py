@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import runs, slab
+from offload.store import coalesce, slab
 from offload.store.base import Buffer, StoreStats, total_len
 from offload.store.disk_slots import SlotAccess
 from offload.store.index import Allocation, Freed, Index, Location, owner_token
@@ -234,14 +234,14 @@ class DiskStore(SlotAccess):
             bufs = [bufs_of[loc.key] for loc in locs]
             csums = [slab.checksum(b) for b in bufs]
             if len(locs) > 1:
-                errs = runs.write_run(self._slabs, locs, bufs, csums, created)
+                errs = coalesce.write_run(self._slabs, locs, bufs, csums, created)
             else:
                 loc = locs[0]
                 errs = [self._slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
                                                 bufs[0], loc.length, csums[0], created)]
             return list(zip(errs, csums))
 
-        plan = runs.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new],
+        plan = coalesce.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new],
                               self.cfg.io_threads)
         outcomes: list[tuple[str, int]] = [("", 0)] * len(alloc.new)
         for run, res in zip(plan, self._pool.map(write, plan)):
@@ -313,13 +313,13 @@ class DiskStore(SlotAccess):
 
         def read(run: list[int]) -> list[str]:
             if len(run) > 1:
-                return runs.read_run(self._slabs, [jobs[j][1] for j in run],
+                return coalesce.read_run(self._slabs, [jobs[j][1] for j in run],
                                      [jobs[j][2] for j in run])
             _, loc, bufs = jobs[run[0]]
             return [self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
                                            loc.length, loc.csum, bufs)]
 
-        plan = runs.plan_runs([j[1] for j in jobs], [j[2] for j in jobs], self.cfg.io_threads)
+        plan = coalesce.plan_runs([j[1] for j in jobs], [j[2] for j in jobs], self.cfg.io_threads)
         errs = [""] * len(jobs)
         for run, res in zip(plan, self._pool.map(read, plan)):
             for j, err in zip(run, res):

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar, cast
 from urllib.parse import unquote
 
 from offload.config import RedisConfig
@@ -225,7 +225,7 @@ class RedisLink:
             if isinstance(result, list):  # pipelines return per-command errors; some mean "down"
                 for r in result:
                     if isinstance(r, _DOWN_ERRORS()):
-                        raise r
+                        raise cast(BaseException, r)
         except (redis.exceptions.RedisError, OSError) as e:
             self._fail(what, e)
             return None

@@ -27,7 +27,7 @@ from offload.store.base import BlockStore, Buffer
 PATHS: dict[str, tuple[str, str]] = {
     "cpu": ("offload.transfer.cpu_staging", "CpuStagingPath"),
     "gds": ("offload.transfer.gds", "GdsPath"),
-    "dpu": ("offload.transfer.dpu", "AgentStore"),
+    "dpu": ("offload.agent.client", "AgentStore"),
 }
 
 
@@ -47,7 +47,7 @@ class TransferPath(BlockStore, Protocol):
         ...
 
 
-class OverStore:
+class StoreBookkeeping:
     """What a path leaves to the store it moves bytes for: lookups, deletes, namespaces."""
 
     store: BlockStore

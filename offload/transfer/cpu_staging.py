@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from offload.store.base import BlockStore, Buffer, StoreStats
-from offload.transfer.base import OverStore
+from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def pinning_for(node: int | None, root: str = "/") -> set[int] | None:
     return cpus
 
 
-class CpuStagingPath(OverStore):
+class CpuStagingPath(StoreBookkeeping):
     name = "cpu"
 
     def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/"):

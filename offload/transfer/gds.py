@@ -25,8 +25,8 @@ from typing import Any, Protocol, Sequence
 
 from offload.errors import PathUnavailableError
 from offload.store.base import BlockStore, Buffer, StoreStats
-from offload.transfer.base import OverStore
 from offload.store.disk_slots import Slot
+from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
 CHECKSUM_KIND = "wsum64"
@@ -69,7 +69,7 @@ def gds_really_available(decision: Any) -> tuple[bool, str]:
     return True, "detection: GDS available (not compat mode)"
 
 
-class GdsPath(OverStore):
+class GdsPath(StoreBookkeeping):
     name = "gds"
 
     def __init__(self, store: SlotStore, fallback: BlockStore | None = None):

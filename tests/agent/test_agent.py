@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from offload.agent.client import AgentStore
 from offload.keys import Namespace
-from offload.transfer.dpu import AgentStore
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
 
 PAGE_TOKENS, LAYERS, HEADS, DIM = 16, 4, 4, 64          # one page: 2 x 16 KiB (K and V)
@@ -189,7 +189,7 @@ def test_restart_keeps_blocks(agent_factory, tmp_path: Path) -> None:
 
 HOST_SCRIPT = textwrap.dedent("""
     import sys, time, numpy as np
-    from offload.transfer.dpu import AgentStore
+    from offload.agent.client import AgentStore
     addr, me, other, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     def data(h): return np.random.default_rng(h).integers(0, 255, size=(8, 65536), dtype=np.uint8)
     def ks(h): return [bytes([h]) * 16 + i.to_bytes(16, "big") for i in range(8)]
@@ -227,7 +227,7 @@ def test_two_hosts_share_one_agent(agent_factory) -> None:
 @needs_nixl
 def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> None:
     """A host can only make the agent touch memory that host registered itself."""
-    from offload.agent import protocol as P
+    from offload.agent import protocol
 
     agent = agent_factory("--memory")
     store = client(agent)
@@ -238,7 +238,7 @@ def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> Non
         assert store.exists_many([b"x" * 32]) == [False]          # connected, NIXL on
         addr = outside.ctypes.data
         with store._use() as conn:
-            reply, _ = conn.request(P.PUT, P.Blocks(keys=[b"x" * 32], sizes=[4096],
+            reply, _ = conn.request(protocol.PUT, protocol.Blocks(keys=[b"x" * 32], sizes=[4096],
                                                     descs=[[(addr, 4096)]]))
         assert reply.ok == [False]
         assert store.exists_many([b"x" * 32]) == [False]

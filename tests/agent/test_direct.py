@@ -7,7 +7,7 @@ import pytest
 
 from offload.store.memory import MemoryStore
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_agent import LAYERS, DIM, HEADS, PAGE_TOKENS, client, host_pool, keys, page
+from tests.agent.test_agent import DIM, HEADS, LAYERS, PAGE_TOKENS, client, host_pool, keys, page
 
 
 def _roundtrip(store, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +95,7 @@ def test_memory_store_arena_region_only_in_arena_mode() -> None:
         region = tier.arena_region()
         assert region is not None and region[1] == 1 << 20
         (v,) = tier.reserve_views([b"k" * 32], [4096])
-        from offload.transfer.nixl_util import region_of
+        from offload.agent.nixl_util import region_of
 
         addr, n = region_of(v)
         assert region[0] <= addr and addr + n <= region[0] + region[1]

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from offload.agent import protocol as P
+from offload.agent import protocol
 from offload.agent.auth import load_secret
 from offload.errors import ConfigError
 
@@ -18,29 +18,29 @@ SECRET = b"s" * 32
 
 def pair(server_secret: bytes = SECRET, client_secret: bytes = SECRET, max_body: int = 1 << 20):
     a, b = socket.socketpair()
-    out: dict[str, P.Channel] = {}
+    out: dict[str, protocol.Channel] = {}
     t = threading.Thread(target=lambda: out.setdefault(
-        "s", P.handshake_server(a, server_secret, 2, max_body)))
+        "s", protocol.handshake_server(a, server_secret, 2, max_body)))
     t.start()
-    c = P.handshake_client(b, client_secret, 2, max_body)
+    c = protocol.handshake_client(b, client_secret, 2, max_body)
     t.join()
     return out["s"], c
 
 
 def test_roundtrip_with_payload() -> None:
     s, c = pair()
-    c.send(P.PUT, 7, P.Blocks(keys=[b"k" * 32], sizes=[5]), [memoryview(b"hello")])
+    c.send(protocol.PUT, 7, protocol.Blocks(keys=[b"k" * 32], sizes=[5]), [memoryview(b"hello")])
     f = s.recv()
-    assert (f.op, f.req_id, bytes(f.payload)) == (P.PUT, 7, b"hello")
-    assert f.decode(P.Blocks).sizes == [5]
-    s.send(P.PUT | P.REPLY, 7, P.Flags([True]))
-    assert c.recv().decode(P.Flags).ok == [True]
+    assert (f.op, f.req_id, bytes(f.payload)) == (protocol.PUT, 7, b"hello")
+    assert f.decode(protocol.Blocks).sizes == [5]
+    s.send(protocol.PUT | protocol.REPLY, 7, protocol.Flags([True]))
+    assert c.recv().decode(protocol.Flags).ok == [True]
 
 
 def test_wrong_secret_fails_mac() -> None:
     s, c = pair(client_secret=b"x" * 32)
-    c.send(P.STATS, 1, P.Empty())
-    with pytest.raises(P.AuthError):
+    c.send(protocol.STATS, 1, protocol.Empty())
+    with pytest.raises(protocol.AuthError):
         s.recv()
 
 
@@ -48,41 +48,43 @@ def test_direction_matters() -> None:
     """A server frame reflected back to the server does not verify."""
     s, c = pair()
     sent: list[bytes] = []
-    real = P.send_parts
-    P.send_parts = lambda sock, parts: (sent.append(b"".join(bytes(p) for p in parts)),
+    real = protocol.send_parts
+    protocol.send_parts = lambda sock, parts: (sent.append(b"".join(bytes(p) for p in parts)),
                                         real(sock, parts))
     try:
-        s.send(P.STATS | P.REPLY, 1, P.StatsReply({}))
+        s.send(protocol.STATS | protocol.REPLY, 1, protocol.StatsReply({}))
     finally:
-        P.send_parts = real
+        protocol.send_parts = real
     c.recv()
     c.sock.sendall(sent[0])
-    with pytest.raises(P.AuthError):
+    with pytest.raises(protocol.AuthError):
         s.recv()
 
 
 def test_sequence_gap_rejected() -> None:
     s, c = pair()
     c._send_seq = 5          # skips 1..5: as if frames were dropped or reordered
-    c.send(P.STATS, 1, P.Empty())
-    with pytest.raises(P.AuthError, match="sequence"):
+    c.send(protocol.STATS, 1, protocol.Empty())
+    with pytest.raises(protocol.AuthError, match="sequence"):
         s.recv()
 
 
 def test_oversized_refused_without_reading_body() -> None:
     s, c = pair(max_body=1024)
-    c.sock.sendall(P.HEADER.pack(P.FRAME_MAGIC, P.VERSION, P.PUT, 0, 1, 1, 1 << 31))
-    with pytest.raises(P.ProtocolError, match="exceeds the limit"):
+    c.sock.sendall(protocol.HEADER.pack(protocol.FRAME_MAGIC, protocol.VERSION, protocol.PUT, 0, 1, 1,
+                                        1 << 31))
+    with pytest.raises(protocol.ProtocolError, match="exceeds the limit"):
         s.recv()
-    with pytest.raises(P.ProtocolError, match="exceeds the limit"):
-        c.send(P.PUT, 1, P.Blocks(keys=[], sizes=[]), [memoryview(bytes(2048))])
+    with pytest.raises(protocol.ProtocolError, match="exceeds the limit"):
+        c.send(protocol.PUT, 1, protocol.Blocks(keys=[], sizes=[]), [memoryview(bytes(2048))])
 
 
 def test_truncated_and_eof() -> None:
     s, c = pair()
-    c.sock.sendall(P.HEADER.pack(P.FRAME_MAGIC, P.VERSION, P.PUT, 0, 1, 1, 100) + b"abc")
+    c.sock.sendall(protocol.HEADER.pack(protocol.FRAME_MAGIC, protocol.VERSION, protocol.PUT, 0, 1, 1, 100)
+                   + b"abc")
     c.sock.shutdown(socket.SHUT_WR)
-    with pytest.raises(P.ProtocolError, match="connection closed after"):
+    with pytest.raises(protocol.ProtocolError, match="connection closed after"):
         s.recv()
     s2, c2 = pair()
     c2.sock.close()
@@ -92,28 +94,28 @@ def test_truncated_and_eof() -> None:
 
 def test_bad_magic_and_version() -> None:
     s, c = pair()
-    c.sock.sendall(P.HEADER.pack(b"XXXX", P.VERSION, P.PUT, 0, 1, 1, 10))
-    with pytest.raises(P.ProtocolError, match="magic"):
+    c.sock.sendall(protocol.HEADER.pack(b"XXXX", protocol.VERSION, protocol.PUT, 0, 1, 1, 10))
+    with pytest.raises(protocol.ProtocolError, match="magic"):
         s.recv()
     s, c = pair()
-    c.sock.sendall(P.HEADER.pack(P.FRAME_MAGIC, 99, P.PUT, 0, 1, 1, 10))
-    with pytest.raises(P.ProtocolError, match="version"):
+    c.sock.sendall(protocol.HEADER.pack(protocol.FRAME_MAGIC, 99, protocol.PUT, 0, 1, 1, 10))
+    with pytest.raises(protocol.ProtocolError, match="version"):
         s.recv()
 
 
 def test_typed_decoding_rejects_bad_bodies() -> None:
     s, c = pair()
-    c.send(P.EXISTS, 1, P.KeyList([b"short"]))   # keys must be 32 bytes
-    with pytest.raises(P.ProtocolError, match="bad exists body"):
-        s.recv().decode(P.KeyList)
+    c.send(protocol.EXISTS, 1, protocol.KeyList([b"short"]))   # keys must be 32 bytes
+    with pytest.raises(protocol.ProtocolError, match="bad exists body"):
+        s.recv().decode(protocol.KeyList)
 
-    class Extra(P.Msg):
+    class Extra(protocol.Msg):
         keys: list[bytes]
         evil: int
 
-    c.send(P.EXISTS, 2, Extra([b"k" * 32], 1))   # unknown fields are refused
-    with pytest.raises(P.ProtocolError):
-        s.recv().decode(P.KeyList)
+    c.send(protocol.EXISTS, 2, Extra([b"k" * 32], 1))   # unknown fields are refused
+    with pytest.raises(protocol.ProtocolError):
+        s.recv().decode(protocol.KeyList)
 
 
 def test_secret_sources(tmp_path) -> None:

@@ -11,8 +11,8 @@ import socket
 
 import pytest
 
-from offload.agent import protocol as P
-from offload.transfer.dpu import AgentStore
+from offload.agent import protocol
+from offload.agent.client import AgentStore
 from tests.agent.conftest import SECRET, wait_for
 
 KEY = b"K" * 32
@@ -42,9 +42,9 @@ def good(agent) -> Bystander:
     return Bystander(agent.address, SECRET, transport="tcp", timeout_s=5, reconnect_s=0.1)
 
 
-def raw(agent, secret: bytes = SECRET) -> P.Channel:
+def raw(agent, secret: bytes = SECRET) -> protocol.Channel:
     sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-    return P.handshake_client(sock, secret, io_timeout=5)
+    return protocol.handshake_client(sock, secret, io_timeout=5)
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -55,9 +55,9 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-def hello(ch: P.Channel) -> None:
-    ch.send(P.HELLO, 1, P.Hello(host="raw", transport="tcp"))
-    assert ch.recv().op == P.HELLO | P.REPLY
+def hello(ch: protocol.Channel) -> None:
+    ch.send(protocol.HELLO, 1, protocol.Hello(host="raw", transport="tcp"))
+    assert ch.recv().op == protocol.HELLO | protocol.REPLY
 
 
 def assert_still_serving(agent) -> None:
@@ -81,19 +81,19 @@ def test_tampered_frame_rejected(agent) -> None:
     ch = raw(agent)
     hello(ch)
     # A valid PUT whose payload is flipped after the MAC was computed.
-    meta = P.Blocks(keys=[KEY], sizes=[4])
-    real_send = P.send_parts
+    meta = protocol.Blocks(keys=[KEY], sizes=[4])
+    real_send = protocol.send_parts
 
     def tamper(sock, parts):
         parts = list(parts)
         parts[-2] = b"EVIL"          # the payload, just before the MAC
         real_send(sock, parts)
 
-    P.send_parts = tamper
+    protocol.send_parts = tamper
     try:
-        ch.send(P.PUT, 2, meta, [memoryview(b"good")])
+        ch.send(protocol.PUT, 2, meta, [memoryview(b"good")])
     finally:
-        P.send_parts = real_send
+        protocol.send_parts = real_send
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "frame MAC does not verify" in agent.text())
     assert_still_serving(agent)
@@ -102,19 +102,19 @@ def test_tampered_frame_rejected(agent) -> None:
 def test_replayed_frame_rejected(agent) -> None:
     ch = raw(agent)
     sent: list[bytes] = []
-    real_send = P.send_parts
+    real_send = protocol.send_parts
 
     def record(sock, parts):
         sent.append(b"".join(bytes(p) for p in parts))
         real_send(sock, parts)
 
-    P.send_parts = record
+    protocol.send_parts = record
     try:
         hello(ch)
-        ch.send(P.EXISTS, 2, P.KeyList([KEY]))
-        assert ch.recv().op == P.EXISTS | P.REPLY
+        ch.send(protocol.EXISTS, 2, protocol.KeyList([KEY]))
+        assert ch.recv().op == protocol.EXISTS | protocol.REPLY
     finally:
-        P.send_parts = real_send
+        protocol.send_parts = real_send
     ch.sock.sendall(sent[-1])          # the same EXISTS frame again
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "replay" in agent.text())
@@ -128,7 +128,7 @@ def test_replayed_frame_rejected(agent) -> None:
 def test_oversized_frame_rejected_before_body(agent) -> None:
     ch = raw(agent)
     hello(ch)
-    header = P.HEADER.pack(P.FRAME_MAGIC, P.VERSION, P.PUT, 0, 2, 2, 1 << 30)
+    header = protocol.HEADER.pack(protocol.FRAME_MAGIC, protocol.VERSION, protocol.PUT, 0, 2, 2, 1 << 30)
     ch.sock.sendall(header)           # announces 1 GiB, sends nothing more
     assert closed_by_peer(ch.sock)    # closed at once, not after reading (or waiting for) 1 GiB
     assert wait_for(lambda: "exceeds the limit" in agent.text())
@@ -149,7 +149,7 @@ def test_truncated_frame_rejected(agent_factory) -> None:
     a = agent_factory("--memory", "--transport", "tcp", "--io-timeout", "1")
     ch = raw(a)
     hello(ch)
-    header = P.HEADER.pack(P.FRAME_MAGIC, P.VERSION, P.PUT, 0, 2, 2, 1000)
+    header = protocol.HEADER.pack(protocol.FRAME_MAGIC, protocol.VERSION, protocol.PUT, 0, 2, 2, 1000)
     ch.sock.sendall(header + b"\0" * 100)     # 100 of 1000 body bytes, then silence
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "timed out" in a.text())
@@ -165,7 +165,7 @@ def test_truncated_frame_rejected(agent_factory) -> None:
                                   b"\0" * 64])
 def test_garbage_rejected(agent, junk: bytes) -> None:
     sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-    sock.recv(P.HANDSHAKE.size)
+    sock.recv(protocol.HANDSHAKE.size)
     sock.sendall(junk)
     assert closed_by_peer(sock)
     assert wait_for(lambda: "rejected" in agent.text())
@@ -177,10 +177,10 @@ def test_garbage_body_with_valid_mac_rejected(agent) -> None:
     ch = raw(agent)
     hello(ch)
 
-    class Wrong(P.Msg):
+    class Wrong(protocol.Msg):
         keys: list[str]
 
-    ch.send(P.PUT, 2, Wrong(keys=["not bytes"]))
+    ch.send(protocol.PUT, 2, Wrong(keys=["not bytes"]))
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "bad put body" in agent.text())
     assert_still_serving(agent)
@@ -188,8 +188,8 @@ def test_garbage_body_with_valid_mac_rejected(agent) -> None:
 
 def test_wrong_version_rejected(agent) -> None:
     sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-    sock.recv(P.HANDSHAKE.size)
-    sock.sendall(P.HANDSHAKE.pack(P.HANDSHAKE_MAGIC, P.VERSION + 1, b"n" * 16))
+    sock.recv(protocol.HANDSHAKE.size)
+    sock.sendall(protocol.HANDSHAKE.pack(protocol.HANDSHAKE_MAGIC, protocol.VERSION + 1, b"n" * 16))
     assert closed_by_peer(sock)
     assert wait_for(lambda: "protocol version" in agent.text())
     assert_still_serving(agent)
@@ -198,12 +198,12 @@ def test_wrong_version_rejected(agent) -> None:
 def test_inconsistent_request_refused_connection_kept(agent) -> None:
     ch = raw(agent)
     hello(ch)
-    ch.send(P.PUT, 2, P.Blocks(keys=[KEY], sizes=[10]), [memoryview(b"short")])
+    ch.send(protocol.PUT, 2, protocol.Blocks(keys=[KEY], sizes=[10]), [memoryview(b"short")])
     reply = ch.recv()
-    assert reply.op == P.ERROR | P.REPLY
-    assert "payload" in reply.decode(P.ErrorReply).message
-    ch.send(P.EXISTS, 3, P.KeyList([KEY]))            # same connection still served
-    assert ch.recv().decode(P.Flags).ok == [False]
+    assert reply.op == protocol.ERROR | protocol.REPLY
+    assert "payload" in reply.decode(protocol.ErrorReply).message
+    ch.send(protocol.EXISTS, 3, protocol.KeyList([KEY]))            # same connection still served
+    assert ch.recv().decode(protocol.Flags).ok == [False]
     assert_still_serving(agent)
 
 

@@ -1,6 +1,7 @@
 """Probe: do a request's `cache_salt` / `extra_key` reach the page hashes that name L3 blocks?
 
-Run by tests/distro/run_probes.py (for test_cache_salt.py) in a subprocess against the installed SGLang and against
+Run by tests/distro/run_probes.py (for test_cache_salt.py) in a subprocess against the installed SGLang
+and against
 the patched wheel's install. Uses only SGLang's own code:
   write path  the default (Rust) radix tree: insert a request's tokens under its RadixKey, then
               read the node's storage hash values (the `hash_value` a HiCache backup hands to the

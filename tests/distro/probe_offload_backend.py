@@ -9,7 +9,7 @@ install. `probe()` returns:
   created       how create_backend("offload", ...) built the backend: class and constructor args
   zero_copy     whether HiCacheController.attach_storage_backend picked the interface_v1 page
                 functions (batch_get_v1 / batch_set_v1) for it
-  real_class    null until offload/hicache.py exists; then "ok" if SGLang's loader accepts the
+  real_class    null until offload/hicache/backend.py exists; then "ok" if SGLang's loader accepts the
                 real offload.hicache.OffloadStorage (a HiCacheStorage subclass), else why not
 `offload.hicache` is replaced by a recording stand-in, so the probe tests SGLang's wiring and
 not our backend (which has its own tests).
@@ -137,7 +137,7 @@ def probe_attach() -> bool | str:
 
 
 def probe_real_class() -> str | None:
-    """None while offload/hicache.py does not exist; else "ok" or why SGLang would refuse it."""
+    """None while offload/hicache/backend.py does not exist; else "ok" or why SGLang would refuse it."""
     import importlib.util
 
     if importlib.util.find_spec("offload.hicache") is None:
@@ -152,8 +152,9 @@ def probe_real_class() -> str | None:
 
 
 def probe() -> dict:
-    import offload
     import sglang
+
+    import offload
 
     real_class = probe_real_class()
     module = _stand_in_module()

@@ -1,6 +1,6 @@
 """Tenant isolation in the L3 keys: does `cache_salt` / `extra_key` reach SGLang's page hashes?
 
-Finding (README, "The patched SGLang wheel"): in the pinned SGLang 0.5.23 it does -- upstream seeds every new storage
+Finding (docs/distro.md): in the pinned SGLang 0.5.23 it does -- upstream seeds every new storage
 hash chain with `storage_namespace_seed(extra_key, cache_salt)` (sglang/srt/mem_cache/utils.py,
 from sgl-project/sglang PR #38577, which took in #37058 for issue #26747), so patches/ carries no
 salt patch. These tests keep that true: the same probe body (tests/distro/probe_cache_salt.py) runs

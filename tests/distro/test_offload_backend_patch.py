@@ -10,7 +10,6 @@ interface_v1 page functions.
 from __future__ import annotations
 
 
-
 def test_unpatched_sglang_has_no_offload_backend_name(installed_probes):
     result = installed_probes["offload_backend"]
     assert "/.venv/" in result["sglang_file"]
@@ -29,6 +28,6 @@ def test_patched_sglang_offers_the_offload_backend(patched_probes, patched_site)
     assert created["is_stand_in"] and created["config_passed"]
     assert created["second_arg"] == {}  # as _create_dynamic_backend passes its kwargs
     assert result["zero_copy"] is True
-    # Once offload/hicache.py exists, the real class must pass SGLang's own loader check.
+    # Once offload/hicache/backend.py exists, the real class must pass SGLang's own loader check.
     assert result["real_class"] in (None, "ok"), result["real_class"]
 

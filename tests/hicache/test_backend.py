@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import hicache
 from offload.errors import ConfigError, PathUnavailableError
+from offload.hicache import backend as hicache
 from offload.store.memory import MemoryStore
 from tests.hicache import hicache_pools as hp
 

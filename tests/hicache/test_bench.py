@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from offload.bench import cli
+from offload.commands import bench as cli
 
 pytestmark = pytest.mark.timeout(300)
 

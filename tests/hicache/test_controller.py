@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from tests.hicache import controller_harness as ch
-from tests.hicache import hicache_pools as hp
 from offload.keys import block_key
 from offload.store import slab
+from tests.hicache import controller_harness as ch
+from tests.hicache import hicache_pools as hp
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,8 @@
 """Worker for the HiCache multi-process tests (restart, replicas on one directory).
 
-`python worker.py '<json>'` (or `run(opts)` in the test process itself) with keys: dir, layout, mla, write (list of [seed, first_page, n]: fill
-the pool with `seed`, store n pages of prompt `seed` from host page first_page), read (list of
+`python worker.py '<json>'` (or `run(opts)` in the test process itself) with keys: dir, layout,
+mla, write (list of [seed, first_page, n]: fill the pool with `seed`, store n pages of prompt
+`seed` from host page first_page), read (list of
 [seed, n]: load n pages of prompt `seed` and compare with a pool filled with `seed`),
 wait_for / done (file paths: a barrier between processes), then (options of a second run in
 the same process, e.g. another pool kind). Prints one JSON line; no pickle.

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.hw.hw_schema_check import validate
 from offload.cli import main
 from offload.config import load_offload
+from offload.errors import PathUnavailableError
 from offload.hw import PathRejectedError, decide, detect, detect_and_decide
 from offload.hw.live import CommandResult, Live
-from offload.errors import PathUnavailableError
+from tests.hw.hw_schema_check import validate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOSTS = FIXTURES / "hosts"

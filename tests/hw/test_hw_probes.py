@@ -10,13 +10,13 @@ import pytest
 from offload.config import load_offload
 from offload.errors import DetectError
 from offload.hw import detect, staging_numa_node
+from offload.hw.decide import decide, first_failure, gds_checks
 from offload.hw.dpu import parse_mlxconfig, parse_rshim_misc
 from offload.hw.facts import CacheDir, Gds, cache_numa_node, gpu_numa_node
 from offload.hw.fsroot import Root
 from offload.hw.gds import fs_gds_support, load_jsonc
 from offload.hw.live import Live, NvmlGpu, NvmlReport, normalise_bdf, split_address
 from offload.hw.pci import PciDevice, pcie_distance
-from offload.hw.select import decide, first_failure, gds_checks
 from offload.hw.storage import find_mount, parse_mountinfo
 
 HOSTS = Path(__file__).resolve().parents[1] / "fixtures" / "hosts"

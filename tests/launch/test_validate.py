@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from offload import launch_argspec
 from offload.config import load_file
 from offload.errors import ConfigError
-from offload.launch_sglang_args import SGLANG_EXTRA_KEYS, check_sglang
+from offload.hicache.contract import SGLANG_KEYS as SGLANG_EXTRA_KEYS
+from offload.launch import argspec as launch_argspec
+from offload.launch.sglang_args import check_sglang
 from tests.launch.helpers import CONFIGS, REPO, dry_run, run_cli, write
 
 BASE = "sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n  page-size: 64\n"
@@ -120,15 +121,15 @@ def test_config_validate_covers_both_sections(capsys, tmp_path) -> None:
 
 
 def test_extra_keys_agree_with_the_backend() -> None:
-    hicache = pytest.importorskip("offload.hicache")
-    assert SGLANG_EXTRA_KEYS == hicache.SGLANG_KEYS
+    backend = pytest.importorskip("offload.hicache.backend")
+    assert SGLANG_EXTRA_KEYS == backend.SGLANG_KEYS
 
 
 def test_snapshot_is_the_pinned_parser() -> None:
     live = launch_argspec.live_parser()
     want = launch_argspec.dumps(launch_argspec.snapshot(live, "0.5.23"))
     assert launch_argspec.SNAPSHOT.read_text() == want, (
-        "regenerate: python -m offload.launch_argspec > offload/sglang_args.json")
+        "regenerate: python -m offload.launch.argspec > offload/launch/sglang_args.json")
 
 
 def test_snapshot_parser_decides_like_the_live_one(tmp_path) -> None:

@@ -50,10 +50,9 @@ def _check(text: str) -> None:
 def test_sglang_metrics_endpoint_shows_both_processes(tmp_path, monkeypatch):
     mp_dir = _run_workers(tmp_path)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp_dir))
+    from sglang.srt.utils.common import add_prometheus_middleware
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
-
-    from sglang.srt.utils.common import add_prometheus_middleware
 
     app = Starlette()
     add_prometheus_middleware(app)     # exactly what SGLang's HTTP server does

@@ -12,7 +12,6 @@ from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis import HEADER, MAGIC, RedisDirectory, RedisStore, decode_value
 from offload.store.redis_link import parse_url
-
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)

@@ -19,7 +19,6 @@ from offload.store.base import get_bytes
 from offload.store.memory import MemoryStore
 from offload.store.redis import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
-
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)

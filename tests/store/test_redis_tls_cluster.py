@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from offload.config import load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis import RedisStore
-
-from tests.store.redis_fixtures import (RedisProc, block_bytes, redis_cluster,  # noqa: F401
-                                redis_factory, tls_certs)  # noqa: F401
+from tests.store.redis_fixtures import (  # noqa: F401
+    RedisProc,
+    block_bytes,
+    redis_cluster,
+    redis_factory,  # noqa: F401
+    tls_certs,
+)
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 4096

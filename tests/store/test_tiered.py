@@ -9,7 +9,6 @@ from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.memory import MemoryStore
 from offload.store.tiered import SeenN, TieredStore, WriteThrough, make_tiered, policy_from_config
-
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)

@@ -10,8 +10,13 @@ import pytest
 
 from offload.config import Size, StoreConfig
 from offload.store.memory import MemoryStore
-from offload.transfer.cpu_staging import (CpuStagingPath, node_cpus, numa_nodes, parse_cpulist,
-                                          pinning_for)
+from offload.transfer.cpu_staging import (
+    CpuStagingPath,
+    node_cpus,
+    numa_nodes,
+    parse_cpulist,
+    pinning_for,
+)
 
 
 def fake_numa(root: Path, nodes: dict[int, str]) -> str:

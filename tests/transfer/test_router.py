@@ -70,7 +70,7 @@ def test_dpu_path_opens_an_agent_client(monkeypatch) -> None:
 def test_importing_the_router_loads_no_heavy_library() -> None:
     import subprocess
 
-    code = ("import sys, offload.transfer.base, offload.transfer.dpu, offload.transfer.cpu_staging;"
+    code = ("import sys, offload.transfer.base, offload.agent.client, offload.transfer.cpu_staging;"
             "bad = [m for m in ('nixl', 'kvikio', 'torch') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -25,10 +25,10 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from offload.agent import protocol as P
+from offload.agent import protocol
+from offload.agent.conn import AgentConn, Down, Refused
 from offload.keys import Namespace
 from offload.store.base import Buffer, StoreStats
-from offload.transfer.dpu_conn import AgentConn, Down, Refused
 
 log = logging.getLogger(__name__)
 NIXL_BATCH_BYTES = 256 << 20      # bytes moved by one NIXL request (bounded work per deadline)
@@ -82,7 +82,7 @@ class AgentStore:
         """
         if self.transport != "ucx":
             return
-        from offload.transfer import nixl_util
+        from offload.agent import nixl_util
 
         addr, size = nixl_util.region_of(buffer)
         with self._lock:
@@ -99,7 +99,7 @@ class AgentStore:
         """(address, length) per buffer if all lie in registered memory, else None."""
         if not self._regions:
             return None
-        from offload.transfer.nixl_util import region_of
+        from offload.agent.nixl_util import region_of
 
         out = []
         for b in bufs:
@@ -150,10 +150,10 @@ class AgentStore:
 
     # ---------------------------------------------------------------- BlockStore
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        return self._blocks(P.PUT, keys, blocks)
+        return self._blocks(protocol.PUT, keys, blocks)
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
-        return self._blocks(P.GET, keys, dests)
+        return self._blocks(protocol.GET, keys, dests)
 
     def _blocks(self, op: int, keys: Sequence[bytes], bufs: Sequence[Sequence[Buffer]]
                 ) -> list[bool]:
@@ -172,28 +172,28 @@ class AgentStore:
                 if len(keys[i]) != 32 or sizes[i] > info.max_block:
                     continue
                 d = self._descs(bs) if info.nixl else None
-                if d is not None and len(d) <= P.MAX_DESCS_PER_BLOCK:
+                if d is not None and len(d) <= protocol.MAX_DESCS_PER_BLOCK:
                     descs[i] = d
                     nixl_idx.append(i)
                 else:
                     inline_idx.append(i)
-            for batch in P.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys):
-                req = P.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
+            for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys):
+                req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                descs=[descs[i] for i in batch], budget_ms=self._budget_ms())
                 if not self._send_batch(c, op, req, batch, ok):
                     return ok
             room = info.max_body - (64 << 10)
-            for batch in P.pack(inline_idx, sizes, room, min(info.max_keys, room // 64)):
-                req = P.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
+            for batch in protocol.pack(inline_idx, sizes, room, min(info.max_keys, room // 64)):
+                req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                budget_ms=self._budget_ms())
                 payload = None
-                if op == P.PUT:
+                if op == protocol.PUT:
                     payload = [memoryview(b).cast("B") for i in batch for b in bufs[i]]
                 if not self._send_batch(c, op, req, batch, ok, payload, bufs):
                     return ok
         return ok
 
-    def _send_batch(self, c: AgentConn, op: int, req: P.Blocks, batch: list[int],
+    def _send_batch(self, c: AgentConn, op: int, req: protocol.Blocks, batch: list[int],
                     ok: list[bool], payload: list[memoryview] | None = None,
                     bufs: Sequence[Sequence[Buffer]] | None = None) -> bool:
         try:
@@ -204,12 +204,12 @@ class AgentStore:
             return False
         flags = reply.ok  # type: ignore[attr-defined]
         if len(flags) != len(batch):
-            c.fail(P.ProtocolError("reply flags do not match the request"))
+            c.fail(protocol.ProtocolError("reply flags do not match the request"))
             return False
-        if op == P.GET and req.descs is None and bufs is not None:
+        if op == protocol.GET and req.descs is None and bufs is not None:
             expect = sum(s for s, f in zip(req.sizes, flags) if f)
             if data.nbytes != expect:
-                c.fail(P.ProtocolError(f"reply payload {data.nbytes} bytes, expected {expect}"))
+                c.fail(protocol.ProtocolError(f"reply payload {data.nbytes} bytes, expected {expect}"))
                 return False
             off = 0
             for i, f in zip(batch, flags):
@@ -225,10 +225,10 @@ class AgentStore:
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []
         with self._use() as c:
-            for start in range(0, len(keys), P.MAX_KEYS):
-                chunk = list(keys[start:start + P.MAX_KEYS])
+            for start in range(0, len(keys), protocol.MAX_KEYS):
+                chunk = list(keys[start:start + protocol.MAX_KEYS])
                 try:
-                    out += c.request(P.EXISTS, P.KeyList(chunk))[0].ok  # type: ignore[attr-defined]
+                    out += c.request(protocol.EXISTS, protocol.KeyList(chunk))[0].ok  # type: ignore[attr-defined]
                 except Down:
                     out += [False] * len(chunk)
         return out
@@ -242,10 +242,10 @@ class AgentStore:
     def delete_many(self, keys: Sequence[bytes]) -> int:
         n = 0
         with self._use() as c:
-            for start in range(0, len(keys), P.MAX_KEYS):
-                chunk = list(keys[start:start + P.MAX_KEYS])
+            for start in range(0, len(keys), protocol.MAX_KEYS):
+                chunk = list(keys[start:start + protocol.MAX_KEYS])
                 try:
-                    n += c.request(P.DELETE, P.KeyList(chunk))[0].n  # type: ignore[attr-defined]
+                    n += c.request(protocol.DELETE, protocol.KeyList(chunk))[0].n  # type: ignore[attr-defined]
                 except Down:
                     pass
         return n
@@ -255,7 +255,7 @@ class AgentStore:
             self._namespaces[ns.digest()] = ns
         with self._use() as c:
             try:
-                c.request(P.REGISTER_NS, P.NamespaceMsg(dataclasses.asdict(ns)))
+                c.request(protocol.REGISTER_NS, protocol.NamespaceMsg(dataclasses.asdict(ns)))
             except Down:
                 pass   # sent again on reconnect
 
@@ -263,7 +263,7 @@ class AgentStore:
         names = {f.name for f in dataclasses.fields(StoreStats)} - {"extra"}
         with self._use() as c:
             try:
-                fields = c.request(P.STATS, P.Empty())[0].fields  # type: ignore[attr-defined]
+                fields = c.request(protocol.STATS, protocol.Empty())[0].fields  # type: ignore[attr-defined]
             except Down:
                 return StoreStats(extra={"agent": "unreachable"})
         s = StoreStats(**{k: v for k, v in fields.items() if k in names})

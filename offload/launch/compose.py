@@ -1,4 +1,4 @@
-"""`sglang-offload launch --config FILE [--dry-run] [--json] [--root DIR] [-- SGLANG FLAGS]`.
+"""What `sglang-offload launch` does: config -> SGLang server arguments -> the command to exec.
 
 Config -> SGLang server arguments -> process. Steps, in order:
 1. `load_file` validates the `offload:` section; `check_sglang` (launch_sglang_args) validates the
@@ -18,10 +18,8 @@ Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
@@ -29,18 +27,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from offload.config import DeploymentConfig, OffloadConfig, load_file, to_dict
-from offload.errors import OffloadError
-from offload.launch_sglang_args import SglangArgs, check_sglang
+from offload.hicache.contract import BACKEND_EXTRA
+from offload.launch.sglang_args import SglangArgs, check_sglang
 
 if TYPE_CHECKING:
-    from offload.hw.select import Decision
+    from offload.hw.decide import Decision
 
-BACKEND = {"backend_name": "offload", "module_path": "offload.hicache",
-           "class_name": "OffloadStorage", "interface_v1": 1}
 
 
 @dataclasses.dataclass
-class Plan:
+class LaunchCommand:
     """Everything launch decided: printed by --dry-run, executed otherwise."""
 
     config: DeploymentConfig
@@ -54,29 +50,13 @@ class Plan:
         return shlex.join(self.argv)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, metavar="FILE",
-                   help="deployment YAML with sglang: and offload: sections")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the decision, the effective config and the command; do not start")
-    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
-    p.add_argument("--root", default="/", metavar="DIR",
-                   help="detect from the machine under DIR (a fixture tree); default /")
-    p.add_argument("--cache-dir", metavar="PATH",
-                   help="cache directory to judge (default: offload.store.path)")
-    p.add_argument("--python", default=sys.executable, metavar="EXE",
-                   help="interpreter that runs SGLang (default: this one)")
-    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAG",
-                   help="extra SGLang flags after `--`, appended last (they win)")
-
-
 def compose(dep: DeploymentConfig, sg: SglangArgs, path: str,
             python: str = sys.executable) -> tuple[dict[str, Any], list[str]]:
     """(effective offload tree, SGLang argv) for the decided transfer path."""
     tree = to_dict(dep.offload)
     tree["transfer"]["path"] = path
     # The backend fills in defaults itself: the command carries only what differs from them.
-    extra = {**sg.extra_config, **BACKEND, "offload": _changed(tree, to_dict(OffloadConfig()))}
+    extra = {**sg.extra_config, **BACKEND_EXTRA, "offload": _changed(tree, to_dict(OffloadConfig()))}
     argv = [python, "-m", "sglang.launch_server", *sg.section_argv]
     if "enable_hierarchical_cache" not in sg.set_by_user:     # (false is refused earlier)
         argv.append("--enable-hierarchical-cache")
@@ -100,14 +80,14 @@ def _changed(tree: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plan(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
-         cache_dir: str | None = None, python: str = sys.executable) -> Plan:
+def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
+         cache_dir: str | None = None, python: str = sys.executable) -> LaunchCommand:
     """Validate, detect, decide and compose.
 
     Raises ConfigError (file or flags), PathRejectedError (an explicit path that cannot work),
     DetectError (a bad root)."""
     from offload.hw import detect_and_decide
-    from offload.launch_argspec import sglang_parser
+    from offload.launch.argspec import sglang_parser
 
     dep = load_file(config_file)
     extra_argv = list(extra_argv or [])
@@ -115,10 +95,10 @@ def plan(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
     _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir)
     tree, argv = compose(dep, sg, decision.path, python)
     sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
-    return Plan(dep, sg, decision, tree, argv)
+    return LaunchCommand(dep, sg, decision, tree, argv)
 
 
-def render(p: Plan, config_file: str) -> str:
+def render(p: LaunchCommand, config_file: str) -> str:
     d = p.decision
     lines = [f"sglang-offload launch: {config_file} (dry run)", "", "Decision",
              f"  role: {d.role}   path: {d.path}   (requested: {d.requested})", "  reasons:"]
@@ -138,7 +118,7 @@ def render(p: Plan, config_file: str) -> str:
     return "\n".join(lines)
 
 
-def to_json(p: Plan) -> dict[str, Any]:
+def to_json(p: LaunchCommand) -> dict[str, Any]:
     d = p.decision
     return {"decision": {"role": d.role, "path": d.path, "requested": d.requested,
                          "reasons": list(d.reasons),
@@ -148,29 +128,3 @@ def to_json(p: Plan) -> dict[str, Any]:
             "sglang_parser": p.sglang.parser_source,
             "config": {"sglang": dict(p.config.sglang), "offload": p.offload_tree},
             "argv": p.argv, "command": p.command}
-
-
-def run(args: argparse.Namespace) -> int:
-    from offload.hw import PathRejectedError
-
-    if args.json and not args.dry_run:
-        raise OffloadError("--json goes with --dry-run (without it, launch starts SGLang)")
-    try:
-        p = plan(args.config, args.sglang_args, root=args.root, cache_dir=args.cache_dir,
-                 python=args.python)
-    except PathRejectedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    for w in p.sglang.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    if args.dry_run:
-        if args.json:
-            json.dump(to_json(p), sys.stdout, indent=2)
-            sys.stdout.write("\n")
-        else:
-            sys.stdout.write(render(p, args.config))
-        return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvp(p.argv[0], p.argv)  # replaces this process: SGLang gets our PID and signals
-    return 0  # pragma: no cover - execvp does not return

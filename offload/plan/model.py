@@ -1,6 +1,6 @@
-"""`sglang-offload plan`: KV-cache sizing from first principles.
+"""KV-cache sizing from first principles (the model behind `sglang-offload plan`).
 
-Primitives (pure functions; the model comes from `offload.plan_presets.load_architecture`, a
+Primitives (pure functions; the model comes from `offload.plan.presets.load_architecture`, a
 preset or a HuggingFace config.json):
 - `kv_bytes_per_token(arch, kv_bytes, tp)`: 2 x layers x KV heads x head dim x bytes, per rank
   (KV heads split across TP ranks, replicated when tp > KV heads); MLA: (kv_lora_rank +
@@ -13,22 +13,18 @@ preset or a HuggingFace config.json):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from offload.config import Size
 from offload.errors import ConfigError
-from offload.plan_presets import GPUS, MODELS, Architecture, GpuPreset, find_gpu, load_architecture
+from offload.plan.dtypes import DTYPE_BYTES, canonical
+from offload.plan.presets import Architecture, GpuPreset
 
 GiB = 1 << 30
-DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 KV_DTYPES = ("bf16", "fp16", "fp8")
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "fp8_e4m3": "fp8",
-                  "fp8_e5m2": "fp8", "float8": "fp8"}
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 DEFAULT_MFU = 0.4               # share of dense BF16 peak a long prefill sustains (assumed)
 DEFAULT_READ_GBPS = 7.0         # one PCIe Gen4 NVMe drive, sequential read
 DEFAULT_ACTIVE_FRACTION = 0.8   # share of users whose KV must be in HBM at the same time
@@ -101,7 +97,7 @@ def parse_count(text: str, what: str) -> int:
 
 
 def parse_dtype(text: str, allowed: tuple[str, ...], flag: str) -> str:
-    d = _DTYPE_ALIASES.get(text.lower(), text.lower())
+    d = canonical(text)
     if d not in allowed:
         raise ConfigError([f"{flag} '{text}': one of {', '.join(allowed)}"])
     return d
@@ -260,71 +256,6 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
     ]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = ("KV-cache sizing: bytes per token and per user, users that fit in HBM after "
-                     "the weights, users served with an offload tier, and whether loading a cached "
-                     "prefix beats recomputing it.")
-    p.add_argument("--model", default="Llama-3.1-70B",
-                   help=f"preset ({', '.join(MODELS)}) or path of a HuggingFace config.json "
-                   "(default: %(default)s)")
-    p.add_argument("--params", help="parameter count (70.6B, 70553706496); default: the preset's, "
-                   "or estimated from config.json")
-    p.add_argument("--gpu", default="B200", help=f"GPU preset ({', '.join(GPUS)}; default B200)")
-    p.add_argument("--gpu-mem", help="memory per GPU, overriding the preset (96GiB, 80GB)")
-    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
-                   help="share of GPU memory for weights + KV (SGLang --mem-fraction-static; "
-                   "default %(default)s)")
-    p.add_argument("--kv-dtype", default="bf16", help="bf16, fp16 or fp8 (default %(default)s)")
-    p.add_argument("--weight-dtype", default="bf16",
-                   help="bf16, fp16, fp8, int8 or int4 (default %(default)s)")
-    p.add_argument("--context", default="128K", help="tokens per user: 131072 or 128K (x1024)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--gpus", type=int, help="number of GPUs (default: --tp, one replica)")
-    p.add_argument("--active-fraction", type=float, default=DEFAULT_ACTIVE_FRACTION,
-                   help="share of users whose KV must be resident at once (default %(default)s)")
-    p.add_argument("--tier-capacity", help="NVMe / Redis capacity for the whole deployment "
-                   "(e.g. 3.84TB); caps the users served with offload")
-    p.add_argument("--users", type=int, help="target users for sizing the tier "
-                   "(default: the users served with offload)")
-    p.add_argument("--hit-rate", type=float, default=1.0,
-                   help="share of returning users whose KV must be kept (default 1.0)")
-    p.add_argument("--prefix-tokens", help="cached prefix length for load vs prefill "
-                   "(default: --context)")
-    p.add_argument("--read-gbps", type=float, default=DEFAULT_READ_GBPS,
-                   help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 "
-                   "NVMe)")
-    p.add_argument("--prefill-tps", type=float, help="prefill tokens/s per GPU (default: derived "
-                   f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU:.0%} utilisation)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    gpu = find_gpu(args.gpu)
-    if gpu is None:
-        raise ConfigError([f"unknown GPU preset '{args.gpu}'; presets: {', '.join(GPUS)} "
-                           "(--gpu-mem overrides a preset's memory)"])
-
-    def size(flag: str, text: str | None) -> int | None:
-        try:
-            return None if text is None else int(Size.parse(text))
-        except ValueError as e:
-            raise ConfigError([f"{flag} '{text}': {e}"]) from e
-
-    params = None if args.params is None else parse_count(args.params, "--params")
-    arch, source = load_architecture(args.model, params)
-    return PlanInputs(
-        arch=arch, gpu=gpu, context=parse_tokens(args.context),
-        kv_dtype=parse_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype"),
-        weight_dtype=parse_dtype(args.weight_dtype, tuple(DTYPE_BYTES), "--weight-dtype"),
-        tp=args.tp, gpus=args.gpus if args.gpus is not None else args.tp,
-        gpu_mem=size("--gpu-mem", args.gpu_mem), mem_fraction=args.mem_fraction,
-        active_fraction=args.active_fraction, tier_capacity=size("--tier-capacity",
-                                                                 args.tier_capacity),
-        target_users=args.users, hit_rate=args.hit_rate,
-        prefix_tokens=None if args.prefix_tokens is None else parse_tokens(args.prefix_tokens),
-        read_gbps=args.read_gbps, prefill_tps=args.prefill_tps, model_source=source)
-
-
 def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
@@ -383,13 +314,3 @@ def format_table(plan: Plan, arch: Architecture) -> str:
     ]
     lines += [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    inp = inputs_from_args(args)
-    plan = make_plan(inp)
-    if args.json:
-        print(json.dumps(asdict(plan), indent=2))
-    else:
-        print(format_table(plan, inp.arch))
-    return 0

@@ -6,8 +6,8 @@ default) and `parser_from_snapshot(data)`. Both parsers raise `ArgsRefused` inst
 
 The live parser is `ServerArgs.add_cli_args` of the installed SGLang (importing it takes seconds:
 it loads torch). Where SGLang is not importable - a laptop with only sglang-offload, or an image
-whose base lacks SGLang's dependencies - `offload/sglang_args.json`, written from the pinned
-release's own parser (`python -m offload.launch_argspec > offload/sglang_args.json`) and checked
+whose base lacks SGLang's dependencies - `offload/launch/sglang_args.json`, written from the pinned
+release's own parser (`python -m offload.launch.argspec > offload/launch/sglang_args.json`) and checked
 against it by tests/launch, stands in so `launch --dry-run` and `config validate` still check
 every key, type and choice.
 """

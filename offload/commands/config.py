@@ -2,7 +2,7 @@
 
 The `offload:` section is validated by offload.config; the `sglang:` section (when present) by
 SGLang's own argument parser of the pinned release plus the combination rules of `launch`
-(offload.launch_sglang_args). Prints the effective config (exit 0; warnings on stderr) or every
+(offload.launch.sglang_args). Prints the effective config (exit 0; warnings on stderr) or every
 error, one `error:` line each (exit 2). `--offload-only` skips the sglang: checks (and SGLang's
 import, which takes seconds).
 """
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         dep = load_file(args.file)
         if dep.sglang and not args.offload_only:
-            from offload.launch_sglang_args import check_sglang
+            from offload.launch.sglang_args import check_sglang
 
             warnings = check_sglang(dep.sglang, [], dep.offload).warnings
     except ConfigError as e:

@@ -16,11 +16,11 @@ import sys
 
 from offload.config import OffloadConfig, load_file
 from offload.errors import DetectError
+from offload.hw.decide import PathRejectedError, decide
 from offload.hw.detect import detect
 from offload.hw.facts import IoProbe
 from offload.hw.live import NOT_CHECKED
 from offload.hw.report import render_text, to_json
-from offload.hw.select import PathRejectedError, decide
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ SGLang loads it through its `dynamic` storage backend:
 Lifecycle: SGLang constructs `OffloadStorage(storage_config, kwargs)` in each scheduler process
 (settings are validated here; a bad one raises `ConfigError` naming it), then calls
 `register_mem_pool_host(host_pool)`, which fixes the block namespace (model, ranks, MLA, dtype,
-layout, page size, salt) and the page map (`offload.hicache_layout`). Then, from its storage
+layout, page size, salt) and the page map (`offload.hicache.layout`). Then, from its storage
 threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages moved straight
 between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
 (flat page tensors). `close` closes the store.
@@ -22,7 +22,7 @@ to swap in another tier (tests inject a `MemoryStore`).
 Metrics (`offload.metrics`, unless `offload.metrics.enabled: false`): load/store latency, the
 path, the worth-it decisions, and per-tier counters read from the store's stats by a watcher
 thread; SGLang's own `StorageMetrics` come from `get_stats`. The worth-it rule
-(`offload.worth_it`): `batch_exists` reports the leading hits only if loading them is faster than
+(`offload.hicache.worth_it`): `batch_exists` reports the leading hits only if loading them is faster than
 recomputing them, at the read bandwidth measured on this backend's loads.
 """
 
@@ -32,7 +32,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -42,27 +42,27 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
-from offload.hicache_layout import PageMap
+from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
+from offload.hicache.layout import PageMap
+from offload.hicache.worth_it import WorthIt, cuda_gpu_name, from_config
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
-from offload.metrics import (StoreWatch, TierMetrics, count_agent, counted_by_backend,
-                             path_of, serve, tier_metrics)
+from offload.metrics import (
+    StoreWatch,
+    TierMetrics,
+    count_agent,
+    counted_by_backend,
+    path_of,
+    serve,
+    tier_metrics,
+)
 from offload.store.base import BlockStore, Buffer
-from offload.worth_it import WorthIt, cuda_gpu_name, from_config
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-# Keys of `--hicache-storage-backend-extra-config` this backend understands, and keys SGLang
-# itself reads from (or adds to) the same dictionary, which the backend ignores.
-EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "offload", "config_file")
-SGLANG_KEYS = ("allocator", "file_storage_path", "tp_lcm_size", "prefetch_threshold",
-               "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-               "hicache_storage_pass_prefix_keys")
-
-
-def settings_from_extra(extra: Optional[dict]) -> OffloadConfig:
+def settings_from_extra(extra: dict | None) -> OffloadConfig:
     """The `offload:` settings from SGLang's extra config.
 
     `config_file` (a deployment YAML; its `offload:` section) is the base, and the inline
@@ -154,7 +154,7 @@ def key_maker(ns_digest: bytes) -> Callable[[Sequence[str]], list[bytes]]:
 class OffloadStorage(HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = dict(storage_config.extra_config or {})
         extra.update(kwargs or {})
         self.cfg = settings_from_extra(extra)
@@ -282,7 +282,7 @@ class OffloadStorage(HiCacheStorage):
     # ---------------------------------------------------------------- zero-copy interface
 
     def batch_exists(self, keys: List[str],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
             n = 0
             for present in self.store.exists_many(self._keys(keys)):
@@ -306,7 +306,7 @@ class OffloadStorage(HiCacheStorage):
         return n
 
     def batch_set_v1(self, keys: List[str], host_indices: "torch.Tensor",
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         try:
             return self._set_pages(keys, host_indices)
         except Exception:
@@ -314,7 +314,7 @@ class OffloadStorage(HiCacheStorage):
             return [False] * len(keys)
 
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         try:
             return self._get_pages(keys, host_indices)
         except Exception:
@@ -378,13 +378,13 @@ class OffloadStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> Any:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> Any:
         out = self.batch_get([key], [target_location] if target_location is not None else None)
         return out[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Any]:
+    def batch_get(self, keys: List[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> List[Any]:
         """Read flat pages into `target_locations` (contiguous tensors); None for a miss."""
         try:
             import torch
@@ -408,13 +408,13 @@ class OffloadStorage(HiCacheStorage):
             logger.exception("offload: batch_get failed; reporting misses")
             return [None] * len(keys)
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None,
-                  target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: List[str], values: Any | None = None,
+                  target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         """Store flat page tensors; True only if every page is stored."""
         try:
             import torch

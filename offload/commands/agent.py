@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from offload.agent import protocol as P
+from offload.agent import protocol
 from offload.config import Size, StoreConfig
 from offload.errors import ConfigError, OffloadError, StoreError
 from offload.store.base import BlockStore
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", metavar="FILE",
                    help="shared secret (mode 600); default: $SGLANG_OFFLOAD_SECRET")
     p.add_argument("--max-clients", type=int, default=64, help="connections at once")
-    p.add_argument("--max-frame", type=_size, default=Size(P.DEFAULT_MAX_BODY), metavar="SIZE",
+    p.add_argument("--max-frame", type=_size, default=Size(protocol.DEFAULT_MAX_BODY), metavar="SIZE",
                    help="largest request or reply frame (default 64MiB)")
     p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
                    help="staging memory per NIXL connection, two halves (default 64MiB; the "

@@ -1,7 +1,7 @@
 """The `sglang:` section of a deployment file, checked against SGLang's own argument parser.
 
 Primitives:
-- SGLang's parser comes from `offload.launch_argspec.sglang_parser()` (the installed SGLang's
+- SGLang's parser comes from `offload.launch.argspec.sglang_parser()` (the installed SGLang's
   own, or the pinned release's snapshot where SGLang cannot import); only `launch` and
   `config validate` load it, once per process.
 - `check_sglang(section, extra_argv, offload_cfg) -> SglangArgs`: every key checked (unknown keys
@@ -11,7 +11,7 @@ Primitives:
   with one line per problem; `SglangArgs.warnings` holds what works but loses something.
 - `page_slices(...)`: the byte size of one contiguous slice of a host-pool page (4 KiB alignment).
 
-Rules (README, "Deploying with launch"): hierarchical cache on and the radix cache on; the storage backend and its
+Rules (docs/deploy/launch.md): hierarchical cache on and the radix cache on; the storage backend and its
 extra config's backend keys are ours (`hicache-storage-backend: offload` is accepted and ignored;
 SGLang's own extra-config keys such as `prefetch_threshold` pass through); an unaligned page
 slice or an unset / tiny `page-size` is a warning (the store falls back to one bounce-buffer copy),
@@ -29,21 +29,15 @@ from typing import Any, Mapping
 
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
-from offload.launch_argspec import ArgsRefused, sglang_parser, sglang_version
-from offload.plan_presets import Architecture
+from offload.hicache.contract import SGLANG_KEYS
+from offload.launch.argspec import ArgsRefused, sglang_parser, sglang_version
+from offload.plan.dtypes import dtype_bytes
+from offload.plan.presets import Architecture
 
 ALIGN = 4096
 MIN_PAGE_TOKENS = 16
-# Keys of --hicache-storage-backend-extra-config that SGLang itself reads: offload.hicache's
-# SGLANG_KEYS, repeated so validation does not import the backend (tests/launch: they agree).
-SGLANG_EXTRA_KEYS = ("allocator", "file_storage_path", "tp_lcm_size", "prefetch_threshold",
-                     "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                     "hicache_storage_pass_prefix_keys")
 # Flags launch composes itself: set by hand only as described in the error.
 OURS = {"hicache_storage_backend", "hicache_storage_backend_extra_config"}
-_KV_BYTES = {"fp8_e5m2": 1.0, "fp8_e4m3": 1.0, "mxfp8": 1.0, "bf16": 2.0, "bfloat16": 2.0}
-_DTYPE_BYTES = {"auto": 2.0, "half": 2.0, "float16": 2.0, "bfloat16": 2.0, "float": 4.0,
-                "float32": 4.0}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
                "human_readable_int": "an integer (e.g. 131072 or 128k)"}
 
@@ -155,12 +149,12 @@ def _extra_config(value: Any, problems: list[str]) -> dict[str, Any]:
         return {}
     out = {}
     for k, v in value.items():
-        if k in SGLANG_EXTRA_KEYS:
+        if k in SGLANG_KEYS:
             out[k] = v
         else:
             problems.append(f"{where}.{k}: set by launch (the offload backend's settings come "
                             "from the offload: section); allowed here: "
-                            + ", ".join(SGLANG_EXTRA_KEYS))
+                            + ", ".join(SGLANG_KEYS))
     return out
 
 
@@ -241,7 +235,7 @@ def _combinations(args: SglangArgs, cfg: OffloadConfig) -> None:
         problems.append(f"sglang.page-size: {v.page_size} must be >= 1")
     arch, source = _architecture(v.model_path)
     if arch is not None and not problems:
-        from offload.plan import kv_heads_per_rank
+        from offload.plan.model import kv_heads_per_rank
 
         try:
             kv_heads_per_rank(arch, v.tp_size)
@@ -282,14 +276,14 @@ def _combinations(args: SglangArgs, cfg: OffloadConfig) -> None:
 
 
 def _kv_bytes(kv_cache_dtype: str, dtype: str) -> float | None:
-    if kv_cache_dtype in (None, "auto"):
-        return _DTYPE_BYTES.get(dtype or "auto")
-    return _KV_BYTES.get(kv_cache_dtype)
+    if kv_cache_dtype in (None, "auto"):          # the model's dtype; its "auto" is bf16
+        return dtype_bytes(dtype if dtype and dtype != "auto" else "bf16")
+    return dtype_bytes(kv_cache_dtype)
 
 
 def page_slices(arch: Architecture, tp: int, page_size: int, layout: str, kv_bytes: float) -> int:
     """Bytes of one contiguous slice of a page in SGLang's host pool (the unit of one I/O)."""
-    from offload.plan import kv_heads_per_rank
+    from offload.plan.model import kv_heads_per_rank
 
     per_token_layer = ((arch.kv_lora_rank + arch.qk_rope_head_dim) if arch.mla
                        else kv_heads_per_rank(arch, tp) * arch.head_dim) * kv_bytes
@@ -299,7 +293,7 @@ def page_slices(arch: Architecture, tp: int, page_size: int, layout: str, kv_byt
 
 def _architecture(model_path: str | None) -> tuple[Architecture | None, str]:
     """The model's shape from a local config.json or a plan preset, else (None, why not)."""
-    from offload.plan_presets import architecture_from_config, find_model, load_architecture
+    from offload.plan.presets import architecture_from_config, find_model, load_architecture
 
     if not model_path:
         return None, "no model-path"

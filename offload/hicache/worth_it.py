@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from offload.config import WorthItConfig
-from offload.plan import worth_loading
+from offload.plan.model import worth_loading
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def estimate_prefill_tps(model: str, gpu_name: str | None, tp_size: int = 1,
                          context: int = ESTIMATE_CONTEXT) -> tuple[float | None, str]:
     """(prefill tokens/s of one replica of tp_size GPUs, how it was found) or (None, why not)."""
     from offload.errors import ConfigError
-    from offload.plan import DEFAULT_MFU, prefill_flops_per_token
-    from offload.plan_presets import find_gpu, find_model, load_architecture
+    from offload.plan.model import DEFAULT_MFU, prefill_flops_per_token
+    from offload.plan.presets import find_gpu, find_model, load_architecture
 
     if not gpu_name:
         return None, "no GPU visible"

@@ -1,0 +1,58 @@
+"""`sglang-offload launch --config FILE [--dry-run] [--json] [--root DIR] [-- SGLANG FLAGS]`.
+
+The steps are `offload.launch.compose.prepare`; this module parses the command line, prints the
+dry run, or replaces this process with SGLang (`os.execvp`: signals reach SGLang directly).
+Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from offload.errors import OffloadError
+from offload.launch.compose import prepare, render, to_json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="deployment YAML with sglang: and offload: sections")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the decision, the effective config and the command; do not start")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
+    p.add_argument("--root", default="/", metavar="DIR",
+                   help="detect from the machine under DIR (a fixture tree); default /")
+    p.add_argument("--cache-dir", metavar="PATH",
+                   help="cache directory to judge (default: offload.store.path)")
+    p.add_argument("--python", default=sys.executable, metavar="EXE",
+                   help="interpreter that runs SGLang (default: this one)")
+    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAG",
+                   help="extra SGLang flags after `--`, appended last (they win)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.hw import PathRejectedError
+
+    if args.json and not args.dry_run:
+        raise OffloadError("--json goes with --dry-run (without it, launch starts SGLang)")
+    try:
+        p = prepare(args.config, args.sglang_args, root=args.root, cache_dir=args.cache_dir,
+                 python=args.python)
+    except PathRejectedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for w in p.sglang.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.dry_run:
+        if args.json:
+            json.dump(to_json(p), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(render(p, args.config))
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(p.argv[0], p.argv)  # replaces this process: SGLang gets our PID and signals
+    return 0  # pragma: no cover - execvp does not return

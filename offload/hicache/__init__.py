@@ -1,0 +1,22 @@
+"""What SGLang loads: the HiCache L3 backend and what it needs.
+
+`backend` (`OffloadStorage`, SGLang's `HiCacheStorage` over a block store), `layout` (host-pool
+page -> buffers), `worth_it` (load-or-recompute rule), `contract` (backend name, module, class and
+extra-config keys; imports no SGLang). `offload.hicache:OffloadStorage` is the name users' configs,
+`launch` and patches/ give SGLang: it resolves lazily, so importing `offload.hicache.contract`
+does not import SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OffloadStorage"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OffloadStorage":
+        from offload.hicache.backend import OffloadStorage
+
+        return OffloadStorage
+    raise AttributeError(f"module 'offload.hicache' has no attribute {name!r}")
