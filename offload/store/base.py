@@ -1,16 +1,24 @@
-"""The block-store interface every tier implements.
+"""The block-store interface every tier implements, and the data-path guard.
 
 Keys are 32-byte `offload.keys.BlockKey` values. Blocks are written from, and read into, lists of
 buffers (vectored: a block need not be contiguous in memory, e.g. one slice per layer). The data path
 never raises: every batch call returns one success flag per key, and a failed or corrupt read is a
 miss. Control-path problems (a directory that cannot be opened) raise `StoreError` at construction.
+
+`never_raises(what, miss)` is the one way a data-path method keeps that promise: an exception
+becomes `miss(*args)` (e.g. all False), logged with its traceback the first time at each site and
+then counted, with a summary line at most once a minute.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import mmap
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, Union
+from typing import Any, Callable, Protocol, Sequence, TypeVar, Union
 
 from offload.keys import Namespace
 
@@ -96,3 +104,69 @@ def get_bytes(store: BlockStore, key: bytes, size: int) -> bytes | None:
     """Convenience read of one block of known size into new bytes (tests, tools)."""
     buf = bytearray(size)
     return bytes(buf) if store.get_many([key], [[buf]])[0] else None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+SUMMARY_EVERY_S = 60.0
+
+
+class _Site:
+    """Failures of one guarded call site: the first is logged in full, later ones counted."""
+
+    def __init__(self, logger: logging.Logger, what: str):
+        self.logger, self.what = logger, what
+        self.lock = threading.Lock()
+        self.failures = 0
+        self.unreported = 0
+        self.reported_at = 0.0
+
+    def failed(self, e: BaseException) -> None:
+        with self.lock:
+            self.failures += 1
+            first = self.failures == 1
+            now = time.monotonic()
+            self.unreported += 0 if first else 1
+            summary = not first and now - self.reported_at >= SUMMARY_EVERY_S
+            if first or summary:
+                self.reported_at = now
+            n, self.unreported = (self.unreported, 0) if summary else (0, self.unreported)
+        if first:
+            self.logger.error("%s failed; reporting a miss (further failures here are counted)",
+                              self.what, exc_info=e)
+        elif summary:
+            self.logger.warning("%s failed %d more times (last: %s: %s); reporting misses",
+                                self.what, n, type(e).__name__, e)
+        else:
+            self.logger.debug("%s failed: %s: %s", self.what, type(e).__name__, e)
+
+
+def never_raises(what: str, miss: Callable[..., Any], logger: logging.Logger | None = None
+                 ) -> Callable[[F], F]:
+    """Decorate a data-path function: any exception returns `miss(*args, **kwargs)` instead.
+
+    Args:
+        what: names the operation in the log ("batch_get_v1").
+        miss: builds the miss from the call's own arguments (`lambda self, keys, *_: [False] *
+            len(keys)`); it must not raise.
+        logger: where failures go (default: the decorated function's module logger).
+    """
+    def wrap(fn: F) -> F:
+        site = _Site(logger or logging.getLogger(fn.__module__), what)
+
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the data path turns every failure into a miss
+                site.failed(e)
+                return miss(*args, **kwargs)
+
+        guarded.failures = site  # type: ignore[attr-defined]  # tests read the count
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def all_false(_self: Any, keys: Sequence[Any], *_: Any, **__: Any) -> list[bool]:
+    """The miss of a batch call over `keys`: one False per key."""
+    return [False] * len(keys)
