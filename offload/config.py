@@ -101,6 +101,8 @@ class AgentConfig:
                                             "control connection)", default="ucx")
     secret_file: str | None = _doc("file holding the shared secret (else env SGLANG_OFFLOAD_SECRET)",
                                    default=None)
+    host_name: str | None = _doc("this host's name in the agent's keys file (per-host credentials; "
+                                 "secret_file then holds this host's own secret)", default=None)
     timeout_s: float = _doc("give up on one request after this many seconds", default=5.0)
 
 
@@ -119,9 +121,15 @@ class RedisConfig:
                              default=None)
     max_bytes: Size | None = _doc("our own budget in Redis (unset: Redis's maxmemory decides)",
                                   default=None)
-    directory: bool = _doc("also record which agent holds each block", default=False)
     password_file: str | None = _doc("file holding the Redis AUTH password (wins over one in the URL)",
                                      default=None)
+    secret_file: str | None = _doc(
+        "file (mode 600, >= 16 bytes) holding the key that authenticates every value in Redis; "
+        "unset: values are bound to their key but anyone who can write to the Redis can forge "
+        "them (a warning is logged)", default=None)
+    key_prefix: str = _doc("first part of every Redis key we use (`PREFIX:v2:...`): one per "
+                           "tenant, for ACLs (`~PREFIX:*`) and a confined `cache clear`",
+                           default="sglo")
     tls_ca_file: str | None = _doc("rediss://: CA bundle that signed the server certificate "
                                    "(unset: the system store)", default=None)
     tls_cert_file: str | None = _doc("rediss://: client certificate (servers with "
@@ -227,6 +235,14 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     return None
 
 
+# Keys that were accepted once and are refused now, with what to do instead.
+REMOVED_KEYS = {
+    "offload.redis.directory": "removed: it was accepted but no data path used it; delete the key "
+                               "(pod-wide sharing of blocks through several agents is planned as "
+                               "its own capability)",
+}
+
+
 def _build(cls: Any, data: Any, path: str, problems: list[str]) -> Any:
     if data is None:
         data = {}
@@ -237,6 +253,9 @@ def _build(cls: Any, data: Any, path: str, problems: list[str]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if f"{path}.{key}" in REMOVED_KEYS:
+            problems.append(f"{path}.{key}: {REMOVED_KEYS[f'{path}.{key}']}")
+            continue
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -284,6 +303,11 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.redis.backoff_s: {r.backoff_s!r} must be >= 0")
     if r.ttl_s is not None and r.ttl_s <= 0:
         problems.append(f"offload.redis.ttl_s: {r.ttl_s!r} must be > 0 (or unset)")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}(:[A-Za-z0-9_.-]{1,64}){0,3}", r.key_prefix) or any(
+            re.fullmatch(r"v[0-9]+", part) for part in r.key_prefix.split(":")):
+        problems.append(f"offload.redis.key_prefix: {r.key_prefix!r} is not allowed; use letters, "
+                        "digits, _ . - in up to 4 parts joined by ':', none of them v<N> (the "
+                        "format version follows the prefix), e.g. sglo:tenant-a")
     if (r.tls_cert_file is None) != (r.tls_key_file is None):
         problems.append("offload.redis.tls_cert_file: a client certificate needs both "
                         "tls_cert_file and tls_key_file")

@@ -1,7 +1,8 @@
 """Block identity: a namespace digest plus a page digest.
 
 A `BlockKey` is 32 bytes: the 16-byte digest of the `Namespace` (model, dtype, layout, page size,
-ranks, MLA, tenant salt) followed by the 16-byte digest of SGLang's page hash. Putting the namespace
+ranks, MLA, tenant salt; for a sidecar pool of SGLang's v2 interface also its pool name) followed
+by the 16-byte digest of SGLang's page hash. Putting the namespace
 first makes every namespace a contiguous key range in the index (`cache clear --namespace`), and the
 same page hash under any other namespace field or salt is a different block.
 """
@@ -29,6 +30,7 @@ class Namespace:
     mla: bool = False
     salt: str = ""
     extra: str = ""  # anything else that changes the bytes of a page (e.g. KV heads per rank)
+    pool: str = ""   # SGLang v2 pool name ("draft", "mamba", ...); "" is the KV pages of v1
 
     def describe(self) -> dict[str, object]:
         """The namespace as plain data (the salt is never shown, only whether one is set)."""
@@ -37,7 +39,10 @@ class Namespace:
         return d
 
     def canonical(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        d = asdict(self)
+        if not d["pool"]:   # KV namespaces keep the digests they had before pools existed
+            del d["pool"]
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> bytes:
         return hashlib.blake2b(self.canonical(), digest_size=NS_BYTES,

@@ -3,11 +3,13 @@
 Primitives:
 - `TierMetrics`: the metric families, created once per process (`tier_metrics()`), or on a
   private registry (tests, the dashboard check). Every name starts with `sglang_offload_`.
-- `StoreWatch(store, metrics, interval_s)`: a daemon thread that reads `store.stats()` every
+- `StoreWatch(store, metrics, interval_s)`: a daemon thread that reads `store.tier_stats()` every
   `interval_s` and turns the process-local counters of each tier (local NVMe, Redis, agent) into
   Prometheus counter increments and capacity gauges. `poll()` does one round (tests, close).
-- `tiers_of(store)`: the per-tier `StoreStats` of a store (a `TieredStore` is its first tier +
-  Redis); `path_of(store)`: the transfer path it stands for (`cpu`, `gds`, `dpu`).
+  A tier's `extra["process_counters"]`, when present, names the counters that are this process's
+  own (none of a shared agent's; its hits and misses through a tiered store).
+- `path_of(store)`: the transfer path it stands for (`cpu`, `gds`, `dpu`);
+  `counted_by_backend(store)`: whether the backend counts the agent tier's hits itself.
 - `serve(cfg, rank)`: our own endpoint on `offload.metrics.port`, for servers that run without
   SGLang's `--enable-metrics`.
 
@@ -24,10 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from offload.config import MetricsConfig
-from offload.store.base import BlockStore, StoreStats
+from offload.store.base import BlockStore, StoreStats, never_raises
 
 log = logging.getLogger(__name__)
 
@@ -110,48 +112,24 @@ def tier_metrics() -> TierMetrics:
         return _process_metrics
 
 
-def _front(store: BlockStore) -> BlockStore:
-    """The first tier of a store (a `TieredStore`'s local side, else the store itself)."""
-    local = getattr(store, "local", None) if type(store).__name__ == "TieredStore" else None
-    return local if local is not None else store
-
-
 def path_of(store: BlockStore) -> str:
-    """The transfer path a store stands for (the `path` label): a `TransferPath`'s `name`
-    (cpu, gds, dpu); a bare block store is CPU staging."""
-    front = _front(store)
-    name = getattr(front, "name", None)
-    if name in PATHS:
-        return str(name)
-    return "dpu" if type(front).__name__ == "AgentStore" else "cpu"
-
-
-def tiers_of(store: BlockStore) -> dict[str, StoreStats]:
-    """Per-tier stats of `store`: a `TieredStore` is its first tier + Redis; an `AgentStore`
-    is the agent tier; anything else is the local (NVMe / memory) tier."""
-    s = store.stats()
-    first = "agent" if path_of(store) == "dpu" else "local"
-    if type(store).__name__ == "TieredStore":
-        out = {}
-        for tier, key in ((first, "local"), ("redis", "shared")):
-            raw = s.extra.get(key)
-            if isinstance(raw, Mapping):
-                out[tier] = StoreStats(**{k: v for k, v in raw.items() if k != "extra"})
-        counters = s.extra.get("tiers")
-        if first == "agent" and "agent" in out and isinstance(counters, Mapping):
-            # this process's own agent hits and misses, from the tiered store's counters
-            a = out["agent"]
-            a.hits = int(counters.get("local_hits", 0))
-            a.misses = int(counters.get("shared_hits", 0)) + int(counters.get("misses", 0))
-            a.extra = {"process_local": True}
-        return out
-    return {first: s}
+    """The transfer path a store stands for (the `path` label): a `TransferPath`'s `name` (cpu,
+    gds, dpu), or that of a tiered store's `local` part; a bare block store is CPU staging."""
+    for part in (store, getattr(store, "local", None)):
+        name = getattr(part, "name", None)
+        if name in PATHS:
+            return str(name)
+    return "cpu"
 
 
 def counted_by_backend(store: BlockStore) -> bool:
-    """True when the agent tier's hits and misses must be counted by the backend (the store is
-    the agent itself, whose own counters are agent-wide)."""
-    return path_of(store) == "dpu" and _front(store) is store
+    """True when the agent tier's hits and misses must be counted by the backend: the store is
+    the agent client itself, whose own counters are agent-wide (a tiered store counts them)."""
+    return getattr(store, "name", None) == "dpu"
+
+
+def _tier_stats(store: BlockStore) -> dict[str, StoreStats]:
+    return store.tier_stats()
 
 
 class StoreWatch:
@@ -164,7 +142,7 @@ class StoreWatch:
     """
 
     def __init__(self, store: BlockStore, metrics: TierMetrics, interval_s: float = 10.0,
-                 stats_of: Callable[[BlockStore], dict[str, StoreStats]] = tiers_of):
+                 stats_of: Callable[[BlockStore], dict[str, StoreStats]] = _tier_stats):
         self.store, self.m, self.interval_s = store, metrics, interval_s
         self._stats_of = stats_of
         self._last: dict[str, dict[str, int]] = {}
@@ -181,12 +159,12 @@ class StoreWatch:
         while not self._stop.wait(self.interval_s):
             self.poll()
 
+    @never_raises("offload metrics: reading the store's tier stats", lambda *_: {}, log)
+    def _tiers(self) -> dict[str, StoreStats]:
+        return self._stats_of(self.store)
+
     def poll(self) -> None:
-        try:
-            tiers = self._stats_of(self.store)
-        except Exception:  # noqa: BLE001 - metrics never break the data path
-            log.debug("offload metrics: store stats failed", exc_info=True)
-            return
+        tiers = self._tiers()
         with self._plock:
             for tier, s in tiers.items():
                 self._apply(tier, s)
@@ -196,9 +174,8 @@ class StoreWatch:
         m.capacity_used.labels(tier).set(s.bytes_used)
         m.capacity.labels(tier).set(s.capacity)
         m.blocks.labels(tier).set(s.blocks)
-        names = _COUNTED
-        if tier == "agent":      # agent-wide counters: only this process's hits/misses, if any
-            names = ("hits", "misses") if s.extra.get("process_local") else ()
+        own = s.extra.get("process_counters", _COUNTED)   # agent-wide counters are not ours
+        names = [n for n in _COUNTED if n in own]   # type: ignore[operator]
         last = self._last.setdefault(tier, {})
         for name in names:
             now = int(getattr(s, name))
@@ -276,4 +253,4 @@ def serve(cfg: MetricsConfig, rank: int = 0, addr: str = "0.0.0.0") -> int | Non
 
 
 __all__ = ["PREFIX", "TIERS", "TierMetrics", "StoreWatch", "count_agent", "multiprocess_dir",
-           "counted_by_backend", "path_of", "serve", "tier_metrics", "tiers_of"]
+           "counted_by_backend", "path_of", "serve", "tier_metrics"]

@@ -1,15 +1,26 @@
-"""The shared secret of the agent and its hosts: read from a file, else from the environment.
+"""Agent credentials: one shared secret (one trusted host group), or a keys file of per-host secrets.
 
 Primitives: `load_secret(path)` -> bytes (raises `ConfigError` naming the problem), `SECRET_ENV`
-(the one environment variable for it). The file must be private to its owner (no group/other
-permissions): a secret readable by everyone is no secret, so such a file is refused. Leading and
-trailing whitespace is stripped; at least 16 bytes are required.
+(the one environment variable for it); `load_keys(path)` -> {host name: `HostKey`} from a TOML
+keys file (`docs/deploy/agent.md#per-host-credentials`):
+
+    [hosts.node-a]
+    secret = "<at least 16 bytes, e.g. openssl rand -hex 32>"
+    namespaces = ["*"]                 # every namespace, or 32-hex-digit namespace digests
+    salts = ["tenant-a-salt"]          # and/or: namespaces made with one of these tenant salts
+
+Every file must be private to its owner (no group/other permissions): a secret readable by
+everyone is no secret, so such a file is refused. Secrets are stripped of surrounding whitespace
+and need at least 16 bytes; two hosts may not share a secret (either could act as the other).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
+import tomllib
+from dataclasses import dataclass
 
 from offload.errors import ConfigError
 
@@ -25,16 +36,7 @@ def load_secret(path: str | None = None, *, env: dict[str, str] | None = None) -
     """
     env = os.environ if env is None else env
     if path:
-        try:
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise ConfigError([f"agent secret file {path}: cannot read it: {e.strerror or e}"]) \
-                from None
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError([f"agent secret file {path}: mode {stat.S_IMODE(st.st_mode):o} lets "
-                               "others read it; chmod 600 it"])
+        secret = _read_private(path, "agent secret file").strip()
         source = path
     else:
         value = env.get(SECRET_ENV, "")
@@ -47,3 +49,83 @@ def load_secret(path: str | None = None, *, env: dict[str, str] | None = None) -
         raise ConfigError([f"agent secret from {source} is {len(secret)} bytes; use at least "
                            f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"])
     return secret
+
+
+def _read_private(path: str, what: str) -> bytes:
+    """A file's bytes, refused when group or others may read or write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError([f"{what} {path}: cannot read it: {e.strerror or e}"]) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError([f"{what} {path}: mode {stat.S_IMODE(st.st_mode):o} lets others "
+                               "read it; chmod 600 it"])
+        return f.read()
+
+
+HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$")   # = protocol.HOST_PATTERN
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """One host's credential and what it may use."""
+    name: str
+    secret: bytes
+    namespaces: frozenset[bytes] | None      # None: every namespace
+    salts: tuple[str, ...] = ()
+
+
+def load_keys(path: str) -> dict[str, HostKey]:
+    """The agent's keys file (TOML, mode 600). Raises ConfigError naming each problem."""
+    raw = _read_private(path, "agent keys file")
+    try:
+        doc = tomllib.loads(raw.decode())
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError([f"agent keys file {path}: not TOML: {e}"]) from None
+    problems: list[str] = []
+    unknown = set(doc) - {"hosts"}
+    if unknown:
+        problems.append(f"{path}: unknown top-level keys {sorted(unknown)}; only [hosts.NAME]")
+    hosts = doc.get("hosts", {})
+    if not isinstance(hosts, dict) or not hosts:
+        problems.append(f"{path}: no [hosts.NAME] tables")
+        hosts = {}
+    out: dict[str, HostKey] = {}
+    seen: dict[bytes, str] = {}
+    for name, entry in hosts.items():
+        where = f"{path}: hosts.{name}"
+        if not HOST_RE.match(name):
+            problems.append(f"{where}: host names are letters, digits and . _ @ : - (up to 128)")
+            continue
+        if not isinstance(entry, dict) or set(entry) - {"secret", "namespaces", "salts"}:
+            problems.append(f"{where}: allowed keys are secret, namespaces, salts")
+            continue
+        secret = str(entry.get("secret", "")).strip().encode()
+        if len(secret) < MIN_SECRET_BYTES:
+            problems.append(f"{where}.secret: {len(secret)} bytes; use at least "
+                            f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
+        elif secret in seen:
+            problems.append(f"{where}.secret: the same as hosts.{seen[secret]}'s; each host needs "
+                            "its own")
+        seen[secret] = name
+        names = entry.get("namespaces", [])
+        salts = entry.get("salts", [])
+        if not isinstance(names, list) or not isinstance(salts, list) or \
+                not all(isinstance(x, str) for x in names + salts):
+            problems.append(f"{where}: namespaces and salts are lists of strings")
+            continue
+        bad = [x for x in names if x != "*" and not _DIGEST_RE.match(x)]
+        if bad:
+            problems.append(f"{where}.namespaces: {bad} are not \"*\" or 32 lowercase hex digits "
+                            "(`sglang-offload cache stats` shows each namespace's digest)")
+        if not names and not salts:
+            problems.append(f"{where}: grants nothing; list namespaces (or \"*\") and/or salts")
+        grant = None if "*" in names else frozenset(bytes.fromhex(x) for x in names
+                                                    if _DIGEST_RE.match(x))
+        out[name] = HostKey(name, secret, grant, tuple(salts))
+    if problems:
+        raise ConfigError(problems)
+    return out

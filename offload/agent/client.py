@@ -1,7 +1,11 @@
 """The dpu path: `AgentStore`, a `BlockStore` whose blocks live on a remote agent (BlueField DPU).
 
-Primitives: `AgentStore(address, secret, transport=..., timeout_s=...)`, `AgentStore.from_config(
-cfg)`, `register_region(buffer)`. Register the host KV pool once; then `put_many` / `get_many` on
+Primitives: `AgentStore(address, secret, transport=..., timeout_s=..., name=...)`,
+`AgentStore.from_config(cfg)`, `register_region(buffer)`. `name` is this host's name: with an
+agent keys file (per-host credentials) it must be the host's entry there and `secret` its own
+secret; it must match `protocol.HOST_PATTERN`. This process's NIXL agent is named `name/pid-id`
+(the agent accepts NIXL metadata only under the authenticated host's name).
+Register the host KV pool once; then `put_many` / `get_many` on
 buffers inside it send only keys and (address, length) descriptors, and the agent moves the bytes
 itself with NIXL (READ from this host for a put, WRITE into it for a get), so this process copies
 nothing. Buffers outside any registered region, or `transport="tcp"`, or an agent without NIXL:
@@ -10,7 +14,8 @@ the bytes travel on the control connection instead (vectored send, no extra copy
 Failure model (data path, never raises): an unreachable, slow or killed agent makes every call a
 miss (False / 0 / empty stats) within `timeout_s`; the connection is dropped and retried after
 `reconnect_s`, re-sending this host's NIXL metadata and namespaces. Each request carries a budget
-(80% of `timeout_s`) after which the agent stops touching this host's memory for it.
+(80% of `timeout_s`) after which the agent stops touching this host's memory for it; the host
+waits for each reply until the request's deadline (`timeout_s` for the whole request).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -26,7 +32,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from offload.agent import protocol
-from offload.agent.conn import AgentConn, Down, Refused
+from offload.agent.access import register_msg
+from offload.agent.conn import AgentConn, ConnHooks, ConnSettings, Down, Refused
 from offload.keys import Namespace
 from offload.store.base import Buffer, StoreStats
 
@@ -46,11 +53,23 @@ class AgentStore:
         self.transport = transport
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
-        self.host_name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if name is not None and not re.match(protocol.HOST_PATTERN, name):
+            from offload.errors import ConfigError
+
+            raise ConfigError([f"agent host name {name!r}: use letters, digits and . _ @ : - "
+                               "(up to 128)"])
+        self.host_name = name or re.sub(
+            r"[^A-Za-z0-9._@:-]", "_",
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}").lstrip("._@:-")[:128]
+        self.nixl_name = f"{self.host_name}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.down_until = 0.0
         self._lock = threading.RLock()        # registration state and namespaces
+        settings = ConnSettings(self.address, secret, self.host_name, transport, timeout_s)
+        hooks = ConnHooks(is_down=lambda: time.monotonic() < self.down_until,
+                          mark_down=self.mark_down, nixl_metadata=self.nixl_metadata,
+                          namespaces=self.namespaces)
         # Several connections so that a prefetch (get) need not wait behind a backup (put).
-        self._conns = [AgentConn(self) for _ in range(max(1, connections))]
+        self._conns = [AgentConn(settings, hooks) for _ in range(max(1, connections))]
         self._next = 0
         self._nixl: Any = None
         self._regions: list[tuple[int, int]] = []   # registered [start, end)
@@ -72,7 +91,7 @@ class AgentStore:
         if not a.address:
             raise ConfigError(["offload.agent.address: the dpu path needs HOST:PORT of the agent"])
         return cls(a.address, load_secret(a.secret_file), transport=a.transport,
-                   timeout_s=a.timeout_s)
+                   timeout_s=a.timeout_s, name=a.host_name)
 
     # ---------------------------------------------------------------- registration (control path)
     def register_region(self, buffer: Any) -> None:
@@ -87,7 +106,7 @@ class AgentStore:
         addr, size = nixl_util.region_of(buffer)
         with self._lock:
             if self._nixl is None:
-                self._nixl = nixl_util.make_agent(self.host_name)
+                self._nixl = nixl_util.make_agent(self.nixl_name)
             self._regs.append(self._nixl.register_memory([(addr, size, 0, "")], "DRAM"))
             self._regions.append((addr, addr + size))
         for c in self._conns:     # the next request says hello again, with the new metadata
@@ -171,13 +190,14 @@ class AgentStore:
             for i, bs in enumerate(bufs):
                 if len(keys[i]) != 32 or sizes[i] > info.max_block:
                     continue
-                d = self._descs(bs) if info.nixl else None
+                d = self._descs(bs) if c.nixl else None
                 if d is not None and len(d) <= protocol.MAX_DESCS_PER_BLOCK:
                     descs[i] = d
                     nixl_idx.append(i)
                 else:
                     inline_idx.append(i)
-            for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys):
+            counts = [len(descs.get(i, ())) for i in range(len(keys))]
+            for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys, counts):
                 req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
                                descs=[descs[i] for i in batch], budget_ms=self._budget_ms())
                 if not self._send_batch(c, op, req, batch, ok):
@@ -255,9 +275,15 @@ class AgentStore:
             self._namespaces[ns.digest()] = ns
         with self._use() as c:
             try:
-                c.request(protocol.REGISTER_NS, protocol.NamespaceMsg(dataclasses.asdict(ns)))
+                c.request(protocol.REGISTER_NS, register_msg(ns))
             except Down:
                 pass   # sent again on reconnect
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        """The agent tier; its counters are agent-wide (every host's), none this process's own."""
+        s = self.stats()
+        s.extra["process_counters"] = ()
+        return {"agent": s}
 
     def stats(self) -> StoreStats:
         names = {f.name for f in dataclasses.fields(StoreStats)} - {"extra"}

@@ -1,27 +1,31 @@
 """One control connection of an `AgentStore` to the agent (the client side of the protocol).
 
-Primitives: `AgentConn(store)`; `.lock` serialises its use; `.connect()` opens the connection
-(handshake, HELLO with this host's NIXL metadata, namespaces re-sent) unless open; `.request(op,
-msg, payload)` sends one frame and returns the decoded reply and its payload; `.drop()`. Any
-failure marks the agent down for `reconnect_s` (shared by all connections of the store) and raises
-`Down`; an ERROR reply raises `Refused` and keeps the connection.
+Primitives: `ConnSettings` (address, secret, host name, transport, timeout) and `ConnHooks` (what
+the connection asks of its store: is the agent marked down, mark it down, this host's NIXL
+metadata, its namespaces), both handed in by the store; `AgentConn(settings, hooks)`; `.lock`
+serialises its use; `.connect()` opens the connection (handshake, HELLO with this host's NIXL
+metadata — sent as METADATA after the HELLO when larger than the agent's pre-authentication
+limit — namespaces re-sent) unless open; `.request(op, msg, payload)` sends one frame and returns
+the decoded reply and its payload, all within `timeout_s` (one deadline per request, not per
+`recv`); `.drop()`. Any failure marks the agent down (`hooks.mark_down`) and raises `Down`; an
+ERROR reply raises `Refused` and keeps the connection.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from offload.agent import protocol
-
-if TYPE_CHECKING:
-    from offload.agent.client import AgentStore
+from offload.agent.access import register_msg
+from offload.keys import Namespace
 
 log = logging.getLogger("offload.agent.client")
+HELLO_MD_LIMIT = protocol.PRE_AUTH_MAX_BODY - 4096   # larger NIXL metadata goes in a METADATA
 
 
 class Down(Exception):
@@ -32,35 +36,65 @@ class Refused(Down):
     """The agent answered ERROR to one request; the connection stays usable."""
 
 
+@dataclass(frozen=True)
+class ConnSettings:
+    address: tuple[str, int]
+    secret: bytes
+    host_name: str
+    transport: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ConnHooks:
+    is_down: Callable[[], bool]
+    mark_down: Callable[[BaseException], None]
+    nixl_metadata: Callable[[], bytes | None]
+    namespaces: Callable[[], list[Namespace]]
+
+
 class AgentConn:
-    def __init__(self, store: "AgentStore"):
-        self.store = store
+    def __init__(self, settings: ConnSettings, hooks: ConnHooks):
+        self.settings = settings
+        self.hooks = hooks
         self.lock = threading.Lock()
         self.ch: protocol.Channel | None = None
         self.info: protocol.HelloReply | None = None
+        self.nixl = False                 # the agent moves this connection's bytes by NIXL
         self._req_id = 0
 
     def connect(self) -> protocol.HelloReply:
         """Open the connection if needed (lock held); returns the agent's limits."""
-        s = self.store
+        s, h = self.settings, self.hooks
         if self.ch is not None and self.info is not None:
             return self.info
-        if time.monotonic() < s.down_until:
+        if h.is_down():
             raise Down("agent marked down")
         try:
             sock = socket.create_connection(s.address, timeout=s.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.ch = protocol.handshake_client(sock, s.secret, s.timeout_s)
-            md = s.nixl_metadata()
-            info = self._send(protocol.HELLO, protocol.Hello(host=s.host_name, transport=s.transport,
-                                               nixl_md=md))[0]
+            md = h.nixl_metadata()
+            small = md is not None and len(md) <= HELLO_MD_LIMIT
+            info = self._send(protocol.HELLO, protocol.Hello(
+                host=s.host_name, transport=s.transport, nixl_md=md if small else None))[0]
             assert isinstance(info, protocol.HelloReply)
             self.ch.max_body = info.max_body
-            if md is not None and not info.nixl:
+            self.nixl = info.nixl
+            if md is not None and not small:
+                try:
+                    self._send(protocol.METADATA, protocol.Metadata(md))
+                    self.nixl = True
+                except Refused:
+                    self.nixl = False
+            if md is not None and not self.nixl:
                 log.warning("agent %s:%d does not move bytes by NIXL; they travel on the "
                             "control connection", *s.address)
-            for ns in s.namespaces():
-                self._send(protocol.REGISTER_NS, protocol.NamespaceMsg(dataclasses.asdict(ns)))
+            for ns in h.namespaces():
+                try:
+                    self._send(protocol.REGISTER_NS, register_msg(ns))
+                except Refused:
+                    pass             # logged; its keys will be refused too
             self.info = info
             log.info("connected to agent %s at %s:%d", info.agent, *s.address)
             return info
@@ -83,9 +117,10 @@ class AgentConn:
         if ch is None:
             raise Down("not connected")
         self._req_id += 1
+        deadline = time.monotonic() + self.settings.timeout_s
         try:
-            ch.send(op, self._req_id, msg, payload)
-            frame = ch.recv(idle_timeout=self.store.timeout_s)
+            ch.send(op, self._req_id, msg, payload, deadline=deadline)
+            frame = ch.recv(deadline=deadline)
             if frame.req_id != self._req_id:
                 raise protocol.ProtocolError(f"reply to request {frame.req_id}, expected {self._req_id}")
             if frame.op == protocol.ERROR | protocol.REPLY:
@@ -109,7 +144,8 @@ class AgentConn:
                 pass
         self.ch = None
         self.info = None
+        self.nixl = False
 
     def fail(self, e: BaseException) -> None:
         self.drop()
-        self.store.mark_down(e)
+        self.hooks.mark_down(e)

@@ -1,13 +1,17 @@
 """The agent's byte mover: one NIXL agent (UCX) for all hosts, and per-connection staging memory.
 
 Primitives:
-- `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn)` loads a host's metadata (its
-  registered host KV pool) and returns the host's NIXL name; several connections of one host share
-  it; newer metadata of the same host replaces the old; `drop_peer(name, conn)` forgets it when
-  its last connection closes.
-- `direct_put(server, peer, req, todo, ok, deadline)` / `direct_get(...)`: the zero-copy moves
-  for a store with an arena: NIXL READs a PUT's blocks into slots from `reserve_views` (then
-  `commit_views`), WRITEs a GET's blocks from slots held by `pin_views` (then `unpin`); each
+- `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host)` loads a host's metadata
+  (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
+  `host/` (read from the metadata *before* loading it: a host cannot load another host's metadata
+  and so aim the agent's RDMA at that host's memory); several connections of one host share a
+  peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
+  `drop_peer(name, conn)` forgets a peer when its last connection closes.
+- `Direct(store, arena, agent, count)`: what the zero-copy moves need, handed in by the server.
+  `direct_put(direct, peer, req, todo, ok, deadline)` / `direct_get(...)`: the zero-copy moves
+  for a store with an arena: NIXL READs a PUT's blocks into slots from `reserve_slots` (then
+  `commit_slots` / `abort_slots`), WRITEs a GET's blocks from slots held by `pin_slots` (then
+  `unpin_slots`); each
   returns the blocks it left to the staging path. Never raise.
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
   two halves for double buffering (NIXL moves one half while the store reads/writes the other).
@@ -25,13 +29,15 @@ import logging
 import mmap
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from offload.agent import nixl_util
+from offload.store.base import SlotStore
 
 if TYPE_CHECKING:
     from offload.agent.protocol import Blocks
-    from offload.agent.server import AgentServer
+    from offload.store.base import Slot
 
 log = logging.getLogger(__name__)
 
@@ -45,40 +51,54 @@ class Mover:
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
         self._lock = threading.Lock()
-        # host NIXL name -> (its metadata, the connections using it). A host may hold several
-        # connections; the peer is forgotten when the last one closes.
-        self._peers: dict[str, tuple[bytes, set[int]]] = {}
+        # host NIXL name -> (its metadata, the host it belongs to, the connections using it). A
+        # host may hold several connections; the peer is forgotten when the last one closes.
+        self._peers: dict[str, tuple[bytes, str, set[int]]] = {}
 
-    def add_peer(self, metadata: bytes, owner: int) -> str:
-        """Load a host's metadata (once per distinct metadata) for connection `owner`."""
+    def add_peer(self, metadata: bytes, owner: int, host: str) -> str:
+        """Load the metadata of connection `owner` of `host` (once per distinct metadata)."""
         md = bytes(metadata)
+        name = nixl_util.metadata_name(md)
+        if name is None:
+            raise PeerError("unrecognised NIXL metadata")
+        if name != host and not name.startswith(host + "/"):
+            raise PeerError(f"NIXL metadata of agent {name!r} does not belong to host {host!r}")
         with self._lock:
-            for name, (known, owners) in self._peers.items():
-                if known == md:
-                    owners.add(owner)
-                    return name
-            try:
-                # NIXL reloads a known host's newer metadata in place (more registered memory).
-                name = self.agent.add_remote_agent(md)
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own types
-                raise PeerError(f"NIXL metadata rejected: {e}") from None
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            owners = self._peers.get(name, (b"", set()))[1]
+            known, holder, owners = self._peers.get(name, (b"", host, set()))
+            if holder != host:
+                raise PeerError(f"NIXL peer {name!r} belongs to another connection's host")
+            if known != md:
+                try:
+                    # NIXL reloads a known peer's newer metadata in place (more registered memory).
+                    loaded = self.agent.add_remote_agent(md)
+                except Exception as e:  # noqa: BLE001 - NIXL raises its own types
+                    raise PeerError(f"NIXL metadata rejected: {e}") from None
+                loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+                if loaded != name:       # never expected: the name is read from the same bytes
+                    self._invalidate(loaded)
+                    raise PeerError(f"NIXL loaded agent {loaded!r}, the metadata names {name!r}")
             owners.add(owner)
-            self._peers[name] = (md, owners)
+            self._peers[name] = (md, host, owners)
             return name
 
-    def update_peer(self, name: str, metadata: bytes, owner: int) -> str:
-        """New metadata of a known host (it registered more memory)."""
-        return self.add_peer(metadata, owner)
+    def update_peer(self, old: str, metadata: bytes, owner: int, host: str) -> str:
+        """New metadata of connection `owner`; the peer it replaces is released."""
+        name = self.add_peer(metadata, owner, host)
+        if name != old:
+            self.drop_peer(old, owner)
+        return name
+
+    def peers(self) -> int:
+        with self._lock:
+            return len(self._peers)
 
     def drop_peer(self, name: str, owner: int) -> None:
         with self._lock:
             entry = self._peers.get(name)
             if entry is None:
                 return
-            entry[1].discard(owner)
-            if not entry[1]:
+            entry[2].discard(owner)
+            if not entry[2]:
                 del self._peers[name]
                 self._invalidate(name)
 
@@ -169,17 +189,29 @@ class Staging:
             pass
 
 
-def _split(server: "AgentServer", req: "Blocks", idx: Sequence[int], views: Sequence[Any]
-           ) -> tuple[list[int], list[int], list, list]:
+@dataclass(frozen=True)
+class Direct:
+    """What the zero-copy moves need, handed in by the server: the store's slot API, its arena
+    registered with NIXL, the NIXL agent, and the server's counter."""
+    store: SlotStore
+    arena: Arena
+    agent: Any
+    count: Callable[[str, int], None]
+
+
+def _split(arena: Arena, req: "Blocks", idx: Sequence[int],
+           slots: Sequence["Slot | None"]) -> tuple[list[int], list[int], list, list]:
     """Blocks with a store slot that NIXL reaches (inside the registered arena) and the rest;
     returns (direct, rest, local descriptors, remote descriptors)."""
-    arena = server.arena()
     direct, rest, local, remote = [], [], [], []
-    for i, v in zip(idx, views):
-        if v is None:
+    for i, s in zip(idx, slots):
+        if s is None:
             continue
-        addr, n = nixl_util.region_of(v)
-        if n != req.sizes[i] or arena is None or not arena.covers(addr, n):
+        if s.view is None:
+            rest.append(i)
+            continue
+        addr, n = nixl_util.region_of(s.view)
+        if n != req.sizes[i] or not arena.covers(addr, n):
             rest.append(i)
             continue
         direct.append(i)
@@ -191,48 +223,55 @@ def _split(server: "AgentServer", req: "Blocks", idx: Sequence[int], views: Sequ
     return direct, rest, local, remote
 
 
-def direct_put(server: "AgentServer", peer: str | None, req: "Blocks", todo: list[int],
+def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int],
                ok: list[bool], deadline: float) -> list[int]:
     """NIXL READs blocks straight into reserved store slots; returns the blocks left for the
     staging path (the store has no arena, or gave no slot)."""
-    store: Any = server.store
-    if not todo or peer is None or server.arena() is None:
+    if not todo or peer is None or d is None:
         return todo
-    views = store.reserve_views([req.keys[i] for i in todo], [req.sizes[i] for i in todo])
-    direct, rest, local, remote = _split(server, req, todo, views)
+    store = d.store
+    slots = store.reserve_slots([req.keys[i] for i in todo], [req.sizes[i] for i in todo])
+    slot_of = {i: s for i, s in zip(todo, slots) if s is not None}
+    direct, rest, local, remote = _split(d.arena, req, todo, slots)
     if rest:
-        store.commit_views([req.keys[i] for i in rest], [False] * len(rest))
-    rest += [i for i, v in zip(todo, views) if v is None]
+        store.abort_slots([slot_of[i] for i in rest])
+    rest += [i for i in todo if i not in slot_of]
     if direct:
         good = time.monotonic() < deadline and nixl_util.run_xfer(
-            server.mover.agent, "READ", local, remote, peer, deadline)
-        flags = store.commit_views([req.keys[i] for i in direct], [good] * len(direct))
+            d.agent, "READ", local, remote, peer, deadline)
+        mine = [slot_of[i] for i in direct]
+        if good:
+            flags = store.commit_slots(mine)
+        else:
+            store.abort_slots(mine)
+            flags = [False] * len(mine)
         for i, f in zip(direct, flags):
             ok[i] = f
         if good:
-            server.count("bytes_nixl_in", sum(req.sizes[i] for i in direct))
-            server.count("blocks_direct_in", len(direct))
+            d.count("bytes_nixl_in", sum(req.sizes[i] for i in direct))
+            d.count("blocks_direct_in", len(direct))
     return sorted(rest)
 
 
-def direct_get(server: "AgentServer", peer: str | None, req: "Blocks", ok: list[bool],
+def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool],
                deadline: float) -> list[int]:
     """NIXL WRITEs stored blocks straight from their pinned slots; returns the blocks left for
     the staging path."""
-    store: Any = server.store
-    if peer is None or server.arena() is None:
+    if peer is None or d is None:
         return list(range(len(req.keys)))
-    views = store.pin_views(req.keys)
-    direct, rest, local, remote = _split(server, req, range(len(req.keys)), views)
+    store = d.store
+    slots = store.pin_slots(req.keys)
+    slot_of = {i: s for i, s in enumerate(slots) if s is not None}
+    direct, rest, local, remote = _split(d.arena, req, range(len(req.keys)), slots)
     if rest:
-        store.unpin([req.keys[i] for i in rest], [False] * len(rest))
+        store.unpin_slots([slot_of[i] for i in rest], [False] * len(rest))
     if direct:
         good = time.monotonic() < deadline and nixl_util.run_xfer(
-            server.mover.agent, "WRITE", local, remote, peer, deadline)
-        store.unpin([req.keys[i] for i in direct], [good] * len(direct))
+            d.agent, "WRITE", local, remote, peer, deadline)
+        store.unpin_slots([slot_of[i] for i in direct], [good] * len(direct))
         for i in direct:
             ok[i] = good
         if good:
-            server.count("bytes_nixl_out", sum(req.sizes[i] for i in direct))
-            server.count("blocks_direct_out", len(direct))
+            d.count("bytes_nixl_out", sum(req.sizes[i] for i in direct))
+            d.count("blocks_direct_out", len(direct))
     return rest

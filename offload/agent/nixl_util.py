@@ -3,7 +3,8 @@
 Primitives: `import_nixl()` (sets `UCX_MODULES=^ib` unless already set, then imports `nixl`;
 raises `PathUnavailableError` when it is not installed), `make_agent(name)` (a thread-safe NIXL
 agent with the UCX backend), `region_of(buffer)` -> (address, nbytes) of any buffer-protocol object
-or torch CPU tensor, `run_xfer(agent, op, local, remote, peer, deadline)` -> bool (posts one
+or torch CPU tensor, `metadata_name(md)` -> the NIXL agent name a metadata blob carries (read without
+loading it), `run_xfer(agent, op, local, remote, peer, deadline)` -> bool (posts one
 transfer and polls it to completion or deadline, always releasing the handle).
 
 `UCX_MODULES=^ib`: without InfiniBand hardware UCX's ib module makes the process crash at exit on
@@ -113,6 +114,23 @@ def region_of(buf: Any) -> tuple[int, int]:
         return 0, 0
     arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
     return int(arr.ctypes.data), int(mv.nbytes)
+
+
+_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def metadata_name(md: bytes) -> str | None:
+    """The agent name in NIXL metadata (`nixlSerDes|Agent`, u64 LE length, name), or None."""
+    if not md.startswith(_MD_PREFIX) or len(md) < len(_MD_PREFIX) + 8:
+        return None
+    start = len(_MD_PREFIX) + 8
+    n = int.from_bytes(md[len(_MD_PREFIX):start], "little")
+    if n == 0 or n > 1024 or len(md) < start + n:
+        return None
+    try:
+        return md[start:start + n].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],

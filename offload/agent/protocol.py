@@ -5,6 +5,11 @@ Primitives:
   `MAGIC | version | 16-byte nonce`; both derive a per-connection key
   `HMAC-SHA256(secret, LABEL | server_nonce | client_nonce)`, so a frame recorded on one connection
   is worthless on another.
+- `accept_hello(sock, lookup, io_timeout, max_body)` -> (`Channel`, HELLO `Frame`): the agent's side of
+  the handshake *and* the first frame, which must be a HELLO of at most `PRE_AUTH_MAX_BODY` bytes;
+  its (still unauthenticated) host name selects the secret (`lookup(host)`, per-host credentials),
+  then its MAC is verified with the key derived from that secret. Everything before a verified
+  HELLO shares one deadline (`io_timeout`), so a peer trickling bytes is cut off.
 - `Channel.send(op, req_id, meta, payload)` / `Channel.recv(idle_timeout)` -> `Frame`. A frame is a
   fixed header `!4sBBHQQI` (magic, version, op, flags, request id, sequence, body length), the body,
   and an HMAC-SHA256 over (direction | header | body). Sequence numbers start at 1 per direction and
@@ -13,8 +18,11 @@ Primitives:
   decoded with msgspec into the op's typed Struct (no pickle, unknown fields rejected).
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
-Every socket operation has a timeout: `io_timeout` once a frame has started, `idle_timeout` while
-waiting for the next one.
+Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
+`io_timeout` (`recv`), and a client waits for its reply until its request's deadline
+(`recv(deadline=...)`, `send(deadline=...)`); `idle_timeout` bounds the wait for the next frame.
+The msgpack meta of a frame is at most `MAX_META_BYTES` (checked before decoding: the decoded size
+of a request is bounded by it) and a request names at most `MAX_DESCS_PER_REQUEST` descriptors.
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import hmac
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
-from typing import Annotated, Sequence, Type, TypeVar
+from typing import Annotated, Callable, Sequence, Type, TypeVar
 
 import msgspec
 
@@ -41,8 +50,12 @@ HANDSHAKE = struct.Struct("!4sB16s")
 HEADER = struct.Struct("!4sBBHQQI")
 META_LEN = struct.Struct("!I")
 DEFAULT_MAX_BODY = 64 << 20
+PRE_AUTH_MAX_BODY = 64 << 10       # a HELLO before its MAC is verified (larger NIXL md: METADATA)
+MAX_META_BYTES = 1 << 20           # msgpack meta of one frame (bounds a request's decoded size)
 MAX_KEYS = 4096
 MAX_DESCS_PER_BLOCK = 1024
+MAX_DESCS_PER_REQUEST = 32768
+HOST_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$"   # no '/', spaces, quotes or control chars
 
 # Ops. A reply carries the request's op with REPLY set; ERROR replies to anything.
 HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA = 1, 2, 3, 4, 5, 6, 7, 8
@@ -71,8 +84,11 @@ class Msg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pass
 
 
+HostName = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
+
+
 class Hello(Msg):
-    host: Annotated[str, msgspec.Meta(max_length=256)]
+    host: HostName
     transport: Annotated[str, msgspec.Meta(pattern="^(ucx|tcp)$")]
     nixl_md: bytes | None = None
 
@@ -114,8 +130,24 @@ class StatsReply(Msg):
     fields: dict[str, int | float | str]
 
 
-class NamespaceMsg(Msg):
-    fields: dict[str, int | str | bool]
+Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class RegisterNs(Msg):
+    """A namespace this host uses: its digest and the descriptive fields, never the salt."""
+    digest: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    model: Label
+    dtype: Annotated[str, msgspec.Meta(max_length=64)]
+    layout: Annotated[str, msgspec.Meta(max_length=64)]
+    page_size: Small
+    tp_rank: Small = 0
+    tp_size: Small = 1
+    pp_rank: Small = 0
+    pp_size: Small = 1
+    mla: bool = False
+    salted: bool = False
+    extra: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class Metadata(Msg):
@@ -128,7 +160,7 @@ class ErrorReply(Msg):
 
 REQUEST_TYPES: dict[int, Type[Msg]] = {
     HELLO: Hello, PUT: Blocks, GET: Blocks, EXISTS: KeyList, DELETE: KeyList, STATS: Empty,
-    REGISTER_NS: NamespaceMsg, METADATA: Metadata,
+    REGISTER_NS: RegisterNs, METADATA: Metadata,
 }
 REPLY_TYPES: dict[int, Type[Msg]] = {
     HELLO: HelloReply, PUT: Flags, GET: Flags, EXISTS: Flags, DELETE: Count, STATS: StatsReply,
@@ -155,19 +187,6 @@ class Frame:
             raise ProtocolError(f"bad {OP_NAMES.get(self.op & ~REPLY, self.op)} body: {e}") from None
 
 
-def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    """Read exactly n bytes (socket timeout applies to each recv); EOF midway is ProtocolError."""
-    buf = into if into is not None else bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        r = sock.recv_into(view[got:n], n - got)
-        if r == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
-        got += r
-    return buf
-
-
 class Channel:
     """One authenticated connection end. Not thread-safe: callers serialise send/recv."""
 
@@ -189,7 +208,7 @@ class Channel:
         return h.digest()
 
     def send(self, op: int, req_id: int, meta: Msg, payload: list[memoryview] | None = None,
-             flags: int = 0) -> None:
+             flags: int = 0, deadline: float | None = None) -> None:
         encoded = _ENCODER.encode(meta)
         parts: list[bytes | memoryview] = [META_LEN.pack(len(encoded)), encoded]
         parts += payload or []
@@ -199,29 +218,27 @@ class Channel:
         self._send_seq += 1
         header = HEADER.pack(FRAME_MAGIC, VERSION, op, flags, req_id, self._send_seq, body_len)
         mac = self._mac(self._out_dir, header, *parts)
-        self.sock.settimeout(self.io_timeout)
-        send_parts(self.sock, [header, *parts, mac])
+        send_parts(self.sock, [header, *parts, mac],
+                   deadline if deadline is not None else time.monotonic() + self.io_timeout)
 
-    def recv(self, idle_timeout: float | None = None) -> Frame:
-        self.sock.settimeout(idle_timeout if idle_timeout is not None else self.io_timeout)
+    def recv(self, idle_timeout: float | None = None, deadline: float | None = None) -> Frame:
+        """The next frame. Waits `idle_timeout` (default `io_timeout`) for it to start, then
+        `io_timeout` for all of it; with `deadline` (a client waiting for its reply) the whole
+        frame must have arrived by then."""
+        if deadline is not None:
+            _settimeout(self.sock, deadline)
+        else:
+            self.sock.settimeout(idle_timeout if idle_timeout is not None else self.io_timeout)
         first = self.sock.recv(1)
         if not first:
             raise EOFError("peer closed the connection")
-        self.sock.settimeout(self.io_timeout)
-        header = bytearray(HEADER.size)
-        header[0:1] = first
-        recv_exact_into(self.sock, memoryview(header)[1:])
-        magic, version, op, flags, req_id, seq, body_len = HEADER.unpack(header)
-        if magic != FRAME_MAGIC:
-            raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
-        if version != VERSION:
-            raise ProtocolError(f"protocol version {version} (this side speaks {VERSION})")
-        if body_len > self.max_body:
-            raise ProtocolError(f"frame body of {body_len} bytes exceeds the limit {self.max_body}")
-        if body_len < META_LEN.size:
-            raise ProtocolError(f"frame body of {body_len} bytes is too short")
-        body = recv_exact(self.sock, body_len + MAC_BYTES)
-        view = memoryview(body)
+        end = deadline if deadline is not None else time.monotonic() + self.io_timeout
+        header, body_len, view = read_frame(self.sock, first, self.max_body, end)
+        return self.open(header, body_len, view)
+
+    def open(self, header: bytes | bytearray, body_len: int, view: memoryview) -> Frame:
+        """Verify a frame read by `read_frame` (MAC, sequence, meta bound) and split its body."""
+        _, _, op, flags, req_id, seq, _ = HEADER.unpack(header)
         mac = view[body_len:]
         if not hmac.compare_digest(self._mac(self._in_dir, header, view[:body_len]), mac):
             raise AuthError("frame MAC does not verify (wrong secret, tampered or replayed)")
@@ -231,14 +248,46 @@ class Channel:
         (meta_len,) = META_LEN.unpack_from(view)
         if META_LEN.size + meta_len > body_len:
             raise ProtocolError(f"meta length {meta_len} runs past the body ({body_len} bytes)")
+        if meta_len > MAX_META_BYTES:
+            raise ProtocolError(f"meta of {meta_len} bytes exceeds the limit {MAX_META_BYTES}")
         meta = view[META_LEN.size:META_LEN.size + meta_len]
         return Frame(op, flags, req_id, meta, view[META_LEN.size + meta_len:body_len])
 
 
-def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """Send every part (vectored; sendmsg may stop short on a socket with a timeout)."""
+def _settimeout(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float
+               ) -> tuple[bytearray, int, memoryview]:
+    """The rest of a frame whose first byte was read: (header, body length, body + MAC), all of
+    it by `deadline`. The header is checked (magic, version, `max_body`) before the body is read."""
+    header = bytearray(HEADER.size)
+    header[0:1] = first
+    recv_exact_into(sock, memoryview(header)[1:], deadline)
+    magic, version, _, _, _, _, body_len = HEADER.unpack(header)
+    if magic != FRAME_MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} (this side speaks {VERSION})")
+    if body_len > max_body:
+        raise ProtocolError(f"frame body of {body_len} bytes exceeds the limit {max_body}")
+    if body_len < META_LEN.size:
+        raise ProtocolError(f"frame body of {body_len} bytes is too short")
+    body = bytearray(body_len + MAC_BYTES)
+    recv_exact_into(sock, memoryview(body), deadline)
+    return header, body_len, memoryview(body)
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
+    """Send every part by `deadline` (vectored; sendmsg may stop short on a socket with a
+    timeout)."""
     views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
     while views:
+        _settimeout(sock, deadline)
         sent = sock.sendmsg(views[:64])
         while sent and views:
             if sent >= views[0].nbytes:
@@ -249,9 +298,11 @@ def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
                 sent = 0
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` by `deadline` (one deadline for all of it, not one per recv)."""
     got = 0
     while got < view.nbytes:
+        _settimeout(sock, deadline)
         r = sock.recv_into(view[got:])
         if r == 0:
             raise ProtocolError(f"connection closed after {got} of {view.nbytes} bytes")
@@ -262,12 +313,13 @@ def _derive(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(secret, LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def _read_hello(sock: socket.socket) -> bytes:
+def _read_hello(sock: socket.socket, deadline: float) -> bytes:
     buf = bytearray(HANDSHAKE.size)
+    _settimeout(sock, deadline)
     if sock.recv_into(memoryview(buf)[:1], 1) == 0:
         # A bare connect-and-close (a reachability probe such as `detect`) is not an attack.
         raise EOFError("peer closed before the handshake")
-    recv_exact_into(sock, memoryview(buf)[1:])
+    recv_exact_into(sock, memoryview(buf)[1:], deadline)
     magic, version, nonce = HANDSHAKE.unpack(buf)
     if magic != HANDSHAKE_MAGIC:
         raise ProtocolError(f"not an sglang-offload agent peer (magic {bytes(magic)!r})")
@@ -278,37 +330,74 @@ def _read_hello(sock: socket.socket) -> bytes:
 
 def handshake_server(sock: socket.socket, secret: bytes, io_timeout: float,
                      max_body: int = DEFAULT_MAX_BODY) -> Channel:
-    sock.settimeout(io_timeout)
+    deadline = time.monotonic() + io_timeout
     server_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(HANDSHAKE.pack(HANDSHAKE_MAGIC, VERSION, server_nonce))
-    client_nonce = _read_hello(sock)
+    send_parts(sock, [HANDSHAKE.pack(HANDSHAKE_MAGIC, VERSION, server_nonce)], deadline)
+    client_nonce = _read_hello(sock, deadline)
     return Channel(sock, _derive(secret, server_nonce, client_nonce), is_server=True,
                    io_timeout=io_timeout, max_body=max_body)
 
 
+def accept_hello(sock: socket.socket, lookup: Callable[[str], bytes | None], io_timeout: float,
+                 max_body: int = DEFAULT_MAX_BODY) -> tuple[Channel, Frame]:
+    """The agent's handshake and first frame, all within `io_timeout`: a HELLO of at most
+    `PRE_AUTH_MAX_BODY` bytes whose host name selects the secret (`lookup`; None: unknown host)
+    and whose MAC must verify with it. Raises ProtocolError / AuthError / TimeoutError / EOFError."""
+    deadline = time.monotonic() + io_timeout
+    server_nonce = os.urandom(NONCE_BYTES)
+    send_parts(sock, [HANDSHAKE.pack(HANDSHAKE_MAGIC, VERSION, server_nonce)], deadline)
+    client_nonce = _read_hello(sock, deadline)
+    _settimeout(sock, deadline)
+    first = sock.recv(1)
+    if not first:
+        raise EOFError("peer closed before its hello")
+    header, body_len, view = read_frame(sock, first, PRE_AUTH_MAX_BODY, deadline)
+    op = HEADER.unpack(header)[2]
+    if op != HELLO:
+        raise ProtocolError(f"first frame is {OP_NAMES.get(op, op)}, expected hello")
+    (meta_len,) = META_LEN.unpack_from(view)
+    if META_LEN.size + meta_len > body_len:
+        raise ProtocolError(f"meta length {meta_len} runs past the body ({body_len} bytes)")
+    try:     # read before the MAC is checked (it names the secret); verified just below
+        claimed = _DECODERS[Hello].decode(view[META_LEN.size:META_LEN.size + meta_len])
+    except msgspec.MsgspecError as e:
+        raise ProtocolError(f"bad hello body: {e}") from None
+    secret = lookup(claimed.host)
+    if secret is None:
+        raise AuthError(f"unknown host {claimed.host!r} (not in the agent's keys file)")
+    ch = Channel(sock, _derive(secret, server_nonce, client_nonce), is_server=True,
+                 io_timeout=io_timeout, max_body=max_body)
+    return ch, ch.open(header, body_len, view)
+
+
 def handshake_client(sock: socket.socket, secret: bytes, io_timeout: float,
                      max_body: int = DEFAULT_MAX_BODY) -> Channel:
-    sock.settimeout(io_timeout)
-    server_nonce = _read_hello(sock)
+    deadline = time.monotonic() + io_timeout
+    server_nonce = _read_hello(sock, deadline)
     client_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(HANDSHAKE.pack(HANDSHAKE_MAGIC, VERSION, client_nonce))
+    send_parts(sock, [HANDSHAKE.pack(HANDSHAKE_MAGIC, VERSION, client_nonce)], deadline)
     return Channel(sock, _derive(secret, server_nonce, client_nonce), is_server=False,
                    io_timeout=io_timeout, max_body=max_body)
 
 
 def pack(idx: Sequence[int], sizes: Sequence[int], max_bytes: int,
-         max_keys: int | None = None) -> list[list[int]]:
-    """Indices in order, cut into groups of at most `max_bytes` (and `max_keys`); a block larger
-    than `max_bytes` gets a group of its own. Requests (client) and staging groups (agent)."""
+         max_keys: int | None = None, counts: Sequence[int] | None = None,
+         max_count: int = MAX_DESCS_PER_REQUEST) -> list[list[int]]:
+    """Indices in order, cut into groups of at most `max_bytes` (and `max_keys`, and `max_count`
+    summed over `counts`, e.g. descriptors per block); a block larger than `max_bytes` gets a
+    group of its own. Requests (client) and staging groups (agent)."""
     out: list[list[int]] = []
     cur: list[int] = []
-    used = 0
+    used = n = 0
     for i in idx:
-        if cur and (used + sizes[i] > max_bytes or (max_keys is not None and len(cur) >= max_keys)):
+        c = counts[i] if counts is not None else 0
+        if cur and (used + sizes[i] > max_bytes or (max_keys is not None and len(cur) >= max_keys)
+                    or n + c > max_count):
             out.append(cur)
-            cur, used = [], 0
+            cur, used, n = [], 0, 0
         cur.append(i)
         used += sizes[i]
+        n += c
     if cur:
         out.append(cur)
     return out

@@ -1,14 +1,18 @@
 """The storage agent: owns one block store and serves many inference hosts over TCP.
 
-Primitives: `AgentServer(store, secret, host, port, ...)`; `.start()` binds and listens (port 0
-picks a free one, `.port` tells which), `.serve_forever()` accepts until `.stop()`, each connection
-served by its own thread (`offload.agent.session.Session`). With `transport="ucx"` one NIXL agent
+Primitives: `AgentServer(store, access, host, port, ...)` (`access`: an `offload.agent.access.
+Access`, or a shared secret's bytes); `.start()` binds and listens (port 0 picks a free one,
+`.port` tells which), `.serve_forever()` accepts until `.stop()`, each connection served by its
+own thread (`offload.agent.session.Session`). With `transport="ucx"` one NIXL agent
 (`offload.agent.mover.Mover`) moves the bytes of every host that registered its memory; with
 "tcp" NIXL is never imported and bytes travel on the connections.
-Limits: `max_clients` connections at once (more are closed at accept, logged), `max_body` bytes per
-frame, `max_block` bytes per block, `staging_size` bytes of staging per NIXL connection.
-A store with an arena and the slot API (the DRAM tier, `MemoryStore(reserve>0)`) gets it registered
-with NIXL (`.arena()`), and its blocks move with no staging copy.
+Limits: `max_pending` connections not yet authenticated (more are closed at accept), then
+`max_clients` authenticated ones (`admit`); `max_body` bytes per frame (`protocol.
+PRE_AUTH_MAX_BODY` before a verified HELLO), `max_block` bytes per block, `staging_size` bytes of
+staging per NIXL connection. An `accept` error (EMFILE: out of descriptors) is logged and
+retried after `ACCEPT_BACKOFF_S`; the agent keeps serving the connections it has.
+A `SlotStore` with an arena (the DRAM tier, `MemoryStore(reserve>0)`) gets it registered with
+NIXL (`.direct()`), and its blocks move with no staging copy.
 """
 
 from __future__ import annotations
@@ -17,30 +21,36 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from offload.agent import protocol
+from offload.agent.access import Access
 from offload.agent.session import Session
-from offload.store.base import BlockStore
+from offload.store.base import BlockStore, SlotStore
 
 if TYPE_CHECKING:
-    from offload.agent.mover import Arena
+    from offload.agent.mover import Arena, Direct, Mover
 
 log = logging.getLogger("offload.agent")
+ACCEPT_BACKOFF_S = 0.2
+LOG_EVERY_S = 5.0          # repeated rejections of one kind are logged at most this often
 
 
 class AgentServer:
-    def __init__(self, store: BlockStore, secret: bytes, host: str = "0.0.0.0", port: int = 0, *,
-                 transport: str = "ucx", max_clients: int = 64, max_body: int = protocol.DEFAULT_MAX_BODY,
+    def __init__(self, store: BlockStore, access: Access | bytes, host: str = "0.0.0.0",
+                 port: int = 0, *, transport: str = "ucx", max_clients: int = 64,
+                 max_pending: int = 16, max_body: int = protocol.DEFAULT_MAX_BODY,
                  staging_size: int = 64 << 20, io_timeout: float = 30.0,
                  idle_timeout: float = 3600.0, name: str | None = None):
         self.store = store
-        self.secret = secret
+        self.access = access if isinstance(access, Access) else Access.shared(access)
         self.host = host
         self.port = port
         self.transport = transport
         self.max_clients = max_clients
+        self.max_pending = max_pending
         self.max_body = int(max_body)
         self.staging_size = int(staging_size)
         self.max_block = min(staging_size // 2, max_body - (1 << 16))
@@ -48,13 +58,16 @@ class AgentServer:
         self.idle_timeout = idle_timeout
         self.name = name or f"sglang-offload-agent-{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
-        self.mover = None
+        self.mover: "Mover | None" = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._sessions: dict[int, threading.Thread] = {}
+        self._pending = 0            # accepted, not yet authenticated
+        self._active = 0             # authenticated
         self._next_id = 0
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
+        self._logged: dict[str, tuple[float, int]] = {}
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -64,16 +77,53 @@ class AgentServer:
         with self._lock:
             return dict(self._counters)
 
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        """Log a warning, at most once per LOG_EVERY_S per kind (a flood must not flood the log)."""
+        now = time.monotonic()
+        with self._lock:
+            last, skipped = self._logged.get(kind, (0.0, 0))
+            if now - last < LOG_EVERY_S:
+                self._logged[kind] = (last, skipped + 1)
+                return
+            self._logged[kind] = (now, 0)
+        log.warning(msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
+
     def arena(self) -> "Arena | None":
         """The store's arena registered with NIXL (zero-copy moves), if the store has one."""
         from offload.agent.mover import Arena
 
         with self._lock:
             if self._arena is None and self.mover is not None:
-                region = getattr(self.store, "arena_region", lambda: None)()
-                ok = region is not None and hasattr(self.store, "reserve_views")
-                self._arena = Arena(self.mover, *region) if ok else False
+                store = self.store
+                region = store.arena_region() if isinstance(store, SlotStore) else None
+                self._arena = Arena(self.mover, *region) if region is not None else False
             return self._arena if isinstance(self._arena, Arena) else None
+
+    def direct(self) -> "Direct | None":
+        """What the zero-copy moves need (`offload.agent.mover.direct_put/get`), if possible."""
+        from offload.agent.mover import Direct
+
+        arena = self.arena()
+        if arena is None or self.mover is None or not isinstance(self.store, SlotStore):
+            return None
+        return Direct(self.store, arena, self.mover.agent, self.count)
+
+    # ---------------------------------------------------------------- connections
+    def admit(self) -> bool:
+        """A pending connection authenticated: True if it may stay (under `max_clients`)."""
+        with self._lock:
+            self._pending -= 1
+            if self._active >= self.max_clients:
+                return False
+            self._active += 1
+            return True
+
+    def release(self, authenticated: bool) -> None:
+        with self._lock:
+            if authenticated:
+                self._active -= 1
+            else:
+                self._pending -= 1
 
     def start(self) -> None:
         if self.transport == "ucx":
@@ -87,8 +137,8 @@ class AgentServer:
         sock.listen(128)
         self.port = sock.getsockname()[1]
         self._sock = sock
-        log.info("agent %s listening on %s:%d (transport %s)", self.name, self.host, self.port,
-                    self.transport)
+        log.info("agent %s listening on %s:%d (transport %s, %s)", self.name, self.host, self.port,
+                 self.transport, self.access.mode)
 
     def serve_forever(self) -> None:
         assert self._sock is not None, "start() first"
@@ -98,28 +148,42 @@ class AgentServer:
                 conn, addr = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as e:
                 if self.stopping:
                     break
-                raise
-            peer = f"{addr[0]}:{addr[1]}"
-            with self._lock:
-                self._sessions = {k: t for k, t in self._sessions.items() if t.is_alive()}
-                full = len(self._sessions) >= self.max_clients
-                self._next_id += 1
-                conn_id = self._next_id
-            if full:
-                self.count("rejected_full")
-                log.warning("rejected %s: %d connections already (--max-clients)", peer,
-                            self.max_clients)
-                conn.close()
+                self.count("accept_errors")
+                self.warn("accept", "accept failed (%s); retrying in %.1fs", e.strerror or e,
+                          ACCEPT_BACKOFF_S)
+                time.sleep(ACCEPT_BACKOFF_S)
                 continue
+            self._serve(conn, f"{addr[0]}:{addr[1]}")
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        with self._lock:
+            self._sessions = {k: t for k, t in self._sessions.items() if t.is_alive()}
+            full = self._pending >= self.max_pending
+            if not full:
+                self._pending += 1
+            self._next_id += 1
+            conn_id = self._next_id
+        if full:
+            self.count("rejected_pending")
+            self.warn("pending", "rejected %s: %d connections still authenticating", peer,
+                      self.max_pending)
+            conn.close()
+            return
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t = threading.Thread(target=Session(self, conn, peer, conn_id).run,
                                  name=f"agent-conn-{conn_id}", daemon=True)
             with self._lock:
                 self._sessions[conn_id] = t
             t.start()
+        except (OSError, RuntimeError) as e:     # no thread or socket left: drop this one
+            self.release(False)
+            self.count("accept_errors")
+            self.warn("spawn", "cannot serve %s: %s", peer, e)
+            conn.close()
 
     def stop(self) -> None:
         self.stopping = True

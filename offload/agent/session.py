@@ -1,8 +1,9 @@
 """One host connection on the agent: authenticate, then serve requests until it closes or errs.
 
 Primitives: `Session(server, sock, peer).run()`. The first frame must be an authenticated HELLO
-(host name, transport, NIXL metadata of the host's registered KV pool). Then each request is one
-frame and gets one reply:
+(host name, transport, NIXL metadata of the host's registered KV pool), small and complete within
+`io_timeout` (`protocol.accept_hello`); only then does the connection count as a client
+(`server.admit`). Then each request is one frame and gets one reply:
 - PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
   store writes the previous group (half B); blocks the store already holds are not read at all.
   With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
@@ -11,7 +12,9 @@ frame and gets one reply:
   NIXL WRITEs straight from the pinned slots.
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
-- EXISTS, DELETE, STATS, REGISTER_NS, METADATA.
+- EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
+  (newer NIXL metadata of this connection; the peer it replaces is released).
+Keys of a namespace the host is not entitled to make the whole request refused (ERROR reply).
 A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
 with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
 written into host memory after the host has given up on the request.
@@ -27,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from offload.agent import nixl_util, protocol
+from offload.agent.access import AccessError
 from offload.agent.mover import direct_get, direct_put
-from offload.keys import Namespace
 
 if TYPE_CHECKING:
     from offload.agent.mover import Staging
@@ -48,6 +51,7 @@ class Session:
         self.peer = peer
         self.conn_id = conn_id
         self.host = "?"
+        self.admitted = False
         self.nixl_peer: str | None = None
         self.staging: "Staging | None" = None
         self._pool: ThreadPoolExecutor | None = None
@@ -56,12 +60,16 @@ class Session:
     def run(self) -> None:
         srv = self.server
         try:
-            ch = protocol.handshake_server(self.sock, srv.secret, srv.io_timeout, srv.max_body)
-            frame = ch.recv()
-            if frame.op != protocol.HELLO:
-                raise protocol.ProtocolError(f"first frame is {protocol.OP_NAMES.get(frame.op, frame.op)}, "
-                                      "expected hello")
-            self._hello(ch, frame)
+            ch, frame = protocol.accept_hello(self.sock, srv.access.secret, srv.io_timeout,
+                                              srv.max_body)
+            hello = frame.decode(protocol.Hello)
+            self.admitted = srv.admit()
+            if not self.admitted:
+                srv.count("rejected_full")
+                srv.warn("full", "rejected %s (host %s): %d clients already (--max-clients)",
+                         self.peer, hello.host, srv.max_clients)
+                return
+            self._hello(ch, hello, frame.req_id)
             while not srv.stopping:
                 try:
                     frame = ch.recv(idle_timeout=srv.idle_timeout)
@@ -70,13 +78,15 @@ class Session:
                 self._dispatch(ch, frame)
         except protocol.AuthError as e:
             srv.count("rejected_auth")
-            log.warning("rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
+            srv.warn("auth", "rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
         except protocol.ProtocolError as e:
             srv.count("rejected_frame")
-            log.warning("rejected %s (host %s): bad frame: %s", self.peer, self.host, e)
+            srv.warn("frame" if self.admitted else "frame-pre-auth",
+                     "rejected %s (host %s): bad frame: %s", self.peer, self.host, e)
         except TimeoutError:
             srv.count("timeouts")
-            log.warning("closed %s (host %s): timed out", self.peer, self.host)
+            srv.warn("timeout" if self.admitted else "timeout-pre-auth",
+                     "closed %s (host %s): timed out", self.peer, self.host)
         except (EOFError, OSError) as e:
             log.info("connection %s (host %s) ended: %s", self.peer, self.host, e)
         except Exception:  # noqa: BLE001 - one connection's bug must not stop the agent
@@ -84,6 +94,7 @@ class Session:
             log.exception("connection %s (host %s) failed", self.peer, self.host)
         finally:
             self.close()
+            srv.release(self.admitted)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -101,20 +112,19 @@ class Session:
             pass
 
     # ---------------------------------------------------------------- requests
-    def _hello(self, ch: protocol.Channel, frame: protocol.Frame) -> None:
-        hello = frame.decode(protocol.Hello)
-        self.host = hello.host
+    def _hello(self, ch: protocol.Channel, hello: protocol.Hello, req_id: int) -> None:
+        self.host = hello.host          # a safe name: protocol.HOST_PATTERN
         nixl_ok = False
         if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
             try:
-                self.nixl_peer = self.server.mover.add_peer(hello.nixl_md, self.conn_id)
+                self.nixl_peer = self.server.mover.add_peer(hello.nixl_md, self.conn_id, self.host)
                 nixl_ok = True
             except Exception as e:  # noqa: BLE001 - falls back to bytes on the connection
                 log.warning("host %s (%s): NIXL metadata unusable, bytes will travel on the "
                             "control connection: %s", self.host, self.peer, e)
         log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
                  hello.transport, nixl_ok)
-        ch.send(protocol.HELLO | protocol.REPLY, frame.req_id, protocol.HelloReply(
+        ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
             agent=self.server.name, max_body=self.server.max_body, max_keys=protocol.MAX_KEYS,
             max_block=self.server.max_block, nixl=nixl_ok))
 
@@ -127,6 +137,10 @@ class Session:
         store = self.server.store
         payload: list[memoryview] = []
         try:
+            keys = getattr(msg, "keys", None)
+            why = None if keys is None else self.server.access.refused(self.host, keys)
+            if why is not None:
+                raise RequestError(why)
             if op == protocol.PUT:
                 reply: protocol.Msg = protocol.Flags(self._put(msg, frame.payload))   # type: ignore[arg-type]
             elif op == protocol.GET:
@@ -140,20 +154,21 @@ class Session:
                 reply = protocol.StatsReply(self._stats())
             elif op == protocol.REGISTER_NS:
                 try:
-                    store.register_namespace(Namespace(**msg.fields))    # type: ignore[attr-defined]
-                except TypeError as e:
-                    raise RequestError(f"bad namespace: {e}") from None
+                    ns = self.server.access.register(self.host, msg)     # type: ignore[arg-type]
+                except AccessError as e:
+                    raise RequestError(str(e)) from None
+                store.register_namespace(ns)
                 reply = protocol.Empty()
             else:  # METADATA
                 if self.server.mover is None:
                     raise RequestError("this agent runs without NIXL (--transport tcp)")
+                md = msg.nixl_md                                         # type: ignore[attr-defined]
                 try:
                     if self.nixl_peer is None:
-                        self.nixl_peer = self.server.mover.add_peer(
-                            msg.nixl_md, self.conn_id)                   # type: ignore[attr-defined]
+                        self.nixl_peer = self.server.mover.add_peer(md, self.conn_id, self.host)
                     else:
                         self.nixl_peer = self.server.mover.update_peer(
-                            self.nixl_peer, msg.nixl_md, self.conn_id)   # type: ignore[attr-defined]
+                            self.nixl_peer, md, self.conn_id, self.host)
                 except Exception as e:  # noqa: BLE001
                     raise RequestError(f"NIXL metadata unusable: {e}") from None
                 reply = protocol.Empty()
@@ -175,6 +190,8 @@ class Session:
                 out[f.name] = v if type(v) in (int, float) else (
                     int(v) if isinstance(v, int) else float(v))
         out.update({f"agent_{k}": v for k, v in self.server.counters().items()})
+        if self.server.mover is not None:
+            out["agent_nixl_peers"] = self.server.mover.peers()
         return out
 
     def _check(self, req: protocol.Blocks) -> None:
@@ -187,6 +204,10 @@ class Session:
                 raise RequestError(f"block of {size} bytes exceeds the agent's limit "
                                    f"{self.server.max_block}")
         if req.descs is not None:
+            total = sum(len(d) for d in req.descs)
+            if total > protocol.MAX_DESCS_PER_REQUEST:
+                raise RequestError(f"{total} descriptors in one request; the limit is "
+                                   f"{protocol.MAX_DESCS_PER_REQUEST}")
             for size, descs in zip(req.sizes, req.descs):
                 if sum(d[1] for d in descs) != size:
                     raise RequestError("descriptor lengths do not add up to the block size")
@@ -228,7 +249,7 @@ class Session:
         present = store.exists_many(req.keys)
         ok = list(present)
         todo = [i for i, p in enumerate(present) if not p]
-        todo = direct_put(self.server, self.nixl_peer, req, todo, ok, deadline)
+        todo = direct_put(self.server.direct(), self.nixl_peer, req, todo, ok, deadline)
         if not todo:
             return ok
         staging = self._staging()
@@ -305,7 +326,7 @@ class Session:
             return flags, out
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
-        rest = direct_get(self.server, self.nixl_peer, req, ok, deadline)
+        rest = direct_get(self.server.direct(), self.nixl_peer, req, ok, deadline)
         if not rest:
             return ok, []
         staging = self._staging()

@@ -22,7 +22,6 @@ ratios to the stock backend and to raw; `--check` exits 1 if the project targets
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,29 +29,29 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-from offload.bench.plot import emit
+from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
 
 TOKENS, LAYERS, HEADS, HEAD_DIM = 64, 32, 8, 128
 TARGETS = {"write_vs_stock": 3.0, "read_vs_stock": 1.8, "write_vs_raw": 0.85,
            "read_vs_raw": 0.85, "exists_us_per_key": 2.0}
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp "
-                   "dir under $TMPDIR); everything written is removed at the end")
-    p.add_argument("--pages", type=int, default=256,
-                   help="pages of 8 MiB to move (default 256 = 2 GiB)")
-    p.add_argument("--layout", default="page_first",
-                   choices=["page_first", "page_first_direct", "layer_first"],
-                   help="host pool layout (default page_first)")
-    p.add_argument("--threads", type=int, default=8, help="I/O threads of our store")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 if a target is missed: " + ", ".join(
-                       f"{k} {'<=' if k.endswith('key') else '>='} {v}"
-                       for k, v in TARGETS.items()))
+OPTIONS = (
+    Option(("--dir",), "directory on the disk to measure (default: a temp dir under $TMPDIR); "
+           "everything written is removed at the end"),
+    Option(("--pages",), "pages of 8 MiB to move (default 256 = 2 GiB)", 256, int),
+    Option(("--layout",), "host pool layout (default page_first)", "page_first",
+           choices=LAYOUTS),
+    Option(("--threads",), "I/O threads of our store", 8, int),
+    Option(("--family",), "KV plus one model family's sidecar pool through the v2 interface, "
+           "beside the stock file backend (offload.bench.families)", None,
+           choices=("mha", "draft", "indexer", "mamba", "swa")),
+    JSON,
+    Option(("--check",), "exit 1 if a target is missed: " + ", ".join(
+        f"{k} {'<=' if k.endswith('key') else '>='} {v}" for k, v in TARGETS.items()), flag=True),
+)
 
 
 def _quiet_sglang() -> None:
@@ -132,12 +131,6 @@ def exists_batches(keys: list[str]) -> list[list[str]]:
     return [cycled[i:i + STORAGE_BATCH_SIZE] for i in range(0, n, STORAGE_BATCH_SIZE)]
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def bench_ours(root: str, pool: Any, keys: list[str], threads: int) -> dict[str, float]:
     import torch
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -168,21 +161,23 @@ def bench_ours(root: str, pool: Any, keys: list[str], threads: int) -> dict[str,
 
     try:
         want = page_digests(pool)
-        write_s = _timed(write)
+        write_s = timed(write)
         probe = exists_batches(keys)
-        rounds, exists_s = 0, 0.0
-        while exists_s < 0.3 and rounds < 1000:
-            t = time.perf_counter()
+
+        def exists_round() -> None:
             for batch in probe:
                 if backend.batch_exists(batch) != len(batch):
                     raise RuntimeError("offload: batch_exists missed")
-            exists_s += time.perf_counter() - t
+
+        rounds, exists_s = 0, 0.0
+        while exists_s < 0.3 and rounds < 1000:
+            exists_s += timed(exists_round)
             rounds += 1
         o_direct = bool(backend.store.stats().extra.get("o_direct"))
         if not o_direct:
-            _drop_cache(os.path.join(root, "offload"), lambda n: n.endswith(".slab"))
+            drop_cache(os.path.join(root, "offload"), ".slab")
         pool.kv_buffer.zero_()
-        read_s = _timed(read)
+        read_s = timed(read)
         if page_digests(pool) != want:
             raise RuntimeError("offload: pages read back differ from those written")
     finally:
@@ -190,31 +185,6 @@ def bench_ours(root: str, pool: Any, keys: list[str], threads: int) -> dict[str,
     return {"write_gbps": total / write_s / 1e9, "read_gbps": total / read_s / 1e9,
             "exists_us_per_key": exists_s / (rounds * sum(map(len, probe))) * 1e6,
             "o_direct": o_direct}
-
-
-def _drop_cache(directory: str, match: Callable[[str], bool]) -> None:
-    for name in os.listdir(directory):
-        if match(name):
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _fsync_dir_files(directory: str) -> None:
-    for name in os.listdir(directory):
-        if name.endswith(".bin"):
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def bench_stock(root: str, pool: Any, keys: list[str]) -> dict[str, float]:
@@ -231,7 +201,7 @@ def bench_stock(root: str, pool: Any, keys: list[str]) -> dict[str, float]:
             data = [pool.get_data_page(i * TOKENS) for i in range(a, b)]
             if not backend.batch_set(keys[a:b], data):
                 raise RuntimeError("stock: batch_set failed")
-        _fsync_dir_files(d)
+        fsync_files(d, ".bin")
 
     def read() -> None:
         for a, b in batches:
@@ -243,7 +213,7 @@ def bench_stock(root: str, pool: Any, keys: list[str]) -> dict[str, float]:
                 pool.set_from_flat_data_page(i * TOKENS, page)
 
     want = page_digests(pool)
-    write_s = _timed(write)
+    write_s = timed(write)
     probe = exists_batches(keys)
     t = time.perf_counter()
     rounds = 0
@@ -252,22 +222,24 @@ def bench_stock(root: str, pool: Any, keys: list[str]) -> dict[str, float]:
             backend.batch_exists(batch)
         rounds += 1
     exists_us = (time.perf_counter() - t) / (rounds * sum(map(len, probe))) * 1e6
-    _drop_cache(d, lambda n: n.endswith(".bin"))
+    drop_cache(d, ".bin")
     pool.kv_buffer.zero_()
-    read_s = _timed(read)
+    read_s = timed(read)
     if page_digests(pool) != want:
         raise RuntimeError("stock: pages read back differ from those written")
     return {"write_gbps": total / write_s / 1e9, "read_gbps": total / read_s / 1e9,
             "exists_us_per_key": exists_us}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Args) -> Outcome:
     from offload.bench.rawdisk import raw_bandwidth
     from offload.errors import OffloadError
 
     if args.pages < 1:
         raise OffloadError(f"--pages {args.pages}: use at least 1")
     _quiet_sglang()
+    if getattr(args, "family", None):
+        return _run_family(args)
     pool = build_pool(args.pages, args.layout)
     page_bytes = pool.get_size_per_token() * TOKENS
     total = args.pages * page_bytes
@@ -300,12 +272,34 @@ def run(args: argparse.Namespace) -> int:
     r = out["ratios"]
     out["targets_met"] = {k: (r[k] <= v if k.endswith("key") else r[k] >= v)
                           for k, v in TARGETS.items()}
-    emit("hicache", out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         _table(out)
-    return 1 if args.check and not all(out["targets_met"].values()) else 0
+    return Outcome(out, 1 if args.check and not all(out["targets_met"].values()) else 0)
+
+
+def _run_family(args: Args) -> Outcome:
+    from offload.bench.families import bench_family
+
+    root = tempfile.mkdtemp(prefix="sglo-bench-family-", dir=args.dir)
+    try:
+        out = bench_family(root, args.family, args.pages, args.layout, args.threads)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    r = out["ratios"]
+    out["targets_met"] = {k: r[k] >= TARGETS[k] for k in ("write_vs_stock", "read_vs_stock")}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"family {out['family']} ({out['pool']}): {out['pages']} KV pages of "
+              f"{out['kv_page_bytes'] >> 10} KiB + sidecar pages of "
+              f"{out['sidecar_page_bytes'] >> 10} KiB, {out['total_bytes'] / 1e9:.2f} GB")
+        for name, key in (("SGLang file backend", "stock_file"), ("offload backend", "offload")):
+            print(f"{name:22} write {out[key]['write_gbps']:6.2f} GB/s  "
+                  f"cold read {out[key]['read_gbps']:6.2f} GB/s")
+        print(f"offload vs stock: write {r['write_vs_stock']:.2f}x, read {r['read_vs_stock']:.2f}x")
+    return Outcome(out, 1 if args.check and not all(out["targets_met"].values()) else 0)
 
 
 def _table(out: dict[str, Any]) -> None:

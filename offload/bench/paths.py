@@ -14,41 +14,31 @@ dpu: the point of the DPU path is that the host CPU copies nothing. Each block s
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
-from offload.bench.plot import emit
+from offload.bench.common import JSON, Args, Option, Outcome, median_of, timed_cpu
 from offload.config import Size, StoreConfig, format_size
 
 SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20)
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="cache directory on the disk to measure "
-                   "(default: a temporary directory under $TMPDIR)")
-    p.add_argument("--total", default="512MiB", help="bytes moved per path and block size")
-    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
-                   help="block sizes, comma separated")
-    p.add_argument("--batch", type=int, default=8, help="blocks per put/get call")
-    p.add_argument("--paths", default="cpu,dpu,gds", help="paths to measure")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="alternating tries per block size (medians reported)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _timed(fn: Callable[[], list[bool]]) -> tuple[float, float, bool]:
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    ok = all(fn())
-    return time.perf_counter() - t0, time.process_time() - cpu0, ok
+OPTIONS = (
+    Option(("--dir",), "cache directory on the disk to measure (default: a temporary directory "
+           "under $TMPDIR)"),
+    Option(("--total",), "bytes moved per path and block size", "512MiB"),
+    Option(("--sizes",), "block sizes, comma separated", ",".join(format_size(s) for s in SIZES)),
+    Option(("--batch",), "blocks per put/get call", 8, int),
+    Option(("--paths",), "paths to measure", "cpu,dpu,gds"),
+    Option(("--repeat",), "alternating tries per block size (medians reported)", 3, int),
+    JSON,
+)
 
 
 def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag: bytes
@@ -66,16 +56,12 @@ def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag:
     wall = {"put": 0.0, "get": 0.0}
     cpu = {"put": 0.0, "get": 0.0}
     failed = 0
-    for r in range(rounds):
-        w, c, ok = _timed(lambda: store.put_many(keys[r], blocks))
-        wall["put"] += w
-        cpu["put"] += c
-        failed += not ok
-    for r in range(rounds):
-        w, c, ok = _timed(lambda: store.get_many(keys[r], blocks))
-        wall["get"] += w
-        cpu["get"] += c
-        failed += not ok
+    for op, fn in (("put", store.put_many), ("get", store.get_many)):
+        for r in range(rounds):
+            w, c, flags = timed_cpu(lambda: fn(keys[r], blocks))
+            wall[op] += w
+            cpu[op] += c
+            failed += not all(flags)
     gb = rounds * batch * size / 1e9
     return {"put_gbps": gb / wall["put"], "get_gbps": gb / wall["get"],
             "cpu_s_per_gb": (cpu["put"] + cpu["get"]) / (2 * gb), "failed_calls": failed}
@@ -152,7 +138,7 @@ class Agent:
             self.proc.kill()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Args) -> Outcome:
     os.environ.setdefault("UCX_MODULES", "^ib")
     sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
     total = int(Size.parse(args.total))
@@ -177,25 +163,13 @@ def run(args: argparse.Namespace) -> int:
                 if "gds" in paths:
                     row["gds"] = {"skipped": _gds_skip_reason()}
                 tries.append(row)
-            results["sizes"][format_size(size)] = _median(tries)
+            results["sizes"][format_size(size)] = median_of(tries)
     _ratios(results)
-    emit("paths", results)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
         _table(results)
-    return 0
-
-
-def _median(tries: list[Any]) -> Any:
-    """Leaf-wise median of the same-shaped results of several tries."""
-    first = tries[0]
-    if isinstance(first, dict):
-        return {k: _median([t[k] for t in tries if isinstance(t, dict) and k in t])
-                for k in first}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return statistics.median(tries)
-    return first
+    return Outcome(results)
 
 
 def _cpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, float]:

@@ -1,42 +1,29 @@
 """Bench report: throughput against block size per path, with the raw baseline, as a PNG.
 
 Primitives:
-- `emit(target, result)`: a benchmark hands over its result (the dict it prints with `--json`);
-  the dispatcher (`offload.commands.bench`) draws it when `--plot out.png` was given.
+- `draw(result, out, title)`: the dispatcher (`offload.commands.bench`) draws the result a
+  benchmark's `run` returned (the dict it prints with `--json`) when `--plot out.png` was given.
 - `series(result)`: the lines of any bench result (`store`, `paths`, `hicache`, `redis`; the kind
   is recognised from its shape): `Series(name, op, xs, ys, baseline)` with block sizes in bytes
   and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are drawn dashed.
-- `draw(result, out, title)`: two panels (read, write), log-2 block-size axis; matplotlib with
-  the Agg backend (headless), imported only here.
+- The drawing: two panels (read, write), log-2 block-size axis; matplotlib with the Agg backend
+  (headless), imported only here.
 - `bench plot RESULT.json --plot out.png`: the same from a saved `--json` result.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from offload.bench.common import Args, Option, Outcome
 from offload.config import Size, format_size
 from offload.errors import OffloadError
 
-_results: list[tuple[str, dict[str, Any]]] = []
 PATH_NAMES = {"cpu": "CPU staging", "gds": "GPUDirect Storage", "dpu": "DPU agent (memory)",
               "dpu_disk": "DPU agent (NVMe)", "raw_disk": "raw disk",
               "nixl_loopback": "NIXL loopback"}
-
-
-def emit(target: str, result: dict[str, Any]) -> None:
-    """Called by a benchmark with its final result (kept for the dispatcher's `--plot`)."""
-    _results.append((target, result))
-
-
-def take() -> tuple[str, dict[str, Any]] | None:
-    """The last emitted result (and forget them all)."""
-    last = _results[-1] if _results else None
-    _results.clear()
-    return last
 
 
 @dataclass
@@ -150,17 +137,18 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
     return out
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("result", help="a saved `sglang-offload bench TARGET --json` output")
-    p.add_argument("--plot", required=True, metavar="OUT.png", help="where to write the plot")
-    p.add_argument("--title", help="plot title")
+OPTIONS = (
+    Option(("result",), "a saved `sglang-offload bench TARGET --json` output"),
+    Option(("--plot",), "where to write the plot", required=True, metavar="OUT.png"),
+    Option(("--title",), "plot title"),
+)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Args) -> Outcome:
     try:
         with open(args.result) as f:
             result = json.load(f)
     except (OSError, ValueError) as e:
         raise OffloadError(f"{args.result}: cannot read a JSON bench result ({e})") from None
     print(draw(result, args.plot, args.title))
-    return 0
+    return Outcome(None)

@@ -11,7 +11,6 @@ With no `--url` it starts its own `redis-server` (no persistence) in a temporary
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -20,22 +19,21 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from offload.bench.plot import emit
+from offload.bench.common import Args, Option, Outcome, timed
 from offload.config import Size, format_size, load_offload
 from offload.errors import OffloadError, StoreError
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="Redis to measure (default: start a private redis-server)")
-    p.add_argument("--sizes", default="1MiB,4MiB,8MiB", help="block sizes, comma-separated")
-    p.add_argument("--total", default="256MiB", help="bytes written per size and round")
-    p.add_argument("--batch", type=int, default=8, help="blocks per pipelined batch")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per size (best one is kept)")
-    p.add_argument("--min-ratio", type=float, default=None,
-                   help="exit 1 if ours/raw at 4MiB (set or get) is below this")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+OPTIONS = (
+    Option(("--url",), "Redis to measure (default: start a private redis-server)"),
+    Option(("--sizes",), "block sizes, comma-separated", "1MiB,4MiB,8MiB"),
+    Option(("--total",), "bytes written per size and round", "256MiB"),
+    Option(("--batch",), "blocks per pipelined batch", 8, int),
+    Option(("--rounds",), "rounds per size (best one is kept)", 3, int),
+    Option(("--min-ratio",), "exit 1 if ours/raw at 4MiB (set or get) is below this", None, float),
+    Option(("--json",), "print the results as JSON", flag=True),
+)
 
 
 def _free_port() -> int:
@@ -71,10 +69,8 @@ def private_redis() -> Iterator[str]:
             proc.wait(10)
 
 
-def _rate(nbytes: int, fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return nbytes / (time.perf_counter() - t) / 1e9
+def _rate(nbytes: int, fn: Callable[[], None]) -> float:
+    return nbytes / timed(fn) / 1e9
 
 
 def _measure(url: str, size: int, count: int, batch: int, rounds: int) -> dict[str, Any]:
@@ -166,7 +162,7 @@ def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, f
     return res or None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Args) -> Outcome:
     try:
         sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
         total = int(Size.parse(args.total))
@@ -181,9 +177,9 @@ def run(args: argparse.Namespace) -> int:
             row = _measure(url, size, count, args.batch, args.rounds)
             row["redis_benchmark"] = _redis_benchmark(url, size, count, args.batch)
             rows.append(row)
-    emit("redis", {"url": url, "rows": rows})
+    result = {"url": url, "rows": rows}
     if args.json:
-        print(json.dumps({"url": url, "rows": rows}, indent=2))
+        print(json.dumps(result, indent=2))
     else:
         print(f"Redis tier vs raw redis-py on the same server ({url}), best of {args.rounds}, "
               f"batch {args.batch}")
@@ -198,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
     if args.min_ratio is not None:
         low = [r for r in rows if r["block"] == 4 << 20
                and min(r["set_ratio"], r["get_ratio"]) < args.min_ratio]
-        return 1 if low else 0
-    return 0
+        return Outcome(result, 1 if low else 0)
+    return Outcome(result)
 
 
 @contextmanager

@@ -13,7 +13,6 @@ the time to reopen the store (lock, integrity check, reclaim, load of the key se
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -24,41 +23,29 @@ import sys
 import tempfile
 import time
 
-from offload.bench.plot import emit
+from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, median_of, timed
 from offload.config import Size, StoreConfig, format_size
 
 SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp "
-                   "dir under $TMPDIR)")
-    p.add_argument("--total", default="1GiB", help="bytes written per block size (default 1GiB)")
-    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
-                   help="comma-separated block sizes")
-    p.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
-    p.add_argument("--threads", type=int, default=8, help="store I/O threads")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="tries per block size, alternating with the raw disk (medians reported)")
-    p.add_argument("--lookup-blocks", type=int, default=1_000_000,
-                   help="index entries for the lookup/reopen figures (0 to skip)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+OPTIONS = (
+    Option(("--dir",), "directory on the disk to measure (default: a temp dir under $TMPDIR)"),
+    Option(("--total",), "bytes written per block size (default 1GiB)", "1GiB"),
+    Option(("--sizes",), "comma-separated block sizes", ",".join(format_size(s) for s in SIZES)),
+    Option(("--batch",), "blocks per put/get call", 32, int),
+    Option(("--threads",), "store I/O threads", 8, int),
+    Option(("--repeat",), "tries per block size, alternating with the raw disk (medians reported)",
+           3, int),
+    Option(("--lookup-blocks",), "index entries for the lookup/reopen figures (0 to skip)",
+           1_000_000, int),
+    JSON,
+)
 
 
 def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
-
-
-def _drop_cache(directory: str) -> None:
-    for name in os.listdir(directory):
-        if name.endswith(".slab"):
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> dict[str, float]:
@@ -76,23 +63,22 @@ def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> di
     outs = [memoryview(dst)[i * size:(i + 1) * size] for i in range(batch)]
     keys = [os.urandom(32) for _ in range(n)]
     try:
-        t = time.perf_counter()
-        for i in range(0, n, batch):
-            ks = keys[i:i + batch]
-            ok = store.put_many(ks, [[v] for v in views[:len(ks)]])
-            if not all(ok):
-                raise RuntimeError(f"put failed at block size {size}")
-        put_s = time.perf_counter() - t
-        if not store.o_direct:
-            _drop_cache(d)
-        res = {}
-        for label in ("cold", "warm"):
-            t = time.perf_counter()
+        def put() -> None:
+            for i in range(0, n, batch):
+                ks = keys[i:i + batch]
+                if not all(store.put_many(ks, [[v] for v in views[:len(ks)]])):
+                    raise RuntimeError(f"put failed at block size {size}")
+
+        def get() -> None:
             for i in range(0, n, batch):
                 ks = keys[i:i + batch]
                 if not all(store.get_many(ks, [[o] for o in outs[:len(ks)]])):
                     raise RuntimeError(f"get failed at block size {size}")
-            res[label] = n * size / (time.perf_counter() - t) / 1e9
+
+        put_s = timed(put)
+        if not store.o_direct:
+            drop_cache(d, ".slab")
+        res = {label: n * size / timed(get) / 1e9 for label in ("cold", "warm")}
         return {"block_bytes": size, "blocks": n, "put_gbps": n * size / put_s / 1e9,
                 "cold_get_gbps": res["cold"], "warm_get_gbps": res["warm"]}
     finally:
@@ -120,16 +106,11 @@ def bench_index(root: str, nblocks: int) -> dict[str, float]:
         probe = random.sample(keys, min(200_000, nblocks // 2)) + \
             [random.randbytes(32) for _ in range(min(200_000, nblocks // 2))]
         random.shuffle(probe)
-        t = time.perf_counter()
-        found = 0
-        for i in range(0, len(probe), 1024):
-            found += sum(store.exists_many(probe[i:i + 1024]))
-        exists_us = (time.perf_counter() - t) / len(probe) * 1e6
+        exists_us = timed(lambda: [store.exists_many(probe[i:i + 1024])
+                                   for i in range(0, len(probe), 1024)]) / len(probe) * 1e6
         sample = probe[:50_000]
-        t = time.perf_counter()
-        for i in range(0, len(sample), 512):
-            store._index.locate(sample[i:i + 512])
-        locate_us = (time.perf_counter() - t) / len(sample) * 1e6
+        locate_us = timed(lambda: [store._index.locate(sample[i:i + 512])
+                                   for i in range(0, len(sample), 512)]) / len(sample) * 1e6
     finally:
         store.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -137,7 +118,7 @@ def bench_index(root: str, nblocks: int) -> dict[str, float]:
             "locate_us_per_key": locate_us}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Args) -> Outcome:
     from offload.bench.rawdisk import raw_bandwidth
 
     sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
@@ -161,9 +142,8 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(args.repeat):
                 raw = raw_bandwidth(root, total)
                 tries.append((raw, bench_size(root, size, total, args.batch, args.threads)))
-            raw_w = statistics.median(t[0][0] for t in tries)
-            raw_r = statistics.median(t[0][1] for t in tries)
-            r = {k: statistics.median(t[1][k] for t in tries) for k in tries[0][1]}
+            raw_w, raw_r = (statistics.median(t[0][i] for t in tries) for i in (0, 1))
+            r = median_of([t[1] for t in tries])
             r["block_bytes"], r["blocks"] = int(r["block_bytes"]), int(r["blocks"])
             r["raw_write_gbps"], r["raw_read_gbps"] = raw_w, raw_r
             r["put_ratio"] = r["put_gbps"] / raw_w
@@ -180,12 +160,11 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    emit("store", out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         _table(out)
-    return 0
+    return Outcome(out)
 
 
 def _table(out: dict) -> None:  # type: ignore[type-arg]

@@ -1,7 +1,11 @@
 """`sglang-offload agent`: run the storage agent (on a BlueField's Arm cores, or any storage host).
 
     sglang-offload agent --listen 0.0.0.0:7400 --store /var/cache/sglang-offload \\
-        --capacity 2TiB --secret-file /etc/sglang-offload/secret [--transport ucx|tcp]
+        --capacity 2TiB --keys-file /etc/sglang-offload/agent-keys.toml [--transport ucx|tcp]
+
+Credentials: a keys file (`--keys-file`: per-host secrets and the namespaces / tenant salts each
+host may use), or one shared secret (`--secret-file` / $SGLANG_OFFLOAD_SECRET: every holder is one
+trusted host group).
 
 The agent owns one block store (the persistent disk store; `--memory` for a DRAM-only store used
 by tests and benchmarks) and serves many inference hosts. It prints `listening on HOST:PORT` once
@@ -16,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 
 from offload.agent import protocol
 from offload.config import Size, StoreConfig
@@ -54,14 +59,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "travel on the control connection")
     p.add_argument("--secret-file", metavar="FILE",
                    help="shared secret (mode 600); default: $SGLANG_OFFLOAD_SECRET")
-    p.add_argument("--max-clients", type=int, default=64, help="connections at once")
+    p.add_argument("--keys-file", metavar="FILE",
+                   help="per-host credentials (TOML, mode 600; see docs/deploy/agent.md); "
+                        "replaces the shared secret")
+    p.add_argument("--max-clients", type=int, default=64,
+                   help="authenticated connections at once")
+    p.add_argument("--max-pending", type=int, default=16,
+                   help="connections still authenticating at once (more are closed at accept)")
     p.add_argument("--max-frame", type=_size, default=Size(protocol.DEFAULT_MAX_BODY), metavar="SIZE",
                    help="largest request or reply frame (default 64MiB)")
     p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
                    help="staging memory per NIXL connection, two halves (default 64MiB; the "
                         "largest block is half of it)")
     p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds a started frame may take to arrive")
+                   help="seconds a started frame (and the whole handshake) may take to arrive")
     p.add_argument("--ready-file", metavar="FILE", help="write the listening port here when ready")
 
 
@@ -85,20 +96,27 @@ def open_store(args: argparse.Namespace) -> BlockStore:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload.agent.auth import load_secret
+    from offload.agent.access import Access
+    from offload.agent.auth import load_keys, load_secret
     from offload.agent.server import AgentServer
 
     agent_log = logging.getLogger("offload.agent")
     if agent_log.getEffectiveLevel() > logging.INFO:
         agent_log.setLevel(logging.INFO)       # connections and rejections are always logged
-    if args.max_clients < 1 or args.io_timeout <= 0 or args.max_frame < (1 << 20):
-        raise ConfigError(["agent: --max-clients >= 1, --io-timeout > 0, --max-frame >= 1MiB"])
-    secret = load_secret(args.secret_file)
+    if args.max_clients < 1 or args.max_pending < 1 or args.io_timeout <= 0 or \
+            args.max_frame < (1 << 20):
+        raise ConfigError(["agent: --max-clients >= 1, --max-pending >= 1, --io-timeout > 0, "
+                           "--max-frame >= 1MiB"])
+    if args.keys_file and args.secret_file:
+        raise ConfigError(["agent: --keys-file replaces --secret-file; name one of them"])
+    access = (Access.per_host(load_keys(args.keys_file)) if args.keys_file
+              else Access.shared(load_secret(args.secret_file)))
     store = open_store(args)
     host, port = args.listen
-    server = AgentServer(store, secret, host, port, transport=args.transport,
-                         max_clients=args.max_clients, max_body=args.max_frame,
-                         staging_size=args.staging, io_timeout=args.io_timeout)
+    server = AgentServer(store, access, host, port, transport=args.transport,
+                         max_clients=args.max_clients, max_pending=args.max_pending,
+                         max_body=args.max_frame, staging_size=args.staging,
+                         io_timeout=args.io_timeout)
     try:
         server.start()
     except OSError as e:
@@ -112,10 +130,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     print(f"listening on {host}:{server.port}", flush=True)
     if args.ready_file:
-        tmp = args.ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(server.port))
-        os.replace(tmp, args.ready_file)
+        write_ready(args.ready_file, server.port)
     try:
         server.serve_forever()
     finally:
@@ -124,3 +139,20 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         print("agent stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def write_ready(path: str, port: int) -> None:
+    """Write the port to `path` atomically: a private temp file made by mkstemp (O_EXCL, a random
+    name, so no symlink planted at a predictable name is followed) in the same directory, renamed
+    over `path` (rename replaces a symlink at `path` itself, never its target)."""
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,8 +1,9 @@
 """`sglang-offload bench TARGET [options]`: dispatch to one benchmark module, imported on use.
 
-Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`, and hands its
-result to `offload.bench.plot.emit`. `--plot OUT.png` (among the target's options) draws that
-result: throughput against block size per path, with the raw baseline.
+Each benchmark module declares its options as data (`OPTIONS`: `offload.bench.common.Option`s,
+turned into argparse flags here by `add_options`) and has `run(args) -> Outcome` (its result and
+exit code). `--plot OUT.png` (among the target's options) hands that result to
+`offload.bench.plot.draw`: throughput against block size per path, with the raw baseline.
 `bench plot RESULT.json --plot OUT.png` draws a result saved with `--json`.
 """
 
@@ -11,8 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any, Sequence
 
 from offload.bench import plot
+from offload.bench.common import Option
 from offload.errors import OffloadError
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -30,6 +33,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("options", nargs=argparse.REMAINDER,
                    help="options of that benchmark (--help), and --plot OUT.png to draw "
                         "throughput vs block size with the raw baseline")
+
+
+def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    """A benchmark's declared options as argparse flags."""
+    for o in options:
+        kw: dict[str, Any] = {"help": o.help}
+        if o.flag:
+            kw["action"] = "store_true"
+        else:
+            kw["default"] = o.default
+            if o.type is not None:
+                kw["type"] = o.type
+            if o.choices is not None:
+                kw["choices"] = list(o.choices)
+            if o.metavar is not None:
+                kw["metavar"] = o.metavar
+        if o.required:
+            kw["required"] = True
+        p.add_argument(*o.flags, **kw)
 
 
 def split_plot(options: list[str]) -> tuple[str | None, list[str]]:
@@ -53,15 +75,13 @@ def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHES[args.target][0])
     bp = argparse.ArgumentParser(prog=f"sglang-offload bench {args.target}",
                                  description=BENCHES[args.target][1])
-    module.add_arguments(bp)
+    add_options(bp, module.OPTIONS)
     if args.target == "plot":
-        return int(module.run(bp.parse_args(args.options)) or 0)
+        return int(module.run(bp.parse_args(args.options)).rc)
     out, options = split_plot(args.options)
-    plot.take()                                   # nothing left over from an earlier run
-    rc = int(module.run(bp.parse_args(options)) or 0)
+    outcome = module.run(bp.parse_args(options))
     if out:
-        result = plot.take()
-        if result is None:
+        if outcome.result is None:
             raise OffloadError(f"bench {args.target} produced no result to plot")
-        print(f"plot: {plot.draw(result[1], out)}", file=sys.stderr)
-    return rc
+        print(f"plot: {plot.draw(outcome.result, out)}", file=sys.stderr)
+    return int(outcome.rc)

@@ -1,6 +1,7 @@
 """`sglang-offload cache ACTION DIR`: inspect and maintain a cache directory.
 
-Actions: `stats` (blocks, bytes, namespaces with their descriptions, oldest/newest, hit rates from
+Actions: `stats` (blocks, bytes, namespaces with their descriptions: KV pages or the SGLang v2 pool
+they hold, e.g. `pool mamba`; oldest/newest, hit rates from
 a metrics endpoint), `verify` (re-read every block and check its checksum; bad ones are deleted;
 exit 1 if any), `evict --to SIZE` (least recently used first), `clear --namespace DIGEST | --all`.
 Every action goes through `DiskStore`, which several processes may open at once, so they are safe
@@ -104,7 +105,14 @@ def describe(d: dict[str, Any] | None) -> str:
     """One line for a namespace description (`Namespace.describe()`)."""
     if not d:
         return "(not described: written by a process that did not register it)"
-    parts = [f"{d.get('model')!s}", f"{d.get('dtype')}", f"layout {d.get('layout')}",
+    pool = str(d.get("pool") or "")
+    if pool:   # a sidecar pool of SGLang's v2 interface (offload.hicache.pools)
+        from offload.hicache.pools import family_of
+
+        head = f"pool {pool} ({family_of(pool)})"
+    else:
+        head = "KV pages"
+    parts = [head, f"{d.get('model')!s}", f"{d.get('dtype')}", f"layout {d.get('layout')}",
              f"page {d.get('page_size')}", f"tp {d.get('tp_rank')}/{d.get('tp_size')}",
              f"pp {d.get('pp_rank')}/{d.get('pp_size')}"]
     if d.get("mla"):

@@ -1,10 +1,12 @@
-"""`sglang-offload detect [--root DIR] [--cache-dir PATH] [--config FILE] [--json] [--probe-io]`.
+"""`sglang-offload detect [--root DIR] [--cache-dir PATH] [--config FILE] [--python EXE] [--json]
+[--probe-io]`.
 
 Prints the hardware report and the transfer-path decision (or, with `--json`, one object that
 follows offload/hw/schema.json). Exit codes: 0 decided; 1 the config asks for a path that cannot
 work here (the report says which check failed); 2 bad input (missing/unreadable root, bad config).
 With `--root` other than `/`, every machine path (the cache directory too) is inside the root and
-the live probes (NVML, libcufile, mlxconfig, the agent connection, `--probe-io`) are not run.
+the live probes (NVML, libcufile, mlxconfig, the agent connection, `--probe-io`) are not run. The
+Python side of each path is asked of `--python` (default this interpreter) under any root.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", metavar="PATH",
                    help="cache directory to judge (default: offload.store.path of the config)")
     p.add_argument("--config", metavar="FILE", help="deployment config (YAML) with offload:")
+    p.add_argument("--python", default=sys.executable, metavar="EXE",
+                   help="interpreter that runs SGLang, whose Python side of each path is checked "
+                   "(default: this one)")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema.json)")
     p.add_argument("--probe-io", action="store_true",
                    help="measure O_DIRECT write/read in the cache directory for a few seconds")
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_dir and not args.cache_dir.startswith("/") and args.root not in ("/", ""):
         raise DetectError(f"--cache-dir {args.cache_dir!r}: give an absolute path inside the root "
                           f"{args.root!r}")
-    facts = detect(cfg, root=args.root, cache_dir=args.cache_dir)
+    facts = detect(cfg, root=args.root, cache_dir=args.cache_dir, python=args.python)
     if args.probe_io:
         if facts.live:
             from offload.hw.probe_io import probe_io

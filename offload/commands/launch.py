@@ -1,7 +1,9 @@
 """`sglang-offload launch --config FILE [--dry-run] [--json] [--root DIR] [-- SGLANG FLAGS]`.
 
 The steps are `offload.launch.compose.prepare`; this module parses the command line, prints the
-dry run, or replaces this process with SGLang (`os.execvp`: signals reach SGLang directly).
+dry run (secrets redacted, nothing written), or writes the settings file (`compose.write`: 0600,
+private runtime directory) and replaces this process with SGLang (`os.execvp`: signals reach
+SGLang directly).
 Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 """
 
@@ -13,7 +15,7 @@ import os
 import sys
 
 from offload.errors import OffloadError
-from offload.launch.compose import prepare, render, to_json
+from offload.launch.compose import prepare, render, to_json, write
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(render(p, args.config))
         return 0
+    write(p)                      # the settings (with the secrets) go to a 0600 file, not argv
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvp(p.argv[0], p.argv)  # replaces this process: SGLang gets our PID and signals

@@ -9,7 +9,9 @@ SGLang loads it through its `dynamic` storage backend:
 Lifecycle: SGLang constructs `OffloadStorage(storage_config, kwargs)` in each scheduler process
 (settings are validated here; a bad one raises `ConfigError` naming it), then calls
 `register_mem_pool_host(host_pool)`, which fixes the block namespace (model, ranks, MLA, dtype,
-layout, page size, salt) and the page map (`offload.hicache.layout`). Then, from its storage
+layout, page size, salt) and the page map (`offload.hicache.layout`); hybrid stacks then register
+their sidecar pools (`register_mem_host_pool_v2`, the v2 interface in `offload.hicache.pools`;
+DeepSeek-V4's anchor holds no bytes: a "logical anchor"). Then, from its storage
 threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages moved straight
 between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
 (flat page tensors). `close` closes the store.
@@ -44,6 +46,7 @@ from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
 from offload.hicache.layout import PageMap
+from offload.hicache.pools import Pool, PoolsMixin
 from offload.hicache.worth_it import WorthIt, cuda_gpu_name, from_config
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
 from offload.metrics import (
@@ -55,7 +58,7 @@ from offload.metrics import (
     serve,
     tier_metrics,
 )
-from offload.store.base import BlockStore, Buffer
+from offload.store.base import BlockStore, Buffer, all_false, never_raises
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +154,7 @@ def key_maker(ns_digest: bytes) -> Callable[[Sequence[str]], list[bytes]]:
     return fast if fast(probe) == slow(probe) else slow
 
 
-class OffloadStorage(HiCacheStorage):
+class OffloadStorage(PoolsMixin, HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
@@ -170,6 +173,9 @@ class OffloadStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self._ns_digest = b""
         self._make_keys: Callable[[Sequence[str]], list[bytes]] = key_maker(b"")
+        self._key_maker = key_maker
+        self.pools: dict[str, Pool] = {}
+        self.logical_anchor = False
         self._lock = threading.Lock()
         self._metrics = storage_config.enable_storage_metrics
         # Since the last get_stats(): pages and GiB/s of each prefetch / backup call.
@@ -192,6 +198,13 @@ class OffloadStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        self.logical_anchor = getattr(mem_pool_host, "kv_buffer", True) is None
+        if self.logical_anchor:  # DeepSeek-V4: the anchor owns indices, the v2 pools the bytes
+            self.namespace = namespace_for(self.storage_config, mem_pool_host, 0,
+                                           self.cfg.store.salt)
+            logger.info("offload: logical KV anchor (%s): pages live in the v2 pools",
+                        type(mem_pool_host).__name__)
+            return
         self.pages = PageMap.for_pool(mem_pool_host)
         self.namespace = namespace_for(self.storage_config, mem_pool_host, self.pages.page_bytes,
                                        self.cfg.store.salt)
@@ -281,18 +294,17 @@ class OffloadStorage(HiCacheStorage):
 
     # ---------------------------------------------------------------- zero-copy interface
 
+    @never_raises("batch_exists", lambda *_a, **_k: 0)
     def batch_exists(self, keys: List[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        try:
-            n = 0
-            for present in self.store.exists_many(self._keys(keys)):
-                if not present:
-                    break
-                n += 1
-            return self._worth_loading(n)
-        except Exception:
-            logger.exception("offload: batch_exists failed; reporting a miss")
-            return 0
+        if self.logical_anchor:
+            return 0   # no bytes to verify without the pools (SGLang asks v2 for those)
+        n = 0
+        for present in self.store.exists_many(self._keys(keys)):
+            if not present:
+                break
+            n += 1
+        return self._worth_loading(n)
 
     def _worth_loading(self, hits: int) -> int:
         """The leading hits worth loading (the worth-it rule), counted in the metrics."""
@@ -305,22 +317,19 @@ class OffloadStorage(HiCacheStorage):
                 self.tm.declined.inc(hits - n)
         return n
 
+    @never_raises("batch_set_v1", all_false)
     def batch_set_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
-        try:
-            return self._set_pages(keys, host_indices)
-        except Exception:
-            logger.exception("offload: batch_set_v1 failed for %d pages", len(keys))
-            return [False] * len(keys)
+        if self.logical_anchor:   # no KV bytes: SGLang writes the pools through v2
+            return [True] * len(keys)
+        return self._set_pages(keys, host_indices)
 
+    @never_raises("batch_get_v1", all_false)
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
-        try:
-            return self._get_pages(keys, host_indices)
-        except Exception:
-            logger.exception("offload: batch_get_v1 failed for %d pages; reporting misses",
-                             len(keys))
-            return [False] * len(keys)
+        if self.logical_anchor:   # zero bytes to read; the v2 pools decide the hit
+            return [True] * len(keys)
+        return self._get_pages(keys, host_indices)
 
     def _pages_at(self, keys: Sequence[str], host_indices: "torch.Tensor"
                   ) -> tuple[PageMap, list[int]] | None:

@@ -5,16 +5,17 @@ what a tree cannot hold (NVML, libcufile, mlxconfig, uname, the agent connection
 function in `live.Live`. Importing this package loads no native library.
 
 Public API (what launch and the transfer router call):
-- `detect(cfg, root="/", cache_dir=None, live=None, env=None) -> Facts`      (detect.py)
+- `detect(cfg, root="/", cache_dir=None, live=None, env=None, python=None) -> Facts` (detect.py;
+  `python`: the interpreter that runs SGLang, whose Python side of each path is checked: pyside.py)
 - `decide(facts, cfg) -> Decision`: pure; an explicit `transfer.path` gds/dpu that cannot work
   raises `PathRejectedError`, a subclass of `offload.errors.PathUnavailableError`, whose `.path`,
   `.check` ("name: detail") and `.fix` say why                                   (decide.py)
-- `detect_and_decide(cfg, root="/", cache_dir=None, live=None) -> (Facts, Decision)`
+- `detect_and_decide(cfg, root="/", cache_dir=None, live=None, python=None) -> (Facts, Decision)`
 - `staging_numa_node(facts, cfg, gpu_index=0) -> int | None`: the NUMA node for CPU staging
   buffers and I/O threads (config override, else the GPU's, else the cache NVMe's);
   `gpu_numa_node(facts, index)`, `cache_numa_node(facts)`.
 - `render_text(facts, decision)`, `to_json(facts, decision)` (report.py; schema.json).
-Modules: fsroot (Root), live, pci, gpus, dpu, rdma, storage, gds, detect, decide, report,
+Modules: fsroot (Root), live, pci, gpus, dpu, rdma, storage, gds, pyside, detect, decide, report,
 probe_io. The command is `offload.commands.detect`.
 """
 
@@ -33,9 +34,10 @@ __all__ = ["Decision", "Facts", "Live", "PathRejectedError", "Rejection", "cache
 
 
 def detect_and_decide(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
-                      live: Live | None = None) -> tuple[Facts, Decision]:
+                      live: Live | None = None, python: str | None = None
+                      ) -> tuple[Facts, Decision]:
     """Detect under `root` and decide. Raises DetectError (bad root) or PathRejectedError."""
-    facts = detect(cfg, root=root, cache_dir=cache_dir, live=live)
+    facts = detect(cfg, root=root, cache_dir=cache_dir, live=live, python=python)
     return facts, decide(facts, cfg)
 
 

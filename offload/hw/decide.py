@@ -7,8 +7,12 @@ Primitives:
   DPU Arm -> agent; DPU path if every DPU check passes; GDS if every GDS check passes; else CPU
   staging, saying why. An explicit `gds` or `dpu` that cannot work raises `PathRejectedError`
   (a `offload.errors.PathUnavailableError`) naming the failed check: never a silent fallback.
+  So does a `redis.url` whose Python side (redis-py) is missing.
 - `gds_checks(facts)`, `dpu_checks(facts, cfg)`: the ordered checks (`Check`: name, ok, detail,
-  fix). `ok=None` means a live probe was not checked (fixture root) and is assumed to pass.
+  fix). `ok=None` means a live probe was not checked (fixture root) and is assumed to pass. The
+  last check of each is `python`: the path's Python side in the interpreter that runs SGLang
+  (`facts.python`, pyside.py), so a path whose library is missing is rejected with its fix.
+- `python_check(facts, path)`: that check alone (also `redis` when `redis.url` is set).
 No I/O here: everything comes from `Facts` (see detect.py).
 """
 
@@ -57,8 +61,9 @@ class PathRejectedError(PathUnavailableError):
 
     def __init__(self, path: str, check: Check):
         self.path, self.check, self.fix = path, f"{check.name}: {check.detail}", check.fix
-        super().__init__(f"offload.transfer.path is {path!r} but it cannot work here: "
-                         f"{self.check} (fix: {check.fix})")
+        what = ("offload.redis.url is set but the Redis tier" if path == "redis" else
+                f"offload.transfer.path is {path!r} but it")
+        super().__init__(f"{what} cannot work here: {self.check} (fix: {check.fix})")
 
 
 def first_failure(checks: list[Check]) -> Check | None:
@@ -74,6 +79,14 @@ def _gpu_check(facts: Facts) -> Check:
                      f"({facts.gpu_probe.reason})", "install and load the NVIDIA driver")
     return Check("gpu", True if facts.gpu_probe.nvml == "ok" else None,
                  f"{len(facts.gpus)} NVIDIA GPU(s) ({facts.gpus[0].name})")
+
+
+def python_check(facts: Facts, path: str) -> Check:
+    side = facts.python
+    if side is None:
+        return Check("python", None, f"the Python side of {path} was {NOT_CHECKED}")
+    p = next(x for x in side.paths if x.path == path)
+    return Check("python", p.present, p.detail, p.fix)
 
 
 def _kernel_at_least(release: str | None, major: int, minor: int) -> bool:
@@ -119,6 +132,7 @@ def gds_checks(facts: Facts) -> list[Check]:
     ok, why = fs_gds_support(facts.cache_dir)
     checks.append(Check("cache_fs", ok, why, "" if ok else "put offload.store.path on ext4/xfs on "
                         "local NVMe (or a GDS-capable file system)"))
+    checks.append(python_check(facts, "gds"))
     return checks
 
 
@@ -188,6 +202,7 @@ def dpu_checks(facts: Facts, cfg: OffloadConfig) -> tuple[list[Check], list[NetC
                             f"start `sglang-offload agent` on the DPU and check that "
                             f"{cfg.agent.address} is reachable"))
     checks.append(_gpu_check(facts))
+    checks.append(python_check(facts, "dpu"))
     return checks, up
 
 
@@ -235,6 +250,12 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         return Decision("agent", "cpu", requested, (
             facts.platform.reason, "role agent: serve inference hosts; blocks reach this DPU's "
             "NVMe through its own CPU (O_DIRECT)"), rej, False, numa)
+    redis_reasons: list[str] = []
+    if cfg.redis.url is not None:
+        rc = python_check(facts, "redis")
+        if rc.ok is False:
+            raise PathRejectedError("redis", Check("python", False, rc.detail, rc.fix))
+        redis_reasons.append(f"redis tier: {rc.detail}")
     gchecks = gds_checks(facts)
     dchecks, cards = dpu_checks(facts, cfg)
     failed = {"dpu": first_failure(dchecks), "gds": first_failure(gchecks), "cpu": None}
@@ -265,6 +286,7 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:
             reasons.append("no NVIDIA GPU: nothing to move from GPU memory")
+    reasons += redis_reasons
     rejected = []
     for p in PREFERENCE:
         if p == path:

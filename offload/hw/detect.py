@@ -1,18 +1,21 @@
 """Run every probe under a root and gather the facts.
 
-Primitive: `detect(cfg, root="/", cache_dir=None, live=None, env=None) -> Facts`.
+Primitive: `detect(cfg, root="/", cache_dir=None, live=None, env=None, python=None) -> Facts`.
 - `root`: the machine's file tree (`/`, or a fixture under tests/fixtures/hosts/). A missing or
   unreadable root raises `DetectError`.
 - `cache_dir`: a machine path (inside the root); default `cfg.store.path`.
 - `live`: the injectable live probes; default `Live.default()` on `/` and `Live.offline()` on any
   other root, where NVML, libcufile, mlxconfig and the agent connection are `not checked`.
 - `env`: environment for `CUFILE_ENV_PATH_JSON`; default `os.environ` on `/`, `{}` elsewhere.
+- `python`: the interpreter that will run SGLang (default this one); its Python side of every
+  path (pyside.py) is asked under any root, since it is a fact of that interpreter.
 Nothing here imports a native library; only `live` functions load one, and only if present.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping
 
 from offload.config import OffloadConfig
@@ -23,6 +26,7 @@ from offload.hw.gds import probe_gds
 from offload.hw.gpus import probe_gpus
 from offload.hw.live import NOT_CHECKED, Live
 from offload.hw.pci import PciDevice, pcie_distance, scan
+from offload.hw.pyside import probe_python
 from offload.hw.rdma import probe_peermem, probe_rdma
 from offload.hw.storage import probe_cache_dir, probe_nvme
 
@@ -57,7 +61,8 @@ def _agent(cfg: OffloadConfig, live: Live) -> AgentFact:
 
 
 def detect(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
-           live: Live | None = None, env: Mapping[str, str] | None = None) -> Facts:
+           live: Live | None = None, env: Mapping[str, str] | None = None,
+           python: str | None = None) -> Facts:
     r = Root(root)
     if live is None:
         live = Live.default() if r.live else Live.offline()
@@ -77,4 +82,5 @@ def detect(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
         nics=cards, rdma=rdma, doca=probe_doca(r, live), gpudirect_rdma=probe_peermem(r),
         gds=probe_gds(r, live, env), nvme=nvme,
         cache_dir=probe_cache_dir(r, cache_dir or cfg.store.path),
-        distances=_distances(gpus, pci, targets), agent=_agent(cfg, live))
+        distances=_distances(gpus, pci, targets), agent=_agent(cfg, live),
+        python=probe_python(live, python or sys.executable, cfg.agent.transport))

@@ -2,7 +2,8 @@
 
 Primitives: one dataclass per kind of fact (`Platform`, `Gpu`, `NetCard`, `RdmaDevice`, `Doca`,
 `GpuDirectRdma`, `Gds`, `Nvme`, `CacheDir`, `Distance`, `AgentFact`, `IoProbe`) gathered in
-`Facts`; `facts_to_json(facts)` gives the plain data of `detect --json` (schema in schema.json).
+`Facts` (`PythonSide`: what the interpreter that runs SGLang can import, per path);
+`facts_to_json(facts)` gives the plain data of `detect --json` (schema in schema.json).
 `source` names where a fact was read (a machine path, `nvml`, `mlxconfig`, `config`, or
 `not checked` for a live probe that did not run); `reason` says what it means in words.
 Helpers for the CPU path: `gpu_numa_node(facts, index)` and `cache_numa_node(facts)`.
@@ -203,6 +204,29 @@ class IoProbe:
 
 
 @dataclass(frozen=True)
+class PathPython:
+    """Whether one path's Python side is there (see pyside.py); present None = not checked."""
+
+    path: str  # gds | dpu | redis | metrics
+    present: bool | None
+    detail: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class PythonSide:
+    executable: str
+    status: str  # ok | unavailable | not checked
+    python: str | None
+    torch: str | None  # torch's version
+    torch_cuda: str | None  # torch.version.cuda; None: no torch or a CPU build
+    modules: dict[str, str | None]  # import name -> "dist version" (None: not importable)
+    paths: tuple[PathPython, ...]
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Facts:
     root: str
     live: bool
@@ -219,6 +243,7 @@ class Facts:
     distances: tuple[Distance, ...]
     agent: AgentFact
     io: IoProbe | None = None
+    python: PythonSide | None = None
 
 
 def facts_to_json(facts: Facts) -> dict[str, Any]:

@@ -10,12 +10,20 @@ is reported as `not checked`. The functions:
                                 installed.
 - `uname() -> (release, machine)`
 - `connect(address, timeout) -> (ok, why)`  a TCP connection to the offload agent.
+- `python(executable, timeout) -> PythonReport`  the Python side of the paths in the interpreter
+                                that will run SGLang: it runs `EXE -c PYTHON_PROBE`, which only
+                                asks `importlib.util.find_spec` and `importlib.metadata` (nothing is
+                                imported, no native code loaded) for kvikio, NIXL, msgspec, redis-py,
+                                prometheus-client and torch's CUDA (read off torch/version.py).
+                                It is a fact of that interpreter, not of the root, so `offline()`
+                                keeps it: fixture roots are judged with it too.
 
 Each native library is loaded only inside these functions, and only if it is present.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -158,6 +166,90 @@ def connect(address: str, timeout: float = 2.0) -> tuple[bool, str]:
         return False, f"agent {address} is not reachable: {e}"
 
 
+# Import name -> the distributions that may provide it (first installed one wins).
+PYTHON_MODULES: dict[str, tuple[str, ...]] = {
+    "kvikio": ("kvikio-cu13", "kvikio-cu12", "kvikio"),
+    "nixl": ("nixl",),
+    "nixl_cu13": ("nixl-cu13",),
+    "nixl_cu12": ("nixl-cu12",),
+    "msgspec": ("msgspec",),
+    "redis": ("redis",),
+    "prometheus_client": ("prometheus-client",),
+    "torch": ("torch",),
+}
+
+# Run as `EXE -c PYTHON_PROBE MODULES_JSON`; prints one JSON object. No module is imported.
+PYTHON_PROBE = r"""
+import importlib.metadata as m, importlib.util as u, json, os, re, sys
+mods = {}
+for name, dists in json.loads(sys.argv[1]).items():
+    try:
+        spec = u.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    dist = version = None
+    for d in dists:
+        try:
+            version, dist = m.version(d), d
+            break
+        except m.PackageNotFoundError:
+            pass
+    mods[name] = {"found": spec is not None, "dist": dist, "version": version}
+cuda = None
+spec = mods["torch"]["found"] and u.find_spec("torch")
+for loc in (spec.submodule_search_locations or []) if spec else []:
+    f = os.path.join(loc, "version.py")
+    if os.path.isfile(f):
+        hit = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*['\"]([^'\"]+)['\"]", open(f).read(), re.M)
+        cuda = hit.group(1) if hit else None
+        break
+print(json.dumps({"executable": sys.executable, "python": sys.version.split()[0],
+                  "torch_cuda": cuda, "modules": mods}))
+"""
+
+
+@dataclass(frozen=True)
+class PyModule:
+    name: str  # import name
+    found: bool  # importlib.util.find_spec found it
+    dist: str | None  # the installed distribution that provides it
+    version: str | None
+
+
+@dataclass(frozen=True)
+class PythonReport:
+    """status: `ok` (the interpreter answered), `unavailable` (why in reason)."""
+
+    executable: str
+    status: str
+    reason: str
+    python: str | None = None
+    torch_cuda: str | None = None  # torch.version.cuda; None: no torch, or a CPU build
+    modules: tuple[PyModule, ...] = ()
+
+
+def python_query(executable: str, timeout: float = 30.0) -> PythonReport:
+    """Ask `executable` what it can import (find_spec + metadata only). Never raises."""
+    try:
+        p = subprocess.run([executable, "-c", PYTHON_PROBE, json.dumps(PYTHON_MODULES)],
+                           capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return PythonReport(executable, "unavailable", f"{executable} did not run: {e}")
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return PythonReport(executable, "unavailable",
+                            f"{executable} -c <probe> exited {p.returncode}: {tail}")
+    try:
+        data = json.loads(p.stdout.strip().splitlines()[-1])
+        mods = tuple(PyModule(name, bool(v["found"]), v["dist"], v["version"])
+                     for name, v in data["modules"].items())
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return PythonReport(executable, "unavailable", f"{executable}: unreadable probe output "
+                            f"({e}): {p.stdout[-200:]!r}")
+    return PythonReport(executable, "ok", f"Python {data['python']}",
+                        data["python"], data["torch_cuda"], mods)
+
+
 @dataclass(frozen=True)
 class Live:
     """The injectable live probes; a None member is `not checked`."""
@@ -167,12 +259,14 @@ class Live:
     run: Callable[[Sequence[str], float], CommandResult | None] | None = None
     uname: Callable[[], tuple[str, str]] | None = None
     connect: Callable[[str, float], tuple[bool, str]] | None = None
+    python: Callable[[str, float], PythonReport] | None = None
 
     @classmethod
     def default(cls) -> "Live":
         return cls(nvml=nvml_query, load_cufile=load_cufile, run=run_command, uname=uname,
-                   connect=connect)
+                   connect=connect, python=python_query)
 
     @classmethod
     def offline(cls) -> "Live":
-        return cls()
+        """A fixture root: no probe of this machine runs; the interpreter is still asked."""
+        return cls(python=python_query)

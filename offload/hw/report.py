@@ -1,9 +1,11 @@
 """Rendering the facts and the decision: a human report, and the `--json` object.
 
 Primitives: `render_text(facts, decision, error) -> str` (platform; GPU, NIC/DPU and NVMe tables;
-cache directory; GPU x NIC/DPU/NVMe distance matrix; GPUDirect RDMA, GDS, DOCA, agent; then the
-Decision block), `to_json(facts, decision, error) -> dict` (schema in schema.json,
-`SCHEMA_VERSION`), and `gds_status(facts) -> (status, why)`: available | compat only | unavailable.
+cache directory; GPU x NIC/DPU/NVMe distance matrix; GPUDirect RDMA, GDS, DOCA, agent; the
+Python side of each path in the interpreter that runs SGLang; then the Decision block),
+`to_json(facts, decision, error) -> dict` (schema in schema.json, `SCHEMA_VERSION`), and
+`gds_status(facts) -> (status, why)`: available | compat only | unavailable
+(the machine's side only: the Python side is reported on its own).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ COMPAT_CHECKS = {"cache_fs", "cufile_json"}
 
 
 def gds_status(facts: Facts) -> tuple[str, str]:
-    checks = gds_checks(facts)
+    checks = [c for c in gds_checks(facts) if c.name != "python"]
     bad = first_failure(checks)
     if bad is None:
         return "available", "; ".join(c.detail for c in checks if c.name in ("nvidia_fs",
@@ -129,6 +131,15 @@ def render_text(facts: Facts, decision: Decision | None,
             f"cufile.json {_v(facts.gds.cufile_json)}",
             f"DOCA: {facts.doca.reason}",
             f"Agent: {facts.agent.reason}"]
+    py = facts.python
+    if py is not None:
+        out += ["", f"Python side: {py.executable} ({py.reason}"
+                + (f"; torch {py.torch}, CUDA {py.torch_cuda or 'none'}" if py.torch else "") + ")"]
+        for pp in py.paths:
+            state = {True: "present", False: "MISSING", None: "not checked"}[pp.present]
+            out.append(f"  {pp.path}: {state}: {pp.detail}")
+            if pp.fix:
+                out.append(f"    fix: {pp.fix}")
     if facts.io is not None:
         io = facts.io
         out.append(f"I/O probe: {io.reason}")

@@ -9,10 +9,13 @@ Config -> SGLang server arguments -> process. Steps, in order:
 3. `compose` builds the command: `python -m sglang.launch_server`, the section's flags (SGLang's
    own `--config` conversion), `--enable-hierarchical-cache`, `--hicache-mem-layout page_first`
    (unless set), the `dynamic` storage backend `offload.hicache.OffloadStorage` with
-   `interface_v1` and the effective offload tree (transfer.path = the decided path), then the
-   extra flags last (they win, as on SGLang's own command line);
-4. `--dry-run` prints the decision, the effective config and the shell-quoted command and exits 0;
-   otherwise `os.execvp` replaces this process with SGLang (signals reach SGLang directly).
+   `interface_v1` and `config_file`: the path of the effective offload tree (transfer.path = the
+   decided path), never the tree itself, which holds secrets (`offload.launch.secrets`); then
+   the extra flags last (they win, as on SGLang's own command line);
+4. `--dry-run` prints the decision, the effective config (secrets redacted) and the shell-quoted
+   command and exits 0, writing nothing; otherwise `write` puts the settings file in place (0600,
+   in a private 0700 runtime directory) and `os.execvp` replaces this process with SGLang
+   (signals reach SGLang directly; SGLang's pid is the one in the file's name).
 Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 """
 
@@ -22,12 +25,14 @@ import dataclasses
 import json
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from offload.config import DeploymentConfig, OffloadConfig, load_file, to_dict
+from offload.config import DeploymentConfig, load_file, to_dict
 from offload.hicache.contract import BACKEND_EXTRA
+from offload.launch.secrets import REDACTED, redact, runtime_dir, settings_path, write_settings
 from offload.launch.sglang_args import SglangArgs, check_sglang
 
 if TYPE_CHECKING:
@@ -44,19 +49,22 @@ class LaunchCommand:
     decision: "Decision"
     offload_tree: dict[str, Any]        # effective offload: tree, transfer.path decided
     argv: list[str]
+    settings_file: str                  # where `write` puts offload_tree (argv names it)
 
     @property
     def command(self) -> str:
         return shlex.join(self.argv)
 
 
-def compose(dep: DeploymentConfig, sg: SglangArgs, path: str,
+def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str,
             python: str = sys.executable) -> tuple[dict[str, Any], list[str]]:
-    """(effective offload tree, SGLang argv) for the decided transfer path."""
+    """(effective offload tree, SGLang argv) for the decided transfer path.
+
+    The argv names `settings_file` (where the tree must be written) and carries none of the
+    tree: no salt, no Redis URL."""
     tree = to_dict(dep.offload)
     tree["transfer"]["path"] = path
-    # The backend fills in defaults itself: the command carries only what differs from them.
-    extra = {**sg.extra_config, **BACKEND_EXTRA, "offload": _changed(tree, to_dict(OffloadConfig()))}
+    extra = {**sg.extra_config, **BACKEND_EXTRA, "config_file": settings_file}
     argv = [python, "-m", "sglang.launch_server", *sg.section_argv]
     if "enable_hierarchical_cache" not in sg.set_by_user:     # (false is refused earlier)
         argv.append("--enable-hierarchical-cache")
@@ -67,35 +75,29 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str,
     return tree, argv + sg.extra_argv
 
 
-def _changed(tree: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
-    """The keys of `tree` whose values differ from `default`, sections kept nested."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            sub = _changed(value, default.get(key, {}))
-            if sub:
-                out[key] = sub
-        elif value != default.get(key):
-            out[key] = value
-    return out
-
-
 def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
          cache_dir: str | None = None, python: str = sys.executable) -> LaunchCommand:
     """Validate, detect, decide and compose.
 
-    Raises ConfigError (file or flags), PathRejectedError (an explicit path that cannot work),
-    DetectError (a bad root)."""
+    Raises ConfigError (file or flags, or an unsafe runtime directory), PathRejectedError (an
+    explicit path that cannot work), DetectError (a bad root). Writes nothing but may create the
+    (empty, private) runtime directory."""
     from offload.hw import detect_and_decide
     from offload.launch.argspec import sglang_parser
 
     dep = load_file(config_file)
     extra_argv = list(extra_argv or [])
     sg = check_sglang(dep.sglang, extra_argv, dep.offload)
-    _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir)
-    tree, argv = compose(dep, sg, decision.path, python)
+    _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir, python=python)
+    settings = str(settings_path(runtime_dir()))
+    tree, argv = compose(dep, sg, decision.path, settings, python)
     sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
-    return LaunchCommand(dep, sg, decision, tree, argv)
+    return LaunchCommand(dep, sg, decision, tree, argv, settings)
+
+
+def write(p: LaunchCommand) -> None:
+    """Put the settings file the command names in place (mode 0600), just before exec."""
+    write_settings(Path(p.settings_file), p.offload_tree)
 
 
 def render(p: LaunchCommand, config_file: str) -> str:
@@ -111,8 +113,9 @@ def render(p: LaunchCommand, config_file: str) -> str:
         lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
     lines += ["", "Notes", f"  - sglang: checked with {p.sglang.parser_source}"]
     lines += [f"  - {n}" for n in p.sglang.notes]
-    eff = {"sglang": dict(p.config.sglang), "offload": p.offload_tree}
-    lines += ["", "Effective config (offload.transfer.path is the decided path)",
+    eff = {"sglang": dict(p.config.sglang), "offload": redact(p.offload_tree)}
+    lines += ["", f"Effective config (offload.transfer.path is the decided path; secrets "
+              f"{REDACTED}; launch writes the offload: section to {p.settings_file}, mode 600)",
               *("  " + ln for ln in yaml.safe_dump(eff, sort_keys=False).splitlines()),
               "", "Command", p.command, ""]
     return "\n".join(lines)
@@ -126,5 +129,5 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
                                       for r in d.rejected]},
             "warnings": p.sglang.warnings, "notes": p.sglang.notes,
             "sglang_parser": p.sglang.parser_source,
-            "config": {"sglang": dict(p.config.sglang), "offload": p.offload_tree},
-            "argv": p.argv, "command": p.command}
+            "config": {"sglang": dict(p.config.sglang), "offload": redact(p.offload_tree)},
+            "settings_file": p.settings_file, "argv": p.argv, "command": p.command}

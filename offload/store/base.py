@@ -1,9 +1,16 @@
-"""The block-store interface every tier implements, and the data-path guard.
+"""The block-store interface every tier implements, zero-copy slot access, and the data-path guard.
 
 Keys are 32-byte `offload.keys.BlockKey` values. Blocks are written from, and read into, lists of
 buffers (vectored: a block need not be contiguous in memory, e.g. one slice per layer). The data path
 never raises: every batch call returns one success flag per key, and a failed or corrupt read is a
 miss. Control-path problems (a directory that cannot be opened) raise `StoreError` at construction.
+`tier_stats()` gives a store's statistics per tier (`local`, `redis`, `agent`: the metric labels).
+
+`SlotStore` is what a store offers a mover that reads or writes a block's bytes itself (the agent's
+NIXL transfers into the DRAM tier, GDS DMA into slab files): `reserve_slots` -> the mover writes
+each `Slot` -> `commit_slots` (visible) or `abort_slots` (freed); `pin_slots` -> the mover reads
+-> `unpin_slots`. A `Slot` is memory (`view`) or a byte range of a file (`path`, `offset`), as
+the store's `slot_medium` says.
 
 `never_raises(what, miss)` is the one way a data-path method keeps that promise: an exception
 becomes `miss(*args)` (e.g. all False), logged with its traceback the first time at each site and
@@ -18,7 +25,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, TypeVar, Union
+from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 from offload.keys import Namespace
 
@@ -82,7 +89,79 @@ class BlockStore(Protocol):
     def stats(self) -> StoreStats:
         ...
 
+    def tier_stats(self) -> dict[str, StoreStats]:
+        """Statistics per tier, keyed by the tier's metric label (`local`, `redis`, `agent`): one
+        entry for a single store, one per part for a tiered one. `extra["process_counters"]`
+        names the counters that are this process's own when not all are (a shared agent's)."""
+        ...
+
     def close(self) -> None:
+        ...
+
+
+SlotMedium = Literal["memory", "file"]
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """Where one block's bytes are, for a mover that moves them itself.
+
+    Memory slots carry `view` (the block's bytes); file slots carry `path` and `offset` (where the
+    block's data starts, 4 KiB aligned) and, when pinned, the stored `checksum` (WSUM64)."""
+    key: bytes
+    length: int
+    view: memoryview | None = None
+    path: str = ""
+    offset: int = 0
+    checksum: int = 0
+
+
+@runtime_checkable
+class SlotStore(BlockStore, Protocol):
+    """Zero-copy access to a store's slots. Never raises: a failure is None / False per key."""
+
+    slot_medium: SlotMedium
+
+    def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]:
+        """Slots for new blocks, counted against the cap and invisible until committed.
+
+        Returns:
+            One slot per key; None where the key is stored or being written already, or does
+            not fit (put_many is the way for those).
+        """
+        ...
+
+    def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int] | None = None
+                     ) -> list[bool]:
+        """Make written slots visible (durable first, for files).
+
+        Args:
+            slots: reserved slots whose bytes the mover wrote.
+            checksums: the WSUM64 of each slot's bytes as the mover computed it (file slots
+                store it; without it the store computes it from the file); memory ignores it.
+        Returns:
+            One flag per slot: True if the block is now stored.
+        """
+        ...
+
+    def abort_slots(self, slots: Sequence[Slot]) -> None:
+        """Free reserved slots whose write failed or was not attempted."""
+        ...
+
+    def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
+        """Stored blocks' slots to read from (None on a miss). Memory keeps a pinned slot from
+        eviction and reuse until `unpin_slots`; a file slot is not held (a block evicted meanwhile
+        fails its checksum: a miss)."""
+        ...
+
+    def unpin_slots(self, slots: Sequence[Slot], ok: Sequence[bool] | None = None) -> None:
+        """End `pin_slots`; `ok` (per slot, default all) counts the reads that reached their
+        reader as hits."""
+        ...
+
+    def arena_region(self) -> tuple[int, int] | None:
+        """(address, length) of the one memory region every memory slot lies in (registered
+        once with NIXL by the agent); None without one (files, or scattered memory)."""
         ...
 
 

@@ -12,7 +12,6 @@ Primitives: `plan_runs(locations)` -> lists of locations to move together; `writ
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import threading
@@ -66,10 +65,6 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
     return runs
 
 
-def _err(e: OSError) -> str:
-    return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
-
-
 def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
               csums: Sequence[int], created_ns: int) -> list[str]:
     """Write consecutive slots in one call. One reason per block ('' = written)."""
@@ -85,10 +80,10 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
         iov.extend(b)
     want = len(locs) * first.slot_bytes
     try:
-        fd = slabs.fd(first.seg, first.slot_bytes)
-        n = os.pwritev(fd, iov, first.slot * first.slot_bytes)
+        with slabs.use(first.seg, first.slot_bytes) as fd:
+            n = os.pwritev(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
-        return [_err(e)] * len(locs)
+        return [slab.reason(e)] * len(locs)
     if n == want:
         return [""] * len(locs)
     whole = n // first.slot_bytes  # the slots fully written before the short write stopped
@@ -105,9 +100,10 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
         iov.append(memoryview(hdrs)[j * slab.HEADER_BYTES:(j + 1) * slab.HEADER_BYTES])
         iov.extend(d)
     try:
-        n = os.preadv(slabs.fd(first.seg, first.slot_bytes), iov, first.slot * first.slot_bytes)
+        with slabs.use(first.seg, first.slot_bytes) as fd:
+            n = os.preadv(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
-        return [f"io error {_err(e)}"] * len(locs)
+        return [slab.reason(e, "io error ")] * len(locs)
     out = []
     for j, (loc, d) in enumerate(zip(locs, dests)):
         if n < (j + 1) * first.slot_bytes:

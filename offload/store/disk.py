@@ -12,35 +12,59 @@ each touched slab -> one transaction makes the blocks visible. A crash at any po
 pending slots of a dead process, reclaimed on the next open or under pressure.
 Get: locate in the index -> the I/O threads read header + data straight into the caller's buffers ->
 the header must match the index and the data its checksum, else the block is deleted and it is a miss.
-Open: under an exclusive lock file, `PRAGMA quick_check`; a damaged index is set aside
-(`index.db.damaged-<time>`) and rebuilt from the slab headers; dead processes' slots are reclaimed.
+Open (`recovery.open_index`): the directory is checked or created 0700 (`cachedir.prepare`: owned by
+the service user, writable by nobody else); under the lock file, taken with a deadline,
+`PRAGMA quick_check`; a damaged index is set aside (`index.db.damaged-<time>`) and rebuilt from the
+slab headers; segments whose slab file is missing are dropped; dead processes' slots are reclaimed.
+A slab found missing later (a read, a write, a sync) is dropped the same way.
 
-The data path (put/get/exists/delete) never raises: it returns per-block flags and logs why.
+The data path (put/get/exists/delete) never raises (`never_raises`): it returns per-block flags and
+logs why. Where it must reopen the index (another process rebuilt it) it waits for the lock at most
+`DATA_LOCK_TIMEOUT_S`, else misses.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import coalesce, slab
-from offload.store.base import Buffer, StoreStats, total_len
-from offload.store.disk_slots import SlotAccess
+from offload.store import cachedir, coalesce, slab
+from offload.store.base import Buffer, StoreStats, never_raises, total_len
+from offload.store.disk_slots import SlotAccess, SlotBooks
 from offload.store.index import Allocation, Freed, Index, Location, owner_token
+from offload.store.recovery import INDEX_NAME, open_index
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "index.db"
 TOUCH_FLUSH_S = 1.0
+LOCK_TIMEOUT_S = 60.0       # opening: long enough for another process's index rebuild
+DATA_LOCK_TIMEOUT_S = 0.5   # a reopen on the data path: misses rather than a stalled server
+
+
+def _skipped(self: "DiskStore", keys: Sequence[bytes], *_: Any) -> list[bool]:
+    self._stats.put_skipped += len(keys)
+    return [False] * len(keys)
+
+
+def _missed(self: "DiskStore", keys: Sequence[bytes], *_: Any) -> list[bool]:
+    self._stats.misses += len(keys)
+    return [False] * len(keys)
+
+
+def _nothing(*_: Any) -> int:
+    return 0
+
+
+def _absent(_self: "DiskStore", keys: Sequence[bytes]) -> list[bool]:
+    return [False] * len(keys)
 
 
 def fs_free_bytes(path: str) -> int:
@@ -49,19 +73,16 @@ def fs_free_bytes(path: str) -> int:
 
 
 class DiskStore(SlotAccess):
-    def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes):
+    def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes,
+                 lock_timeout_s: float = LOCK_TIMEOUT_S, max_open_slabs: int = slab.MAX_OPEN):
         self.cfg = cfg
-        self.directory = os.path.abspath(cfg.path)
+        self.directory = cachedir.prepare(cfg.path)
         self._free_bytes = free_bytes
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"store.path {cfg.path!r}: cannot create the directory: "
-                             f"{e.strerror}") from None
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise StoreError(f"store.path {cfg.path!r}: directory is not writable")
         self.o_direct = self._probe_o_direct()
-        self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off")
+        self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off",
+                                     max_open_slabs)
         self._lock = threading.RLock()
         self._owner = owner_token()
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
@@ -69,7 +90,7 @@ class DiskStore(SlotAccess):
         self._touched: set[bytes] = set()
         self._last_touch_flush = time.monotonic()
         self.rebuilt_from: str | None = None
-        self._index = self._open_index()
+        self._index = self._open_index(lock_timeout_s)
         self._seq, keys = self._index.committed_keys()
         self._keys: set[bytes] = set(keys)
         self._closed = False
@@ -82,8 +103,11 @@ class DiskStore(SlotAccess):
             return False
         probe = os.path.join(self.directory, f".o_direct_probe.{os.getpid()}")
         try:
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-            os.close(fd)
+            try:
+                os.unlink(probe)  # a leftover of a killed process with this pid
+            except FileNotFoundError:
+                pass
+            os.close(cachedir.open_file(probe, os.O_RDWR | os.O_DIRECT, create=True))
             return True
         except OSError as e:
             if mode == "on":
@@ -98,57 +122,11 @@ class DiskStore(SlotAccess):
             except OSError:
                 pass
 
-    def _open_index(self) -> Index:
-        path = os.path.join(self.directory, INDEX_NAME)
-        with open(os.path.join(self.directory, "lock"), "a+") as lockf:
-            fcntl.flock(lockf, fcntl.LOCK_EX)
-            try:
-                index: Index | None = None
-                try:
-                    index = Index(path)
-                    index.check_and_init()
-                except sqlite3.DatabaseError as e:
-                    if index is not None:
-                        index.close()
-                    index = self._set_aside_and_rebuild(path, str(e))
-                index.reclaim_dead(self._free_slot)
-                index.set_capacity(self.cfg.capacity)
-                return index
-            finally:
-                fcntl.flock(lockf, fcntl.LOCK_UN)
-
-    def _set_aside_and_rebuild(self, path: str, why: str) -> Index:
-        aside = f"{path}.damaged-{int(time.time())}"
-        log.error("index %s is damaged (%s): set aside as %s, rebuilding from the slab headers",
-                  path, why, aside)
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(path + suffix):
-                os.replace(path + suffix, aside + suffix)
-        self.rebuilt_from = aside
-        index = Index(path)
-        index.check_and_init()
-        rows, segments, free = [], [], []
-        seen: set[bytes] = set()
-        for name in sorted(os.listdir(self.directory)):
-            parsed = slab.parse_segment_name(name)
-            if parsed is None:
-                continue
-            seg, sb = parsed
-            used = -(-os.path.getsize(os.path.join(self.directory, name)) // sb)
-            segments.append((seg, sb, max(used, self.cfg.segment_size // sb), used))
-            allocated = self._slabs.allocated_slots(seg, sb, used)
-            free += [(sb, seg, s) for s in range(used) if s not in allocated]
-            for s in sorted(allocated):
-                h = self._slabs.read_header(seg, sb, s)
-                if h is None or h.key in seen or slab.slot_bytes_for(h.length) != sb:
-                    free.append((sb, seg, s))
-                    self._slabs.free(seg, sb, s)
-                    continue
-                seen.add(h.key)
-                rows.append((h.key, seg, s, sb, h.length, h.csum, h.created_ns / 1e9))
-        index.insert_recovered(rows, segments, free)
-        log.warning("rebuilt the index of %s: %d blocks recovered (each verified on read)",
-                    self.directory, len(rows))
+    def _open_index(self, timeout_s: float) -> Index:
+        index, aside = open_index(self.directory, self._slabs, capacity=self.cfg.capacity,
+                                  segment_size=self.cfg.segment_size, free_slot=self._free_slot,
+                                  timeout_s=timeout_s)
+        self.rebuilt_from = aside or self.rebuilt_from
         return index
 
     def _free_slot(self, f: Freed) -> None:
@@ -161,9 +139,10 @@ class DiskStore(SlotAccess):
         except OSError:
             ino = -1
         if ino != self._index.ino:  # another process set the index aside and rebuilt it
+            fresh = self._open_index(DATA_LOCK_TIMEOUT_S)  # StoreError -> the caller's misses
             self._index.close()
-            self._index = self._open_index()
-            self._seq = -1
+            self._index, self._seq = fresh, -1
+        self._drop_missing()
         got = self._index.changes_since(self._seq) if self._seq >= 0 else None
         if got is None:
             self._seq, keys = self._index.committed_keys()
@@ -176,27 +155,27 @@ class DiskStore(SlotAccess):
             else:
                 self._keys.discard(key)
 
+    def _drop_missing(self) -> None:
+        """Drop segments whose slab file was found missing (caller holds the lock): their blocks
+        stop existing and their slots are never reused (else every put of that size would fail)."""
+        for seg, sb in self._slabs.take_missing():
+            gone = self._index.drop_segment(seg)
+            self._slabs.forget(seg, sb)
+            self._keys.difference_update(gone)
+            log.error("slab %s is missing: its %d blocks are dropped", self._slabs.path(seg, sb),
+                      len(gone))
+
     # ---- data path ----------------------------------------------------------------------------
 
+    @never_raises("disk exists", _absent)
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        try:
-            with self._lock:
-                self._refresh_keys()
-                ks = self._keys
-                return [k in ks for k in keys]
-        except Exception:  # noqa: BLE001 - the data path never raises
-            log.exception("exists failed; reporting misses")
-            return [False] * len(keys)
+        with self._lock:
+            self._refresh_keys()
+            ks = self._keys
+            return [k in ks for k in keys]
 
+    @never_raises("disk put", _skipped)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        try:
-            return self._put_many(keys, blocks)
-        except Exception:  # noqa: BLE001
-            log.exception("put of %d blocks failed; skipped", len(keys))
-            self._stats.put_skipped += len(keys)
-            return [False] * len(keys)
-
-    def _put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
@@ -263,6 +242,7 @@ class DiskStore(SlotAccess):
         with self._lock:
             touched, self._touched = list(self._touched), set()
             self._index.finish(good, failed, touched, self._free_slot)
+            self._drop_missing()
             for k, _ in good:
                 self._keys.add(k)
                 for i in where[k]:
@@ -281,15 +261,8 @@ class DiskStore(SlotAccess):
         self._stats.evictions += alloc.evicted
         return alloc
 
+    @never_raises("disk get", _missed)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
-        try:
-            return self._get_many(keys, dests)
-        except Exception:  # noqa: BLE001
-            log.exception("get of %d blocks failed; reporting misses", len(keys))
-            self._stats.misses += len(keys)
-            return [False] * len(keys)
-
-    def _get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         if len(keys) != len(dests):
             log.error("get: %d keys but %d destinations", len(keys), len(dests))
             return [False] * len(keys)
@@ -297,10 +270,11 @@ class DiskStore(SlotAccess):
             locs = self._index.locate(list(keys))
         jobs = []
         bad_sizes: list[Location] = []
+        unknown: list[bytes] = []
         for i, (k, bufs) in enumerate(zip(keys, dests)):
             loc = locs.get(k)
             if loc is None:
-                self._keys.discard(k)  # the index does not hold it: stop claiming it exists
+                unknown.append(k)  # the index does not hold it: stop claiming it exists
                 continue
             if total_len(bufs) != loc.length:
                 if self._index_lies(loc):
@@ -341,10 +315,12 @@ class DiskStore(SlotAccess):
             self._stats.misses += len(keys) - hits
             self._stats.checksum_failures += len(corrupt)
             self._stats.bytes_read += nbytes
+            self._keys.difference_update(unknown)
             if corrupt:
                 self._index.drop_corrupt(corrupt, self._free_slot)
                 for loc in corrupt:
                     self._keys.discard(loc.key)
+            self._drop_missing()
             self._touched.update(k for k, ok in zip(keys, result) if ok)
             if time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S:
                 self._flush_touches()
@@ -361,16 +337,33 @@ class DiskStore(SlotAccess):
         if touched:
             self._index.touch(touched)
 
+    @never_raises("disk delete", _nothing)
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        try:
-            with self._lock:
-                n = self._index.delete(list(keys), self._free_slot)
-                for k in keys:
-                    self._keys.discard(k)
-                return n
-        except Exception:  # noqa: BLE001
-            log.exception("delete of %d blocks failed", len(keys))
-            return 0
+        with self._lock:
+            n = self._index.delete(list(keys), self._free_slot)
+            self._keys.difference_update(keys)
+            return n
+
+    # ---- what the slot API (disk_slots.SlotAccess, for the GDS path) may use ---------------------
+
+    def slot_books(self) -> SlotBooks:
+        return SlotBooks(self._slabs, self._stats, self._slot_allocate, self._slot_finish,
+                         self._slot_locate)
+
+    def _slot_allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
+        with self._lock:
+            self._refresh_keys()
+            todo = [(k, n, slab.slot_bytes_for(n), 0) for k, n in items if k not in self._keys]
+            return self._allocate(todo).new if todo else []
+
+    def _slot_finish(self, good: list[tuple[bytes, int]], failed: list[Location]) -> None:
+        with self._lock:
+            self._index.finish(good, failed, [], self._free_slot)
+            self._keys.update(k for k, _ in good)
+
+    def _slot_locate(self, keys: list[bytes]) -> dict[bytes, Location]:
+        with self._lock:
+            return self._index.locate(keys)
 
     # ---- control path -------------------------------------------------------------------------
 
@@ -394,6 +387,9 @@ class DiskStore(SlotAccess):
             self._seq = -1  # reload the key set on next use
             self._refresh_keys()
             return n
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        return {"local": self.stats()}
 
     def stats(self) -> StoreStats:
         with self._lock:

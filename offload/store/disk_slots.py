@@ -1,125 +1,153 @@
-"""Slot access for paths that move a block's bytes themselves (GDS: GPU memory <-> NVMe by DMA).
+"""DiskStore's `SlotStore` side (medium "file"), for paths that move a block's bytes themselves
+(GDS: GPU memory <-> NVMe by DMA).
 
-`SlotAccess` is mixed into `DiskStore`. A path reserves slots (`reserve_slots`: 4 KiB-aligned data
-areas inside slab files, counted against the cap like any put), writes the data with its own engine,
-then `commit_slots` writes each slot's header with the checksum the path computed (kind WSUM64,
-verified on the CPU by `slab.wsum64` when such a block is read through the ordinary path),
-fdatasyncs and makes the blocks visible — or `abort_slots` frees them. `locate_many` gives the
-slots of committed blocks with their stored checksum, for reads by the same engine.
+Primitives:
+- `SlotBooks`: what the disk store lends its slot access — its slab files, its stats, and three
+  bookkeeping calls that take the store's lock themselves (`allocate`, `finish`, `locate`).
+- `SlotAccess`: the `SlotStore` methods, mixed into `DiskStore`; they reach the store only
+  through `slot_books()`.
+Lifecycle: a path reserves slots (`reserve_slots`: 4 KiB-aligned data areas inside slab files,
+counted against the cap like any put), writes the data with its own engine, then `commit_slots`
+writes each slot's header with the checksum the path computed (kind WSUM64, verified on the CPU by
+`slab.wsum64` when such a block is read through the ordinary path), fdatasyncs and makes the
+blocks visible — or `abort_slots` frees them. `pin_slots` gives the slots of committed blocks with
+their stored checksum, for reads by the same engine; `unpin_slots` counts those reads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Sequence
 
 from offload.store import slab
+from offload.store.base import Slot, SlotMedium, StoreStats, never_raises
 from offload.store.index import Location
-
-if TYPE_CHECKING:
-    from offload.store.disk import DiskStore
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Slot:
-    key: bytes
-    path: str          # slab file
-    offset: int        # where the block's data starts (4 KiB aligned)
-    length: int
-    checksum: int = 0  # stored checksum (locate_many), 0 when reserving
-    token: int = 0     # the slot's segment id
+class SlotBooks:
+    slabs: slab.SlabFiles
+    stats: StoreStats
+    # [(key, length)] of keys not stored yet -> the new slots' locations (cap, eviction)
+    allocate: Callable[[list[tuple[bytes, int]]], list[Location]]
+    # (committed [(key, checksum)], failed locations): make visible / free
+    finish: Callable[[list[tuple[bytes, int]], list[Location]], None]
+    locate: Callable[[list[bytes]], dict[bytes, Location]]
 
 
-def _slot_of(store: "DiskStore", loc: Location, checksum: int = 0) -> Slot:
-    return Slot(loc.key, store._slabs.path(loc.seg, loc.slot_bytes),
-                loc.slot * loc.slot_bytes + slab.HEADER_BYTES, loc.length, checksum, loc.seg)
+def _slot_of(books: SlotBooks, loc: Location, checksum: int = 0) -> Slot:
+    return Slot(loc.key, loc.length, path=books.slabs.path(loc.seg, loc.slot_bytes),
+                offset=loc.slot * loc.slot_bytes + slab.HEADER_BYTES, checksum=checksum)
 
 
 def _loc_of(s: Slot) -> Location:
-    parsed = slab.parse_segment_name(s.path.rsplit("/", 1)[-1])
+    parsed = slab.parse_segment_name(os.path.basename(s.path))
     if parsed is None:
         raise ValueError(f"not a slab file: {s.path}")
     seg, sb = parsed
     return Location(s.key, seg, (s.offset - slab.HEADER_BYTES) // sb, sb, s.length, s.checksum)
 
 
+def _none_each(_self: Any, keys: Sequence[Any], *_: Any) -> list[None]:
+    return [None] * len(keys)
+
+
+def _abort_all(self: "SlotAccess", slots: Sequence[Slot], *_: Any) -> list[bool]:
+    self.abort_slots(slots)      # guarded itself: never raises
+    return [False] * len(slots)
+
+
+def _file_wsum64(s: Slot) -> int:
+    """The checksum of a slot's bytes as written in its file (a committer that gave none)."""
+    fd = os.open(s.path, os.O_RDONLY)
+    try:
+        return slab.wsum64([os.pread(fd, s.length, s.offset)])
+    finally:
+        os.close(fd)
+
+
 class SlotAccess:
-    def reserve_slots(self: "DiskStore", keys: Sequence[bytes],  # type: ignore[misc]
-                      sizes: Sequence[int]) -> list[Slot | None]:
+    slot_medium: SlotMedium = "file"
+
+    def slot_books(self) -> SlotBooks:
+        """What the store lends (implemented by the store)."""
+        raise NotImplementedError
+
+    def arena_region(self) -> tuple[int, int] | None:
+        return None      # file slots: nothing to register in memory
+
+    @never_raises("reserve_slots", _none_each)
+    def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]:
         """Slots for blocks not stored yet (None: already stored, in flight, or no room)."""
-        try:
-            with self._lock:
-                self._refresh_keys()
-                seen: set[bytes] = set()
-                items = []
-                for k, n in zip(keys, sizes):
-                    if k not in self._keys and k not in seen:
-                        seen.add(k)
-                        items.append((k, n, slab.slot_bytes_for(n), 0))
-                alloc = self._allocate(items) if items else None
-            out: dict[bytes, Slot] = {}
-            failed = []
-            for loc in alloc.new if alloc else []:
-                err = self._slabs.reserve_space(loc.seg, loc.slot_bytes, loc.slot)
-                if err:
-                    log.warning("slot for %s not reserved: %s", loc.key.hex()[:16], err)
-                    failed.append(loc)
-                else:
-                    out[loc.key] = _slot_of(self, loc)
-            if failed:
-                with self._lock:
-                    self._index.finish([], failed, [], self._free_slot)
-            return [out.pop(k, None) for k in keys]
-        except Exception:  # noqa: BLE001 - data path
-            log.exception("reserve_slots failed")
-            return [None] * len(keys)
+        books = self.slot_books()
+        seen: set[bytes] = set()
+        items = []
+        for k, n in zip(keys, sizes):
+            if k not in seen:
+                seen.add(k)
+                items.append((k, n))
+        out: dict[bytes, Slot] = {}
+        failed = []
+        for loc in books.allocate(items) if items else []:
+            err = books.slabs.reserve_space(loc.seg, loc.slot_bytes, loc.slot)
+            if err:
+                log.warning("slot for %s not reserved: %s", loc.key.hex()[:16], err)
+                failed.append(loc)
+            else:
+                out[loc.key] = _slot_of(books, loc)
+        if failed:
+            books.finish([], failed)
+        return [out.pop(k, None) for k in keys]
 
-    def commit_slots(self: "DiskStore", slots: Sequence[Slot],  # type: ignore[misc]
-                     checksums: Sequence[int]) -> list[bool]:
+    @never_raises("commit_slots", _abort_all)
+    def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int] | None = None
+                     ) -> list[bool]:
         """Headers (checksum kind WSUM64) -> fdatasync -> visible. One flag per slot."""
-        try:
-            locs = [_loc_of(s) for s in slots]
-            now = time.time_ns()
-            errs = [self._slabs.write_header(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                             loc.length, c, now, slab.CSUM_WSUM64)
-                    for loc, c in zip(locs, checksums)]
-            segs = {(loc.seg, loc.slot_bytes) for loc, e in zip(locs, errs) if not e}
-            synced = {sg: self._slabs.sync(*sg) for sg in segs}
-            good, bad = [], []
-            for loc, c, e in zip(locs, checksums, errs):
-                if e or not synced[(loc.seg, loc.slot_bytes)]:
-                    bad.append(loc)
-                else:
-                    good.append((loc.key, c))
-            with self._lock:
-                self._index.finish(good, bad, [], self._free_slot)
-                self._keys.update(k for k, _ in good)
-            self._stats.puts += len(good)
-            self._stats.bytes_written += sum(loc.length for loc in locs) if not bad else 0
-            ok = {k for k, _ in good}
-            return [s.key in ok for s in slots]
-        except Exception:  # noqa: BLE001
-            log.exception("commit_slots failed")
-            self.abort_slots(slots)
-            return [False] * len(slots)
+        books = self.slot_books()
+        sums = list(checksums) if checksums is not None else [_file_wsum64(s) for s in slots]
+        locs = [_loc_of(s) for s in slots]
+        now = time.time_ns()
+        errs = [books.slabs.write_header(loc.seg, loc.slot_bytes, loc.slot, loc.key,
+                                         loc.length, c, now, slab.CSUM_WSUM64)
+                for loc, c in zip(locs, sums)]
+        segs = {(loc.seg, loc.slot_bytes) for loc, e in zip(locs, errs) if not e}
+        synced = {sg: books.slabs.sync(*sg) for sg in segs}
+        good, bad = [], []
+        for loc, c, e in zip(locs, sums, errs):
+            if e or not synced[(loc.seg, loc.slot_bytes)]:
+                bad.append(loc)
+            else:
+                good.append((loc.key, c))
+        books.finish(good, bad)
+        books.stats.puts += len(good)
+        books.stats.bytes_written += sum(loc.length for loc in locs) if not bad else 0
+        ok = {k for k, _ in good}
+        return [s.key in ok for s in slots]
 
-    def abort_slots(self: "DiskStore", slots: Sequence[Slot]) -> None:  # type: ignore[misc]
-        try:
-            with self._lock:
-                self._index.finish([], [_loc_of(s) for s in slots], [], self._free_slot)
-        except Exception:  # noqa: BLE001
-            log.exception("abort_slots failed (the slots are reclaimed when this process ends)")
+    @never_raises("abort_slots (the slots are reclaimed when this process ends)", lambda *_: None)
+    def abort_slots(self, slots: Sequence[Slot]) -> None:
+        self.slot_books().finish([], [_loc_of(s) for s in slots])
 
-    def locate_many(self: "DiskStore",  # type: ignore[misc]
-                    keys: Sequence[bytes]) -> list[Slot | None]:
-        try:
-            with self._lock:
-                locs = self._index.locate(list(keys))
-            return [_slot_of(self, locs[k], locs[k].csum) if k in locs else None for k in keys]
-        except Exception:  # noqa: BLE001
-            log.exception("locate_many failed")
-            return [None] * len(keys)
+    @never_raises("pin_slots", _none_each)
+    def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
+        """Committed blocks' slots with their stored checksum (not held: see `SlotStore`)."""
+        books = self.slot_books()
+        locs = books.locate(list(keys))
+        books.stats.misses += sum(k not in locs for k in keys)
+        return [_slot_of(books, locs[k], locs[k].csum) if k in locs else None for k in keys]
+
+    @never_raises("unpin_slots", lambda *_: None)
+    def unpin_slots(self, slots: Sequence[Slot], ok: Sequence[bool] | None = None) -> None:
+        stats = self.slot_books().stats
+        for n, s in enumerate(slots):
+            if ok is None or ok[n]:
+                stats.hits += 1
+                stats.bytes_read += s.length
+
+
+__all__ = ["SlotAccess", "SlotBooks"]

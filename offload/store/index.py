@@ -23,11 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from offload.store import cachedir
+
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
 OP_COMMIT, OP_DELETE = 1, 2
 CHANGES_KEPT = 200_000
 _MAX_VARS = 900
+SIDE_FILES = ("-wal", "-shm")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -116,12 +119,25 @@ class Index:
     """One SQLite connection; callers serialise access (DiskStore holds a lock)."""
 
     def __init__(self, path: str):
+        """Open (or create, 0600) the index. Raises `cachedir.UnsafeFile` if the index, its -wal
+        or its -shm is a symlink or not a regular file of the service user."""
         self.path = path
+        created = cachedir.own_file(path, create=True)
+        for suffix in SIDE_FILES:
+            cachedir.own_file(path + suffix)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                                   timeout=30.0)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA busy_timeout=30000")
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA busy_timeout=30000")
+            for suffix in SIDE_FILES:  # SQLite makes them with the index's mode (0600): checked
+                cachedir.own_file(path + suffix)
+        except BaseException:
+            self.db.close()
+            raise
+        if created:
+            cachedir.fsync_dir(os.path.dirname(os.path.abspath(path)))
         self.ino = os.stat(path).st_ino
 
     # ---- open-time checks (called under the directory's open lock) ----------------------------
@@ -354,6 +370,26 @@ class Index:
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
                     "AND slot=? AND +state=1", (loc.key, loc.seg, loc.slot)).fetchall()
             return len(self._free_rows(rows, free_slot))
+
+    def live_segments(self) -> list[tuple[int, int]]:
+        """(seg, slot_bytes) of every segment not dropped."""
+        return self.db.execute("SELECT seg, slot_bytes FROM segments WHERE nslots > 0").fetchall()
+
+    def drop_segment(self, seg: int) -> list[bytes]:
+        """Forget a segment whose slab file is lost: its blocks (pending or committed) and free
+        slots go; its row stays as a tombstone (nslots 0) so its id is never given out again.
+        Returns the committed keys dropped."""
+        with self.txn():
+            rows = self.db.execute("SELECT key, slot_bytes, state FROM blocks WHERE seg=?",
+                                   (seg,)).fetchall()
+            self.db.execute("DELETE FROM blocks WHERE seg=?", (seg,))
+            self.db.execute("DELETE FROM free_slots WHERE seg=?", (seg,))
+            self.db.execute("UPDATE segments SET nslots=0, next_slot=0 WHERE seg=?", (seg,))
+            gone = [k for k, _, state in rows if state == COMMITTED]
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((k, OP_DELETE) for k in gone))
+            self._add_used(-sum(sb for _, sb, _ in rows))
+        return gone
 
     def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:
         with self.txn():

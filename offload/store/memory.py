@@ -16,10 +16,10 @@ puts into an empty tier costs no page faults either.
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
-Slot API (zero-copy movers such as the agent's NIXL path): `reserve_views(keys, sizes)` hands out
-slots for new blocks, invisible until `commit_views(keys, ok)` (a failed one is freed);
-`pin_views(keys)` hands out stored blocks' slots, which eviction skips and deletion does not reuse
-until `unpin(keys, ok)`. `arena_region()` is the (address, length) of the arena, if any.
+`SlotStore` (medium "memory", for zero-copy movers such as the agent's NIXL path):
+`reserve_slots(keys, sizes)` hands out slots for new blocks, invisible until `commit_slots` (or
+freed by `abort_slots`); `pin_slots(keys)` hands out stored blocks' slots, which eviction skips
+and deletion does not reuse until `unpin_slots`. `arena_region()` is the arena's (address, length).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from offload.keys import Namespace
-from offload.store.base import Buffer, StoreStats, total_len
+from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 
 
 class MemoryStore:
+    slot_medium: SlotMedium = "memory"
+
     def __init__(self, capacity: int = 1 << 30, reserve: int = 0):
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, memoryview] = OrderedDict()
@@ -229,11 +231,10 @@ class MemoryStore:
             return None
         return ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), len(self._arena)
 
-    def reserve_views(self, keys: Sequence[bytes], sizes: Sequence[int]
-                      ) -> list[memoryview | None]:
+    def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]:
         """Slots to write new blocks into, invisible until committed. None where the key is
         stored or being written already, refused, or does not fit (use put_many for those)."""
-        out: list[memoryview | None] = []
+        out: list[Slot | None] = []
         with self._lock:
             self._busy()
             for key, size in zip(keys, sizes):
@@ -247,14 +248,23 @@ class MemoryStore:
                     continue
                 self._used += size
                 self._reserved[key] = slot
-                out.append(slot)
+                out.append(Slot(key, size, slot))
         return out
 
-    def commit_views(self, keys: Sequence[bytes], ok: Sequence[bool]) -> list[bool]:
-        """Publish the reserved blocks whose write succeeded; free the others' slots."""
+    def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int] | None = None
+                     ) -> list[bool]:
+        """Publish reserved blocks (memory keeps no checksum)."""
+        return self._finish(slots, True)
+
+    def abort_slots(self, slots: Sequence[Slot]) -> None:
+        self._finish(slots, False)
+
+    def _finish(self, slots: Sequence[Slot], good: bool) -> list[bool]:
+        """Publish the reserved blocks (good) or free their slots."""
         out = []
         with self._lock:
-            for key, good in zip(keys, ok):
+            for s in slots:
+                key = s.key
                 slot = self._reserved.pop(key, None)
                 if slot is None:
                     out.append(False)
@@ -269,12 +279,12 @@ class MemoryStore:
                 self._release(slot)
                 if not good:
                     self._stats.put_skipped += 1
-                out.append(bool(good))
+                out.append(good)
         return out
 
-    def pin_views(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Stored blocks' slots, kept from eviction and reuse until `unpin`; None on a miss."""
-        out: list[memoryview | None] = []
+    def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
+        """Stored blocks' slots, kept from eviction and reuse until unpinned; None on a miss."""
+        out: list[Slot | None] = []
         with self._lock:
             self._busy()
             for key in keys:
@@ -291,13 +301,14 @@ class MemoryStore:
                 if pin is None:
                     pin = self._pins[key] = [0, slot]
                 pin[0] += 1
-                out.append(slot)
+                out.append(Slot(key, slot.nbytes, slot))
         return out
 
-    def unpin(self, keys: Sequence[bytes], ok: Sequence[bool] | None = None) -> None:
-        """End `pin_views`; `ok` (per key) counts the reads that reached their reader."""
+    def unpin_slots(self, slots: Sequence[Slot], ok: Sequence[bool] | None = None) -> None:
+        """End `pin_slots`; `ok` (per slot) counts the reads that reached their reader."""
         with self._lock:
-            for n, key in enumerate(keys):
+            for n, s in enumerate(slots):
+                key = s.key
                 pin = self._pins.get(key)
                 if pin is None:
                     continue
@@ -385,7 +396,7 @@ class MemoryStore:
                 if slot is not None:
                     self._used -= slot.nbytes
                     pin = self._pins.get(k)
-                    if pin is None or pin[1] is not slot:   # a pinned slot is freed by unpin
+                    if pin is None or pin[1] is not slot:   # a pinned slot is freed by unpin_slots
                         self._release(slot)
                     n += 1
         return n
@@ -405,6 +416,9 @@ class MemoryStore:
             s.extra = {**self._stats.extra, "recycled_slots": self._recycled,
                        "spare_bytes": self._held_bytes()}
             return s
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        return {"local": self.stats()}
 
     def close(self) -> None:
         with self._wake:

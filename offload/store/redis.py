@@ -1,10 +1,13 @@
 """The Redis tier: blocks shared by every replica and kept across restarts (by Redis).
 
 Primitives:
-- Value format: a 24-byte header `SGLB | version u8 | flags u8 | reserved u16 | length u64 |
-  xxh3_64 u64` (little-endian) followed by the block. Never pickle. A value that fails the
-  header, length or checksum check is deleted in Redis and counted as a miss.
-- Keys: `sglo:v1:` + the 32-byte block key (namespace digest, salt included, + page digest).
+- Value format and MAC: `redis_value` (a 48-byte header with a GMAC tag over the Redis key, the
+  header and the block, keyed by `redis.secret_file`). Never pickle. A value that fails the
+  header, length or tag check (corrupted, truncated, forged, or moved to another key) is deleted
+  in Redis and counted as a miss (`checksum_failures`): never served, so never tiered to NVMe.
+- Keys: `PREFIX:v2:` + the 32-byte block key (namespace digest, salt included, + page digest),
+  where PREFIX is `redis.key_prefix` (one per tenant: ACL `~PREFIX:*`); the budget index and the
+  namespace records live under the same prefix. `clear()` SCANs only `PREFIX:v2:*`.
 - `RedisStore(cfg)`: a `BlockStore`. Batches are pipelined (EXISTS, SET NX [EX ttl],
   GET / GETEX for a sliding ttl, DEL); writes send the header and the caller's buffers without
   joining them (`redis_link.Vectored`). With `max_bytes` set, an LRU index kept in Redis itself
@@ -12,11 +15,9 @@ Primitives:
   counter under one hash tag, updated by Lua scripts) evicts our oldest blocks past the
   budget; blocks Redis drops by itself (`maxmemory` eviction, expiry) leave the index when they
   are next found missing or expired.
-- `RedisDirectory(cfg)`: directory mode: which DPU agents hold a block (`sglo:v1:dir:` + key ->
-  set of agent addresses), so a host finds blocks another host wrote through another agent.
-Lifecycle: construct (no connection yet), use from any thread, `close()`. Failures (Redis down,
-slow, refusing AUTH) are handled by `RedisLink`: counted, backed off, reconnected; meanwhile
-every call returns misses at once.
+Lifecycle: construct (reads the secret file; no connection yet), use from any thread, `close()`.
+Failures (Redis down, slow, refusing AUTH) are handled by `RedisLink`: counted, backed off,
+reconnected; meanwhile every call returns misses at once.
 """
 
 from __future__ import annotations
@@ -24,25 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import re
-import struct
 import threading
 from typing import Any, Sequence
 
 from offload.config import RedisConfig
 from offload.keys import KEY_BYTES, Namespace
-from offload.store.base import Buffer, StoreStats, total_len
+from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
 from offload.store.redis_link import RedisLink, Vectored
+from offload.store.redis_value import ValueCodec
+from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
 
-PREFIX = b"sglo:v1:"
-DIR_PREFIX = b"sglo:v1:dir:"
-NS_PREFIX = b"sglo:v1:ns:"
-MAGIC = b"SGLB"
-VERSION = 1
-HEADER = struct.Struct("<4sBBHQQ")
-# Budget index: one hash tag, so the three keys live on one node of a cluster.
-IDX_KEYS = [b"sglo:v1:{idx}:lru", b"sglo:v1:{idx}:size", b"sglo:v1:{idx}:bytes"]
+FORMAT = b":v2:"                     # after the key prefix; bumped with the value format
 PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
 
 _ADD = """
@@ -92,31 +87,6 @@ return 0
 """
 
 
-def encode_header(parts: Sequence[memoryview]) -> bytes:
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    n = 0
-    for p in parts:
-        h.update(p)
-        n += p.nbytes
-    return HEADER.pack(MAGIC, VERSION, 0, 0, n, h.intdigest())
-
-
-def decode_value(value: bytes) -> memoryview | None:
-    """The verified block inside a stored value, or None if header, length or checksum is bad."""
-    import xxhash
-
-    mv = memoryview(value)
-    if mv.nbytes < HEADER.size:
-        return None
-    magic, version, _flags, _res, length, digest = HEADER.unpack_from(mv)
-    if magic != MAGIC or version != VERSION or length != mv.nbytes - HEADER.size:
-        return None
-    body = mv[HEADER.size:]
-    return body if xxhash.xxh3_64_intdigest(body) == digest else None
-
-
 def _chunks(n: int, sizes: Sequence[int]) -> list[range]:
     """Index ranges whose byte total stays under PIPELINE_BYTES (at least one item each)."""
     out, start, acc = [], 0, 0
@@ -132,8 +102,21 @@ def _chunks(n: int, sizes: Sequence[int]) -> list[range]:
 
 class RedisStore:
     def __init__(self, cfg: RedisConfig, link: RedisLink | None = None):
+        """Raises ConfigError: a bad URL, or an unreadable / too open / too short secret file."""
         self.cfg = cfg
+        secret = (read_secret_file(cfg.secret_file, "offload.redis.secret_file")
+                  if cfg.secret_file else None)
+        self.codec = ValueCodec(secret)
         self.link = link or RedisLink(cfg)
+        if secret is None:
+            log.warning("Redis tier %s: offload.redis.secret_file is unset; values are bound to "
+                        "their keys, but anyone who can write to this Redis can forge blocks",
+                        self.link.target.display())
+        self.prefix = cfg.key_prefix.encode() + FORMAT
+        self.ns_prefix = self.prefix + b"ns:"
+        # Budget index: one hash tag, so the three keys live on one node of a cluster.
+        self.idx_prefix = self.prefix + b"{idx}:"
+        self.idx_keys = [self.idx_prefix + k for k in (b"lru", b"size", b"bytes")]
         self._stats = StoreStats(capacity=int(cfg.max_bytes or 0))
         self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -144,11 +127,11 @@ class RedisStore:
             for name, n in counts.items():
                 setattr(self._stats, name, getattr(self._stats, name) + n)
 
-    @staticmethod
-    def rkey(key: bytes) -> bytes:
-        return PREFIX + bytes(key)
+    def rkey(self, key: bytes) -> bytes:
+        return self.prefix + bytes(key)
 
     # -- data path --------------------------------------------------------------------------
+    @never_raises("redis put", all_false)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
         out = [False] * n
@@ -175,8 +158,8 @@ class RedisStore:
             def send(c: Any, idx: list[int] = idx) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
                 for i in idx:
-                    parts = views[i]
-                    pipe.set(self.rkey(keys[i]), Vectored([encode_header(parts), *parts]),
+                    rk, parts = self.rkey(keys[i]), views[i]
+                    pipe.set(rk, Vectored([self.codec.seal(rk, parts), *parts]),
                              nx=True, ex=self.cfg.ttl_s)
                 return pipe.execute(raise_on_error=False)
 
@@ -200,6 +183,7 @@ class RedisStore:
                     out[i] = False
         return out
 
+    @never_raises("redis get", all_false)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
         out = [False] * n
@@ -226,7 +210,7 @@ class RedisStore:
                 if v is None and self.link.available():
                     gone.append(self.rkey(keys[i]))
                 continue
-            body = decode_value(v)
+            body = self.codec.open(self.rkey(keys[i]), v)
             if body is None:
                 corrupt.append(self.rkey(keys[i]))
                 continue
@@ -244,7 +228,9 @@ class RedisStore:
             self._add(bytes_read=body.nbytes)
         if corrupt:
             self._add(checksum_failures=len(corrupt))
-            log.warning("deleting %d corrupt block(s) in Redis", len(corrupt))
+            log.warning("deleting %d block(s) in Redis that failed the header, length or MAC "
+                        "check (corrupt, truncated, forged, moved between keys, or written with "
+                        "another secret_file under the same key_prefix)", len(corrupt))
             self._delete_raw(corrupt)
             gone += corrupt
         if self.cfg.max_bytes is not None:
@@ -255,6 +241,7 @@ class RedisStore:
         self._add(hits=len(hits), misses=n - len(hits))
         return out
 
+    @never_raises("redis exists", all_false)
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         res = self._exists(keys)
         return [False] * len(keys) if res is None else res
@@ -269,6 +256,7 @@ class RedisStore:
         res = self.link.run(check, "exists")
         return None if res is None else [isinstance(r, int) and r > 0 for r in res]
 
+    @never_raises("redis delete", lambda *_a, **_k: 0)
     def delete_many(self, keys: Sequence[bytes]) -> int:
         rkeys = [self.rkey(k) for k in keys]
         n = self._delete_raw(rkeys)
@@ -277,13 +265,16 @@ class RedisStore:
         return n
 
     def clear(self, namespace: bytes | None = None) -> int:
-        """Delete our blocks (all, or one namespace's) with SCAN: never KEYS, never FLUSHDB."""
-        prefix = PREFIX + (bytes(namespace) if namespace else b"")
+        """Delete our blocks (all, or one namespace's) with SCAN: never KEYS, never FLUSHDB.
+
+        Only keys under this store's `key_prefix` are matched: other tenants' keys are never
+        deleted (and, with the ACL recipe in docs/deploy/redis.md, could not be)."""
+        prefix = self.prefix + (bytes(namespace) if namespace else b"")
         pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix) + b"*"
 
         def scan(c: Any) -> list[bytes]:
             return [k for k in c.scan_iter(match=pattern, count=1000)
-                    if not k.startswith((DIR_PREFIX, NS_PREFIX))]
+                    if not k.startswith((self.ns_prefix, self.idx_prefix))]
 
         found = self.link.run(scan, "clear") or []
         n = 0
@@ -308,7 +299,7 @@ class RedisStore:
         def call(c: Any) -> Any:
             if name not in self._scripts:
                 self._scripts[name] = c.register_script(src)
-            return self._scripts[name](keys=IDX_KEYS, args=list(args), client=c)
+            return self._scripts[name](keys=self.idx_keys, args=list(args), client=c)
 
         return self.link.run(call, f"budget {name}")
 
@@ -326,74 +317,32 @@ class RedisStore:
     # -- control path -----------------------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> None:
         doc = json.dumps(ns.describe(), sort_keys=True).encode()
-        self.link.run(lambda c: c.set(NS_PREFIX + ns.digest().hex().encode(), doc),
+        self.link.run(lambda c: c.set(self.ns_prefix + ns.digest().hex().encode(), doc),
                       "register_namespace")
 
     def ping(self) -> None:
         self.link.ping()
 
+    def tier_stats(self) -> dict[str, StoreStats]:
+        return {"redis": self.stats()}
+
     def stats(self) -> StoreStats:
         with self._lock:
             s = StoreStats(**vars(self._stats))
             mismatches = self._mismatches
-        s.extra = dict(self.link.counters(), size_mismatches=mismatches)
+        s.extra = dict(self.link.counters(), size_mismatches=mismatches,
+                       key_prefix=self.cfg.key_prefix, authenticated=self.codec.authenticated)
         if self.cfg.max_bytes is not None and self.link.available():
             def read(c: Any) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
-                pipe.zcard(IDX_KEYS[0])
-                pipe.get(IDX_KEYS[2])
+                pipe.zcard(self.idx_keys[0])
+                pipe.get(self.idx_keys[2])
                 return pipe.execute(raise_on_error=False)
 
             res = self.link.run(read, "stats")
             if res and not any(isinstance(r, Exception) for r in res):
                 s.blocks, s.bytes_used = int(res[0]), int(res[1] or 0)
         return s
-
-    def close(self) -> None:
-        self.link.close()
-
-
-class RedisDirectory:
-    """Which DPU agents hold which blocks, shared by every host (directory mode)."""
-
-    def __init__(self, cfg: RedisConfig, link: RedisLink | None = None):
-        self.cfg = cfg
-        self.link = link or RedisLink(cfg)
-
-    def record(self, keys: Sequence[bytes], agent: str) -> bool:
-        """Note that `agent` (HOST:PORT) holds these blocks. False if Redis is unavailable."""
-        def add(c: Any) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            for k in keys:
-                pipe.sadd(DIR_PREFIX + bytes(k), agent)
-                if self.cfg.ttl_s:
-                    pipe.expire(DIR_PREFIX + bytes(k), self.cfg.ttl_s)
-            return pipe.execute(raise_on_error=False)
-
-        return self.link.run(add, "directory record") is not None
-
-    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """For each key, the agents recorded as holding it (empty: unknown or Redis down)."""
-        def members(c: Any) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            for k in keys:
-                pipe.smembers(DIR_PREFIX + bytes(k))
-            return pipe.execute(raise_on_error=False)
-
-        res = self.link.run(members, "directory locate")
-        if res is None:
-            return [[] for _ in keys]
-        return [sorted(m.decode() for m in r) if isinstance(r, set) else [] for r in res]
-
-    def forget(self, keys: Sequence[bytes], agent: str) -> None:
-        """`agent` no longer holds these blocks (evicted there, or found corrupt)."""
-        def rem(c: Any) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            for k in keys:
-                pipe.srem(DIR_PREFIX + bytes(k), agent)
-            return pipe.execute(raise_on_error=False)
-
-        self.link.run(rem, "directory forget")
 
     def close(self) -> None:
         self.link.close()

@@ -7,12 +7,18 @@ and hole-punched when freed, so the disk holds only live blocks. I/O is O_DIRECT
 system allows (else buffered, logged once), vectored straight from/into the caller's buffers when
 they are aligned, through a per-thread aligned bounce buffer when they are not.
 
-Primitives: `SlabFiles` (per-process cache of open segment fds), `pack_header`/`unpack_header`,
-`write_block`/`read_block` (called from I/O threads; return success, never raise).
+Files are created 0600 with O_EXCL and opened with O_NOFOLLOW (`cachedir.open_file`): a symlink is
+refused, never followed. A new slab's name is fsync'ed into the directory before any block in it
+is committed. A freed slot's header stops naming its block (hole punched, else zeroed).
+
+Primitives: `SlabFiles` (per-process LRU cache of open segment fds, bounded; segments found missing
+are reported through `take_missing`), `pack_header`/`unpack_header`, `write_block`/`read_block`
+(called from I/O threads; return a reason string, '' = ok, never raise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -20,9 +26,11 @@ import mmap
 import os
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
+from offload.store import cachedir
 from offload.store.base import Buffer
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,7 @@ VERSION = 1
 _HDR = struct.Struct("<8sHH32sQQQ")
 _HDR_CSUM = struct.Struct("<Q")
 IOV_MAX = 1024
+MAX_OPEN = 256  # slab fds kept open per process (LRU)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -179,15 +188,53 @@ class _ThreadBuffers(threading.local):
         return self.bounce
 
 
-class SlabFiles:
-    """Open segment files of one directory, shared by the threads of one process."""
+class SlabMissing(FileNotFoundError):
+    """A segment's slab file is gone (deleted, or lost in a power cut before it was durable)."""
 
-    def __init__(self, directory: str, o_direct: str):
+
+MISSING = "corrupt: slab file missing"
+
+
+def reason(e: OSError, prefix: str = "") -> str:
+    """The per-block reason for an I/O error ('corrupt: ...' when the slab file is missing)."""
+    if isinstance(e, SlabMissing):
+        return MISSING
+    return f"{prefix}{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+
+
+class _Fd:
+    __slots__ = ("fd", "refs", "evicted")
+
+    def __init__(self, fd: int):
+        self.fd, self.refs, self.evicted = fd, 0, False
+
+
+_zero_header: mmap.mmap | None = None
+
+
+def _zeros() -> mmap.mmap:
+    global _zero_header
+    if _zero_header is None:
+        _zero_header = mmap.mmap(-1, HEADER_BYTES)  # aligned, all zero: an O_DIRECT source
+    return _zero_header
+
+
+class SlabFiles:
+    """Open segment files of one directory, shared by the threads of one process.
+
+    At most `max_open` fds stay open (least recently used closed first); an fd in use by a thread
+    is closed only once that thread is done with it. Segments found missing are remembered
+    (`take_missing`) so the store drops them from its index.
+    """
+
+    def __init__(self, directory: str, o_direct: str, max_open: int = MAX_OPEN):
         self.directory = directory
         self.o_direct = o_direct  # "on" | "off" | "auto"
         self.direct_ok: bool | None = None if o_direct == "auto" else o_direct == "on"
         self.fallback_reason = ""
-        self._fds: dict[int, tuple[int, int]] = {}  # seg -> (fd, slot_bytes)
+        self.max_open = max(1, max_open)
+        self._fds: OrderedDict[tuple[int, int], _Fd] = OrderedDict()  # (seg, slot_bytes) -> fd
+        self._missing: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self._tls = _ThreadBuffers()
 
@@ -195,80 +242,141 @@ class SlabFiles:
         return os.path.join(self.directory, segment_name(seg, slot_bytes))
 
     def create(self, seg: int, slot_bytes: int, nslots: int) -> None:
-        """An empty segment file; it grows slot by slot as slots are written (never sparse-huge,
-        so copying the directory with ordinary tools costs only its real size)."""
-        os.close(os.open(self.path(seg, slot_bytes), os.O_RDWR | os.O_CREAT, 0o644))
+        """An empty segment file (0600, O_EXCL: a planted name is removed, never opened), its name
+        made durable (directory fsync) before the index can refer to it. It grows slot by slot as
+        slots are written (never sparse-huge, so copying the directory costs only its real size)."""
+        path = self.path(seg, slot_bytes)
+        try:
+            fd = cachedir.open_file(path, os.O_RDWR, create=True)
+        except FileExistsError:  # an orphan of a rolled-back allocation (no index row names it)
+            log.warning("%s exists but no segment names it: replaced", path)
+            os.unlink(path)
+            fd = cachedir.open_file(path, os.O_RDWR, create=True)
+        os.close(fd)
+        cachedir.fsync_dir(self.directory)
 
-    def fd(self, seg: int, slot_bytes: int) -> int:
-        with self._lock:
-            got = self._fds.get(seg)
-            if got is not None:
-                return got[0]
-            path = self.path(seg, slot_bytes)
-            flags = os.O_RDWR
+    def _open(self, seg: int, slot_bytes: int) -> int:
+        path = self.path(seg, slot_bytes)
+        try:
             if self.direct_ok is not False:
                 try:
-                    fd = os.open(path, flags | os.O_DIRECT)
+                    fd = cachedir.open_file(path, os.O_RDWR | os.O_DIRECT)
                     self.direct_ok = True
+                    return fd
                 except OSError as e:
                     if e.errno != errno.EINVAL or self.o_direct == "on":
                         raise
                     self.direct_ok = False
                     self.fallback_reason = f"O_DIRECT refused by the file system ({e.strerror})"
                     log.warning("%s: %s; using buffered I/O", self.directory, self.fallback_reason)
-                    fd = os.open(path, flags)
+            return cachedir.open_file(path, os.O_RDWR)
+        except FileNotFoundError:
+            self._missing.add((seg, slot_bytes))
+            raise SlabMissing(errno.ENOENT, "slab file missing", path) from None
+
+    @contextlib.contextmanager
+    def use(self, seg: int, slot_bytes: int) -> Iterator[int]:
+        """The segment's fd, held open until the block leaves."""
+        k = (seg, slot_bytes)
+        with self._lock:
+            ent = self._fds.get(k)
+            if ent is None:
+                ent = self._fds[k] = _Fd(self._open(seg, slot_bytes))
+                self._trim()
             else:
-                fd = os.open(path, flags)
-            self._fds[seg] = (fd, slot_bytes)
-            return fd
+                self._fds.move_to_end(k)
+            ent.refs += 1
+        try:
+            yield ent.fd
+        finally:
+            with self._lock:
+                ent.refs -= 1
+                if ent.evicted and ent.refs == 0:
+                    os.close(ent.fd)
+
+    def _trim(self) -> None:
+        while len(self._fds) > self.max_open:
+            _, old = self._fds.popitem(last=False)
+            old.evicted = True
+            if old.refs == 0:
+                os.close(old.fd)
+
+    def forget(self, seg: int, slot_bytes: int) -> None:
+        """Close a segment's fd (its file was found missing or dropped)."""
+        with self._lock:
+            old = self._fds.pop((seg, slot_bytes), None)
+            if old is not None:
+                old.evicted = True
+                if old.refs == 0:
+                    os.close(old.fd)
+
+    def take_missing(self) -> set[tuple[int, int]]:
+        """Segments found missing since the last call."""
+        with self._lock:
+            got, self._missing = self._missing, set()
+        return got
+
+    def open_count(self) -> int:
+        with self._lock:
+            return sum(not e.evicted for e in self._fds.values())
 
     def sync(self, seg: int, slot_bytes: int) -> bool:
         try:
-            os.fdatasync(self.fd(seg, slot_bytes))
+            with self.use(seg, slot_bytes) as fd:
+                os.fdatasync(fd)
+                if os.fstat(fd).st_nlink == 0:  # deleted under us: the blocks would be lost
+                    with self._lock:
+                        self._missing.add((seg, slot_bytes))
+                    return False
             return True
         except OSError as e:
             log.warning("fdatasync of segment %d failed: %s", seg, e)
             return False
 
     def free(self, seg: int, slot_bytes: int, slot: int) -> None:
+        """Release a slot's disk space; its header no longer names a block either way (a punched
+        hole reads as zeros; without hole punching the header is zeroed), so no index rebuild
+        brings a deleted block back."""
         try:
-            fd = self.fd(seg, slot_bytes)
-        except OSError:
-            return
-        if not punch_hole(fd, slot * slot_bytes, slot_bytes):
-            # Without hole punching the cap still holds for slots; the file keeps its blocks.
-            log.debug("punch hole failed on segment %d: errno %d", seg, ctypes.get_errno())
+            with self.use(seg, slot_bytes) as fd:
+                if not punch_hole(fd, slot * slot_bytes, slot_bytes):
+                    os.pwrite(fd, _zeros(), slot * slot_bytes)
+        except OSError as e:
+            log.debug("freeing slot %d of segment %d: %s", slot, seg, e)
 
     def write_block(self, seg: int, slot_bytes: int, slot: int, key: bytes,
                     bufs: Sequence[Buffer], length: int, csum: int, created_ns: int) -> str:
         """Write one block into its slot. Returns '' on success, else the reason."""
         try:
-            fd = self.fd(seg, slot_bytes)
-            off = slot * slot_bytes
-            # No fallocate first: it costs ~20% of a 2 MiB write; the file system allocates the
-            # slot's blocks as the O_DIRECT write lands, and ENOSPC surfaces from the write.
-            hdr = self._tls.header
-            hdr.seek(0)
-            hdr.write(pack_header(key, length, csum, created_ns).ljust(HEADER_BYTES, b"\0"))
-            if _aligned(bufs) and len(bufs) < IOV_MAX:
-                iov: list[Buffer] = [hdr, *bufs]
-                want = HEADER_BYTES + length
-            else:
-                size = align_up(length)
-                bounce = self._tls.bounce_of(size)
-                pos = 0
-                for b in bufs:
-                    mv = memoryview(b).cast("B")
-                    bounce[pos:pos + mv.nbytes] = mv
-                    pos += mv.nbytes
-                if size > length:
-                    bounce[length:size] = bytes(size - length)
-                iov = [hdr, memoryview(bounce)[:size]]
-                want = HEADER_BYTES + size
-            n = os.pwritev(fd, iov, off)
-            return "" if n == want else f"short write ({n} of {want} bytes)"
+            with self.use(seg, slot_bytes) as fd:
+                return self._write(fd, slot * slot_bytes, key, bufs, length, csum, created_ns)
         except OSError as e:
-            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+            return reason(e)
+
+    def _write(self, fd: int, off: int, key: bytes, bufs: Sequence[Buffer], length: int, csum: int,
+               created_ns: int) -> str:
+        # No fallocate first: it costs ~20% of a 2 MiB write; the file system allocates the
+        # slot's blocks as the O_DIRECT write lands, and ENOSPC surfaces from the write.
+        hdr = self._tls.header
+        hdr.seek(0)
+        hdr.write(pack_header(key, length, csum, created_ns).ljust(HEADER_BYTES, b"\0"))
+        if _aligned(bufs) and len(bufs) < IOV_MAX:
+            iov: list[Buffer] = [hdr, *bufs]
+            want = HEADER_BYTES + length
+        else:
+            size = align_up(length)
+            bounce = self._tls.bounce_of(size)
+            pos = 0
+            for b in bufs:
+                mv = memoryview(b).cast("B")
+                bounce[pos:pos + mv.nbytes] = mv
+                pos += mv.nbytes
+            if size > length:
+                bounce[length:size] = bytes(size - length)
+            iov = [hdr, memoryview(bounce)[:size]]
+            want = HEADER_BYTES + size
+        n = os.pwritev(fd, iov, off)
+        return "" if n == want else f"short write ({n} of {want} bytes)"
 
     def read_block(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
                    csum: int, dests: Sequence[Buffer]) -> str:
@@ -276,26 +384,26 @@ class SlabFiles:
 
         A reason starting with 'corrupt' means the stored block is bad (to be deleted).
         """
+        hdr = self._tls.header
         try:
-            fd = self.fd(seg, slot_bytes)
-            off = slot * slot_bytes
-            hdr = self._tls.header
-            if _aligned(dests) and len(dests) < IOV_MAX:
-                n = os.preadv(fd, [hdr, *dests], off)
-                if n != HEADER_BYTES + length:
-                    return f"corrupt: short read ({n} of {HEADER_BYTES + length} bytes)"
-                data: Sequence[Buffer] = dests
-                copy_from = None
-            else:
-                size = align_up(length)
-                bounce = self._tls.bounce_of(size)
-                n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
-                if n != HEADER_BYTES + size:
-                    return f"corrupt: short read ({n} of {HEADER_BYTES + size} bytes)"
-                copy_from = memoryview(bounce)[:length]
-                data = [copy_from]
+            with self.use(seg, slot_bytes) as fd:
+                off = slot * slot_bytes
+                if _aligned(dests) and len(dests) < IOV_MAX:
+                    n = os.preadv(fd, [hdr, *dests], off)
+                    if n != HEADER_BYTES + length:
+                        return f"corrupt: short read ({n} of {HEADER_BYTES + length} bytes)"
+                    data: Sequence[Buffer] = dests
+                    copy_from = None
+                else:
+                    size = align_up(length)
+                    bounce = self._tls.bounce_of(size)
+                    n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
+                    if n != HEADER_BYTES + size:
+                        return f"corrupt: short read ({n} of {HEADER_BYTES + size} bytes)"
+                    copy_from = memoryview(bounce)[:length]
+                    data = [copy_from]
         except OSError as e:
-            return f"io error {errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+            return reason(e, "io error ")
         err = verify(hdr, key, length, csum, data)
         if err:
             return err
@@ -309,60 +417,63 @@ class SlabFiles:
 
     def allocated_slots(self, seg: int, slot_bytes: int, nslots: int) -> set[int]:
         """Slots holding data (SEEK_DATA/SEEK_HOLE), so a rebuild skips the sparse rest."""
-        fd = self.fd(seg, slot_bytes)
         end = nslots * slot_bytes
         out: set[int] = set()
         pos = 0
-        try:
-            while pos < end:
-                try:
-                    start = os.lseek(fd, pos, os.SEEK_DATA)
-                except OSError as e:
-                    if e.errno == errno.ENXIO:  # no data past pos
-                        break
-                    raise
-                stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
-                out.update(range(start // slot_bytes, (stop + slot_bytes - 1) // slot_bytes))
-                pos = max(stop, start + 1)
-        except OSError:  # no SEEK_DATA support: every slot may hold data
-            return set(range(nslots))
+        with self.use(seg, slot_bytes) as fd:
+            try:
+                while pos < end:
+                    try:
+                        start = os.lseek(fd, pos, os.SEEK_DATA)
+                    except OSError as e:
+                        if e.errno == errno.ENXIO:  # no data past pos
+                            break
+                        raise
+                    stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+                    out.update(range(start // slot_bytes, (stop + slot_bytes - 1) // slot_bytes))
+                    pos = max(stop, start + 1)
+            except OSError:  # no SEEK_DATA support: every slot may hold data
+                return set(range(nslots))
         return {s for s in out if s < nslots}
 
     def write_header(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
                      csum: int, created_ns: int, kind: int) -> str:
         """Write only a slot's header (its data was written by another path, e.g. GDS)."""
         try:
-            fd = self.fd(seg, slot_bytes)
-            hdr = self._tls.header
-            hdr.seek(0)
-            hdr.write(pack_header(key, length, csum, created_ns, kind).ljust(HEADER_BYTES, b"\0"))
-            n = os.pwritev(fd, [hdr], slot * slot_bytes)
+            with self.use(seg, slot_bytes) as fd:
+                hdr = self._tls.header
+                hdr.seek(0)
+                hdr.write(pack_header(key, length, csum, created_ns, kind).ljust(HEADER_BYTES, b"\0"))
+                n = os.pwritev(fd, [hdr], slot * slot_bytes)
             return "" if n == HEADER_BYTES else f"short header write ({n} bytes)"
         except OSError as e:
-            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+            return reason(e)
 
     def reserve_space(self, seg: int, slot_bytes: int, slot: int) -> str:
         try:
-            os.posix_fallocate(self.fd(seg, slot_bytes), slot * slot_bytes, slot_bytes)
+            with self.use(seg, slot_bytes) as fd:
+                os.posix_fallocate(fd, slot * slot_bytes, slot_bytes)
             return ""
         except OSError as e:
-            return f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+            return reason(e)
 
     def read_header(self, seg: int, slot_bytes: int, slot: int) -> Header | None:
+        hdr = self._tls.header
         try:
-            fd = self.fd(seg, slot_bytes)
-            hdr = self._tls.header
-            if os.preadv(fd, [hdr], slot * slot_bytes) != HEADER_BYTES:
-                return None
+            with self.use(seg, slot_bytes) as fd:
+                if os.preadv(fd, [hdr], slot * slot_bytes) != HEADER_BYTES:
+                    return None
         except OSError:
             return None
         return unpack_header(hdr)
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            for ent in self._fds.values():
+                ent.evicted = True
+                if ent.refs == 0:
+                    try:
+                        os.close(ent.fd)
+                    except OSError:
+                        pass
             self._fds.clear()

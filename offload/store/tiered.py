@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 
 from offload.config import RedisConfig
 from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer, StoreStats, total_len
+from offload.store.base import BlockStore, Buffer, StoreStats, never_raises, total_len
 
 log = logging.getLogger("offload.store.tiered")
 
@@ -180,15 +180,17 @@ class TieredStore:
             try:
                 if item is None:
                     return
-                key, data = item
-                ok = self.shared.put_many([key], [[data]])[0]
+                ok = self._upload(*item)
                 self._count("shared_writes" if ok else "shared_write_failures")
-                with self._lock:
-                    self._queued_bytes -= len(data)
-            except Exception:  # the upload thread must outlive any one bad block
-                log.exception("upload to the shared tier failed")
-            finally:
+            finally:  # the bytes leave the budget whatever happened, or every later upload drops
+                if item is not None:
+                    with self._lock:
+                        self._queued_bytes -= len(item[1])
                 self._queue.task_done()
+
+    @never_raises("upload to the shared tier", lambda *_a, **_k: False)
+    def _upload(self, key: bytes, data: bytes) -> bool:
+        return bool(self.shared.put_many([key], [[data]])[0])
 
     def flush(self) -> None:
         """Wait until every queued upload has been tried (tests, shutdown)."""
@@ -209,6 +211,19 @@ class TieredStore:
     def register_namespace(self, ns: Namespace) -> None:
         self.local.register_namespace(ns)
         self.shared.register_namespace(ns)
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        """Each part's tiers. A local tier whose counters are not this process's own (a shared
+        agent's: `process_counters` in its extra) gets this store's own hits and misses of it."""
+        out = dict(self.local.tier_stats())
+        with self._lock:
+            c = dict(self.counters)
+        for s in out.values():
+            if "process_counters" in s.extra:
+                s.hits, s.misses = c["local_hits"], c["shared_hits"] + c["misses"]
+                s.extra = {"process_counters": ("hits", "misses")}
+        out.update(self.shared.tier_stats())
+        return out
 
     def stats(self) -> StoreStats:
         loc, sh = self.local.stats(), self.shared.stats()

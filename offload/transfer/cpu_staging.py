@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from offload.store.base import BlockStore, Buffer, StoreStats
+from offload.store.base import BlockStore, Buffer, StoreStats, never_raises
 from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,10 @@ def pinning_for(node: int | None, root: str = "/") -> set[int] | None:
     return cpus
 
 
+def _all_false_of_keys(_self: Any, _fn: Any, keys: Sequence[bytes], *_: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
 class CpuStagingPath(StoreBookkeeping):
     name = "cpu"
 
@@ -95,12 +99,9 @@ class CpuStagingPath(StoreBookkeeping):
             node = getattr(decision, "numa_node", None)
         return cls(store, node)
 
+    @never_raises("cpu path: a batch on the dispatcher thread", _all_false_of_keys)
     def _run(self, fn: Callable[..., list[bool]], *args: Any) -> list[bool]:
-        try:
-            return self._dispatch.submit(fn, *args).result()
-        except Exception as e:  # noqa: BLE001 - the data path never raises
-            log.warning("cpu path: %s failed: %s", getattr(fn, "__name__", fn), e)
-            return [False] * len(args[0])
+        return self._dispatch.submit(fn, *args).result()
 
     def register_region(self, buffer: Any) -> None:
         """Nothing to register: the store reads and writes host memory directly."""
@@ -126,6 +127,9 @@ class CpuStagingPath(StoreBookkeeping):
         s.extra = dict(s.extra, path="cpu", numa_node=self.numa_node,
                        pinned_cpus=len(self.cpus) if self.cpus else 0)
         return s
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        return self.store.tier_stats()
 
     def close(self) -> None:
         self._dispatch.shutdown(wait=True)

@@ -6,12 +6,11 @@ instead of silently bouncing through host memory. Such a file (`CuFile` open or 
 raising) falls back, for that file only and logged once, to the cpu path (pinned, double-buffered
 staging through the store's own O_DIRECT I/O).
 
+The store must be an `offload.store.base.SlotStore` whose slots are files (`slot_medium`
+"file": DiskStore): blocks are written into reserved slots and committed with the checksum
+computed here, and read from pinned slots (each with its stored checksum).
+
 Primitives:
-- `SlotStore`: what the store exposes for a path that writes its slots itself (DiskStore):
-  `reserve_slots(keys, sizes) -> list[Slot | None]` (None: already stored or no room; slots are
-  4 KiB-aligned data areas inside slab files), `commit_slots(slots, checksums) -> list[bool]`
-  (writes headers with our checksum kind, fdatasync, makes them visible), `abort_slots(slots)`,
-  `locate_many(keys) -> list[Slot | None]` (committed blocks with their stored checksum).
 - `wsum64(tensor)`: the block checksum computed on the GPU (position-weighted 64-bit word sum;
   the store verifies the same sum on the CPU with `wsum64_numpy` when such a block is read there).
 - `GdsPath(store)`: `put_many` / `get_many` on CUDA tensors; host buffers go to the cpu path.
@@ -21,22 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from offload.errors import PathUnavailableError
-from offload.store.base import BlockStore, Buffer, StoreStats
-from offload.store.disk_slots import Slot
+from offload.store.base import BlockStore, Buffer, Slot, SlotStore, StoreStats, all_false, never_raises
 from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
 CHECKSUM_KIND = "wsum64"
-
-
-class SlotStore(BlockStore, Protocol):
-    def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]: ...
-    def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int]) -> list[bool]: ...
-    def abort_slots(self, slots: Sequence[Slot]) -> None: ...
-    def locate_many(self, keys: Sequence[bytes]) -> list[Slot | None]: ...
 
 
 def wsum64(data: Any) -> int:
@@ -71,6 +62,7 @@ def gds_really_available(decision: Any) -> tuple[bool, str]:
 
 class GdsPath(StoreBookkeeping):
     name = "gds"
+    store: SlotStore
 
     def __init__(self, store: SlotStore, fallback: BlockStore | None = None):
         import kvikio
@@ -97,10 +89,11 @@ class GdsPath(StoreBookkeeping):
             from offload.store.disk import DiskStore
 
             store = DiskStore(cfg.store)
-        if not hasattr(store, "reserve_slots"):
-            raise PathUnavailableError("gds: the store does not expose its slots (reserve_slots)")
+        if not isinstance(store, SlotStore) or store.slot_medium != "file":
+            raise PathUnavailableError(f"gds: {type(store).__name__} has no slots in files for "
+                                       "cuFile (a SlotStore, reserve_slots, of medium 'file')")
         try:
-            return cls(store)  # type: ignore[arg-type]
+            return cls(store)
         except ImportError as e:
             raise PathUnavailableError(f"gds needs kvikio: pip install 'sglang-offload[gds]' "
                                        f"({e})") from None
@@ -131,6 +124,7 @@ class GdsPath(StoreBookkeeping):
     def register_region(self, buffer: Any) -> None:
         """Nothing to register: cuFile registers GPU buffers per transfer."""
 
+    @never_raises("gds put", all_false)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
         ok = [False] * len(keys)
         gpu = [i for i, bs in enumerate(blocks) if len(bs) == 1 and getattr(bs[0], "is_cuda", False)]
@@ -167,42 +161,57 @@ class GdsPath(StoreBookkeeping):
                 ok[i] = flag
         return ok
 
+    @never_raises("gds get", all_false)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]) -> list[bool]:
         ok = [False] * len(keys)
         gpu = [i for i, bs in enumerate(dests) if len(bs) == 1 and getattr(bs[0], "is_cuda", False)]
         rest = [i for i in range(len(keys)) if i not in set(gpu)]
-        slots = self.store.locate_many([keys[i] for i in gpu]) if gpu else []
+        slots = self.store.pin_slots([keys[i] for i in gpu]) if gpu else []
+        pinned: list[Slot] = []
+        read: list[bool] = []
         for i, slot in zip(gpu, slots):
-            t = dests[i][0]
-            if slot is None or slot.length != t.numel() * t.element_size():
+            if slot is None:
                 continue
-            f = self._file(slot.path)
-            if f is None:
-                rest.append(i)
-                continue
-            try:
-                if f.pread(t, slot.length, slot.offset).get() != slot.length:
-                    raise OSError("short read")
-            except Exception as e:  # noqa: BLE001
-                self._demote(slot.path, e)
-                rest.append(i)
-                continue
-            if wsum64(t) != slot.checksum:
-                log.warning("gds: block %s fails its checksum; deleted, a miss", keys[i].hex()[:16])
-                self.store.delete_many([keys[i]])
-                continue
-            ok[i] = True
+            pinned.append(slot)
+            ok[i] = self._read(slot, dests[i][0], rest, i)
+            read.append(ok[i])
+        if pinned:
+            self.store.unpin_slots(pinned, read)
         if rest:
             for i, flag in zip(rest, self.fallback.get_many([keys[i] for i in rest],
                                                             [dests[i] for i in rest])):
                 ok[i] = flag
         return ok
 
+    def _read(self, slot: Slot, t: Any, rest: list[int], i: int) -> bool:
+        """One block from its slot into tensor `t`; a file cuFile cannot take sends it to `rest`."""
+        if slot.length != t.numel() * t.element_size():
+            return False
+        f = self._file(slot.path)
+        if f is None:
+            rest.append(i)
+            return False
+        try:
+            if f.pread(t, slot.length, slot.offset).get() != slot.length:
+                raise OSError("short read")
+        except Exception as e:  # noqa: BLE001 - per-file fallback, logged once
+            self._demote(slot.path, e)
+            rest.append(i)
+            return False
+        if wsum64(t) != slot.checksum:
+            log.warning("gds: block %s fails its checksum; deleted, a miss", slot.key.hex()[:16])
+            self.store.delete_many([slot.key])
+            return False
+        return True
+
     def stats(self) -> StoreStats:
         s = self.store.stats()
         s.extra = dict(s.extra, path="gds", gds_files=len(self._files),
                        gds_fallback_files=len(self._no_gds))
         return s
+
+    def tier_stats(self) -> dict[str, StoreStats]:
+        return self.store.tier_stats()
 
     def close(self) -> None:
         with self._lock:

@@ -103,6 +103,11 @@ def test_ucx_client_against_tcp_agent_falls_back(agent_factory) -> None:
     store = client(agent)
     try:
         roundtrip(store, register=True)
+        extra = store.stats().extra            # the fallback happened: bytes on the connection
+        page_bytes = 2 * PAGE_TOKENS * LAYERS * HEADS * DIM * 2
+        assert extra["agent_bytes_inline_in"] == 8 * page_bytes
+        assert extra["agent_bytes_inline_out"] == 8 * page_bytes
+        assert "agent_bytes_nixl_in" not in extra and "agent_bytes_nixl_out" not in extra
     finally:
         store.close()
 

@@ -94,10 +94,11 @@ def test_memory_store_arena_region_only_in_arena_mode() -> None:
         assert plain.arena_region() is None
         region = tier.arena_region()
         assert region is not None and region[1] == 1 << 20
-        (v,) = tier.reserve_views([b"k" * 32], [4096])
+        (v,) = tier.reserve_slots([b"k" * 32], [4096])
         from offload.agent.nixl_util import region_of
 
-        addr, n = region_of(v)
+        assert v is not None and v.view is not None
+        addr, n = region_of(v.view)
         assert region[0] <= addr and addr + n <= region[0] + region[1]
     finally:
         plain.close()

@@ -49,8 +49,8 @@ def test_direction_matters() -> None:
     s, c = pair()
     sent: list[bytes] = []
     real = protocol.send_parts
-    protocol.send_parts = lambda sock, parts: (sent.append(b"".join(bytes(p) for p in parts)),
-                                        real(sock, parts))
+    protocol.send_parts = lambda sock, parts, *rest: (
+        sent.append(b"".join(bytes(p) for p in parts)), real(sock, parts, *rest))
     try:
         s.send(protocol.STATS | protocol.REPLY, 1, protocol.StatsReply({}))
     finally:

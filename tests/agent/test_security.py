@@ -84,10 +84,10 @@ def test_tampered_frame_rejected(agent) -> None:
     meta = protocol.Blocks(keys=[KEY], sizes=[4])
     real_send = protocol.send_parts
 
-    def tamper(sock, parts):
+    def tamper(sock, parts, *rest):
         parts = list(parts)
         parts[-2] = b"EVIL"          # the payload, just before the MAC
-        real_send(sock, parts)
+        real_send(sock, parts, *rest)
 
     protocol.send_parts = tamper
     try:
@@ -104,9 +104,9 @@ def test_replayed_frame_rejected(agent) -> None:
     sent: list[bytes] = []
     real_send = protocol.send_parts
 
-    def record(sock, parts):
+    def record(sock, parts, *rest):
         sent.append(b"".join(bytes(p) for p in parts))
-        real_send(sock, parts)
+        real_send(sock, parts, *rest)
 
     protocol.send_parts = record
     try:

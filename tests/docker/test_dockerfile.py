@@ -72,6 +72,18 @@ def test_build_stage_makes_both_wheels() -> None:
     run = " ".join(" ".join(c.value) for c in stages()["build"] if c.cmd == "RUN")
     assert "pip wheel --no-deps --wheel-dir /wheels ." in run
     assert "distro/build_wheel.py --out /wheels" in run
+    assert "distro/path_wheels.py --cuda-major ${CUDA_MAJOR} --out /wheels" in run
+
+
+def test_cuda_major_defaults_to_the_pinned_base_s_cuda_and_has_its_gds_extra() -> None:
+    build = stages()["build"]
+    (arg,) = [c.value[0] for c in build if c.cmd == "ARG" and c.value[0].startswith("CUDA_MAJOR")]
+    major = arg.split("=")[1]
+    assert major == "13"                          # lmsysorg/sglang:v0.5.23 is CUDA 13
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras[f"gds-cu{major}"] == extras["gds"] == ["kvikio-cu13>=25.10"]
+    assert extras["gds-cu12"][0].startswith("kvikio-cu12")
 
 
 def test_volume_health_check_entrypoint() -> None:

@@ -4,7 +4,9 @@ SGLang base image, then run the entrypoint inside the image: `detect`, then `lau
 The stand-in (tests/docker/image_tools.py) has Python and a few of SGLang's dependencies but no
 torch, so SGLang's parser cannot import inside it: launch checks the sglang: section with the
 pinned parser's snapshot, which the smoke test asserts. The build stage really downloads the
-pinned SGLang wheel (sha256-checked) and patches it; the runtime stage installs it --no-deps.
+pinned SGLang wheel (sha256-checked) and patches it, and resolves every path's dependencies from
+PyPI as wheels (kvikio-cu13, NIXL, msgspec, redis-py, prometheus-client: distro/path_wheels.py);
+the runtime stage installs them --no-deps --no-index, and the image imports every path module.
 The stand-in base is built once and cached under /var/cache/sglang-offload-test; buildah's
 storage lives in a temporary directory removed at the end.
 """
@@ -74,6 +76,36 @@ def test_patched_sglang_and_our_package_are_installed(image: Buildah) -> None:
                  "print('\"offload\"' in (p / 'srt/arg_groups/fields/memory.py').read_text()); "
                  "print(pathlib.Path('/tmp/wheels').exists())")
     assert out.split() == ["0.5.23+offload.1", "0.1.0", "True", "False"]
+
+
+PATH_MODULES = ("kvikio", "nixl", "msgspec", "redis", "prometheus_client")
+
+
+def test_every_path_module_imports_in_the_image(image: Buildah) -> None:
+    """kvikio imports without a GPU (libkvikio loads the CUDA driver only when first used), so
+    the import itself is asserted, not only the metadata."""
+    out = run_in(image, "python3", "-c",
+                 "import importlib, importlib.util, importlib.metadata as m\n"
+                 f"for name in {PATH_MODULES!r}:\n"
+                 "    mod = importlib.import_module(name)\n"
+                 "    print(name, mod.__name__ == name)\n"
+                 "for d in ('kvikio-cu13', 'libkvikio-cu13', 'nixl', 'nixl-cu13', 'msgspec', 'redis',"
+                 " 'prometheus-client'):\n"
+                 "    print('dist:' + d, m.version(d))\n"
+                 "print('cupy', importlib.util.find_spec('cupy') is not None)")
+    lines = dict(ln.split(" ", 1) for ln in out.strip().splitlines())
+    for name in PATH_MODULES:
+        assert lines[name] == "True", out
+    assert lines["dist:kvikio-cu13"].startswith("26.") and lines["dist:nixl"].startswith("1.")
+    assert lines["cupy"] == "False"        # left out on purpose (distro/path_wheels.py)
+
+
+def test_detect_reports_every_path_s_python_side_present(image: Buildah) -> None:
+    out = json.loads(run_in(image, "sglang-offload", "detect", "--json", "--python", "python3"))
+    side = out["facts"]["python"]
+    assert side["status"] == "ok", side
+    assert {p["path"]: p["present"] for p in side["paths"]} == dict.fromkeys(
+        ("gds", "dpu", "redis", "metrics"), True), side["paths"]
 
 
 def test_entrypoint_detects_then_dry_runs_launch(image: Buildah) -> None:

@@ -2,7 +2,9 @@
 
 Each row: a machine under tests/fixtures/hosts/, a config, optionally a cache directory (a machine
 path inside the root) and injected live probes; the expected role, path, whether blocks move from
-GPU memory, and for each rejected path the check that must be named.
+GPU memory, and for each rejected path the check that must be named. The interpreter that would
+run SGLang is tests/fixtures/pythons/all-cu13 (every path's Python side present, CUDA 13), unless
+a row injects its own live probes (then the Python side is `not checked`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOSTS = FIXTURES / "hosts"
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "offload/hw/schema.json").read_text())
 AGENT = {"agent": {"address": "10.0.0.2:7070"}}
+ALL_CU13 = str(FIXTURES / "pythons" / "all-cu13")
 
 
 def mlxconfig(value: str) -> Live:
@@ -79,7 +82,8 @@ CASES = [
 def test_machine_decision(machine: str, cfg: dict, cache: str | None, live: Live | None,
                           role: str, path: str, gpu_direct: bool, rejected: dict) -> None:
     config = load_offload(cfg)
-    facts, d = detect_and_decide(config, root=str(HOSTS / machine), cache_dir=cache, live=live)
+    facts, d = detect_and_decide(config, root=str(HOSTS / machine), cache_dir=cache, live=live,
+                                 python=ALL_CU13)
     assert (d.role, d.path, d.gpu_direct) == (role, path, gpu_direct), d
     got = {r.path: r for r in d.rejected}
     assert set(got) == {"dpu", "gds", "cpu"} - {path}
@@ -154,7 +158,7 @@ def test_cli_json_on_every_fixture_follows_the_schema(machine: str, capsys, tmp_
     cfg = tmp_path / "c.yaml"
     cfg.write_text("offload:\n  agent:\n    address: 10.0.0.2:7070\n")
     rc = main(["detect", "--root", str(HOSTS / machine), "--config", str(cfg), "--json",
-               "--probe-io"])
+               "--probe-io", "--python", ALL_CU13])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert validate(out, SCHEMA) == []
@@ -163,7 +167,8 @@ def test_cli_json_on_every_fixture_follows_the_schema(machine: str, capsys, tmp_
 
 
 def test_cli_text_report_on_a_fixture(capsys) -> None:
-    rc = main(["detect", "--root", str(HOSTS / "h100x8-gds"), "--cache-dir", "/raid/kv"])
+    rc = main(["detect", "--root", str(HOSTS / "h100x8-gds"), "--cache-dir", "/raid/kv",
+               "--python", ALL_CU13])
     text = capsys.readouterr().out
     assert rc == 0
     for part in ("Platform: inference host", "GPUs: 8", "NICs / DPUs: 4", "NVMe: 9",

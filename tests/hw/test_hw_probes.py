@@ -105,7 +105,8 @@ def test_fs_gds_support(cache: CacheDir, ok: bool) -> None:
 
 
 def _gds_fixture(**gds_changes: object):
-    facts = detect(load_offload({}), root=str(HOSTS / "h100x8-gds"), cache_dir="/raid/kv")
+    facts = detect(load_offload({}), root=str(HOSTS / "h100x8-gds"), cache_dir="/raid/kv",
+                   python=str(HOSTS.parent / "pythons" / "all-cu13"))
     return dataclasses.replace(facts, gds=dataclasses.replace(facts.gds, **gds_changes))
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from offload.metrics import StoreWatch, TierMetrics, counted_by_backend, path_of, tiers_of
+from offload.metrics import StoreWatch, TierMetrics, counted_by_backend, path_of
+from offload.store.base import StoreStats
 from offload.store.memory import MemoryStore
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.hicache import hicache_pools as hp
@@ -14,6 +15,16 @@ from tests.hicache import hicache_pools as hp
 
 class AgentLike(MemoryStore):
     name = "dpu"        # what a TransferPath to the DPU agent reports
+
+    def tier_stats(self) -> dict[str, StoreStats]:       # as AgentStore: agent-wide counters
+        s = self.stats()
+        s.extra["process_counters"] = ()
+        return {"agent": s}
+
+
+class RedisLike(MemoryStore):
+    def tier_stats(self) -> dict[str, StoreStats]:       # as RedisStore: the shared tier
+        return {"redis": self.stats()}
 
 
 def _v(reg: CollectorRegistry, name: str, **labels: str) -> float:
@@ -25,7 +36,7 @@ def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
 
 
 def test_tiered_store_counts_local_and_redis_separately():
-    local, shared = MemoryStore(), MemoryStore()
+    local, shared = MemoryStore(), RedisLike()
     t = TieredStore(local, shared, WriteThrough())
     reg = CollectorRegistry()
     m = TierMetrics(reg)
@@ -41,14 +52,14 @@ def test_tiered_store_counts_local_and_redis_separately():
     assert _v(reg, "sglang_offload_bytes_total", tier="redis", direction="write") == 400
     w.poll()                                          # no change: no double counting
     assert _v(reg, "sglang_offload_hits_total", tier="local") == 2
-    assert path_of(t) == "cpu" and set(tiers_of(t)) == {"local", "redis"}
+    assert path_of(t) == "cpu" and set(t.tier_stats()) == {"local", "redis"}
 
 
 def test_counters_survive_a_store_restart():
     reg = CollectorRegistry()
     m = TierMetrics(reg)
     stores = [MemoryStore(), MemoryStore()]
-    w = StoreWatch(stores[0], m, stats_of=lambda s: tiers_of(stores[0]))
+    w = StoreWatch(stores[0], m, stats_of=lambda s: stores[0].tier_stats())
     keys = _keys(3)
     stores[0].put_many(keys, [[b"y"]] * 3)
     stores[0].get_many(keys, [[bytearray(1)] for _ in keys])
@@ -71,7 +82,7 @@ def test_agent_tier_counts_are_this_process_only():
     StoreWatch(agent, m).poll()                       # agent-wide counters are not taken
     assert _v(reg, "sglang_offload_hits_total", tier="agent") == 0
     assert _v(reg, "sglang_offload_capacity_bytes", tier="agent") == 1 << 20
-    t = TieredStore(agent, MemoryStore(), WriteThrough())
+    t = TieredStore(agent, RedisLike(), WriteThrough())
     assert path_of(t) == "dpu" and not counted_by_backend(t)
     t.get_many(keys + _keys(1, b"gone"), [[bytearray(1)] for _ in range(3)])
     StoreWatch(t, m).poll()                           # the tiered store's own counters are
@@ -97,3 +108,17 @@ def test_backend_exports_load_store_path_and_tier_counters(tmp_path):
     assert diff == [1, 1, 3, 3 * b.pages.page_bytes]
     assert REGISTRY.get_sample_value("sglang_offload_path_info", {"path": "cpu"}) == 1
     assert REGISTRY.get_sample_value("sglang_offload_read_bandwidth_bytes_per_second") > 0
+
+
+def test_tier_stats_come_from_the_stores_not_their_class_names():
+    class Failing(MemoryStore):
+        def tier_stats(self) -> dict[str, StoreStats]:
+            raise OSError("stats unavailable")
+
+    reg = CollectorRegistry()
+    StoreWatch(Failing(), TierMetrics(reg)).poll()        # a miss for the metrics, not a crash
+    renamed = type("SomethingElse", (AgentLike,), {})(capacity=1 << 10)
+    assert path_of(renamed) == "dpu" and counted_by_backend(renamed)
+    t = TieredStore(renamed, RedisLike(), WriteThrough())
+    assert set(t.tier_stats()) == {"agent", "redis"}
+    assert t.tier_stats()["agent"].extra == {"process_counters": ("hits", "misses")}

@@ -22,8 +22,14 @@ from tests.store.blocks import NS, data, key
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 
 
+STORE_ARGS = ("lock_timeout_s", "max_open_slabs", "free_bytes")
+
+
 def open_store(path, capacity=1 << 30, **kw) -> DiskStore:
-    return DiskStore(StoreConfig(path=str(path), capacity=Size(capacity), min_free=Size(0), **kw))
+    """A DiskStore on `path`; keyword arguments go to StoreConfig, or to DiskStore for its own."""
+    own = {k: kw.pop(k) for k in STORE_ARGS if k in kw}
+    return DiskStore(StoreConfig(path=str(path), capacity=Size(capacity), min_free=Size(0), **kw),
+                     **own)
 
 
 def worker(mode: str, directory, **opts) -> subprocess.Popen:

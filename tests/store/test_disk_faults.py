@@ -152,7 +152,7 @@ def small_fs(tmp_path):
     """A real 8 MiB tmpfs: writes hit a real ENOSPC."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=700", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from offload.store import slab
-from offload.store.base import get_bytes
+from offload.store.base import Slot, SlotStore, get_bytes
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 
@@ -32,8 +32,9 @@ def test_reserved_slot_written_elsewhere_is_verified_with_wsum64(tmp_path):
         assert s.commit_slots(slots, sums) == [True] * 3
         assert get_bytes(s, ks[0], size) == data(ks[0], size)
         assert get_bytes(s, ks[2], size) is None  # never served: checksum mismatch
-        located = s.locate_many([ks[1], key(9)])
+        located = s.pin_slots([ks[1], key(9)])
         assert located[0] is not None and located[0].checksum == sums[1] and located[1] is None
+        s.unpin_slots([located[0]])
         assert s.reserve_slots([ks[0]], [size]) == [None]  # already stored
 
 
@@ -51,3 +52,38 @@ def test_wsum64_matches_the_gds_module():
 
     buf = os.urandom(1000)
     assert wsum64_numpy(buf) == slab.wsum64([buf]) == slab.wsum64([buf[:300], buf[300:]])
+
+
+def test_disk_store_is_a_slot_store_of_file_slots(tmp_path):
+    with open_store(tmp_path) as s:
+        assert isinstance(s, SlotStore) and s.slot_medium == "file" and s.arena_region() is None
+        assert set(s.tier_stats()) == {"local"}
+
+
+def test_commit_without_checksums_reads_them_from_the_file(tmp_path):
+    size = 2 * 4096 + 7
+    with open_store(tmp_path) as s:
+        (slot,) = s.reserve_slots([key(1)], [size])
+        _write_like_gds(slot, data(key(1), size))
+        assert s.commit_slots([slot]) == [True]
+        assert get_bytes(s, key(1), size) == data(key(1), size)
+
+
+def test_pinned_reads_count_as_hits_and_absent_keys_as_misses(tmp_path):
+    size = 4096
+    with open_store(tmp_path) as s:
+        assert s.put_many([key(1)], [[data(key(1), size)]]) == [True]
+        before = s.stats()
+        pinned = s.pin_slots([key(1), key(2)])
+        assert pinned[0] is not None and pinned[1] is None
+        s.unpin_slots([pinned[0]], [True])
+        after = s.stats()
+        assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
+        assert after.bytes_read - before.bytes_read == size
+
+
+def test_slot_failures_are_misses_not_exceptions(tmp_path):
+    with open_store(tmp_path) as s:
+        bogus = Slot(key(1), 4096, path=str(tmp_path / "not-a-slab"), offset=4096)
+        assert s.commit_slots([bogus], [0]) == [False]
+        s.abort_slots([bogus])                      # logged, not raised

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from offload.store.base import get_bytes
+from offload.store.base import Slot, SlotStore, get_bytes
 from offload.store.memory import MemoryStore
 from tests.store.blocks import data, key
 
@@ -135,8 +135,10 @@ def test_pinned_block_is_never_evicted_nor_its_slot_reused(arena: bool) -> None:
     keys = [key(i) for i in range(12)]
     for k in keys[:4]:
         assert s.put_many([k], [[data(k, 64 * KiB)]]) == [True]
-    (view,) = s.pin_views([keys[0]])                # keys[0] is the least recently used
-    assert view is not None and bytes(view) == data(keys[0], 64 * KiB)
+    (slot,) = s.pin_slots([keys[0]])                # keys[0] is the least recently used
+    assert slot is not None and slot.view is not None
+    view = slot.view
+    assert bytes(view) == data(keys[0], 64 * KiB)
     for k in keys[4:8]:                              # a full store's worth of new blocks
         assert s.put_many([k], [[data(k, 64 * KiB)]]) == [True]
     assert s.exists_many(keys[:1]) == [True]         # eviction passed over the pinned block
@@ -147,7 +149,7 @@ def test_pinned_block_is_never_evicted_nor_its_slot_reused(arena: bool) -> None:
         assert s.put_many([k], [[data(k, 64 * KiB)]]) == [True]
     assert bytes(view) == data(keys[0], 64 * KiB)
     recycled = s.stats().extra["recycled_slots"]
-    s.unpin(keys[:1])
+    s.unpin_slots([slot])
     assert s.put_many([key(99)], [[data(key(99), 64 * KiB)]]) == [True]
     assert s.stats().extra["recycled_slots"] == recycled + 1   # the unpinned slot came back
     s.close()
@@ -157,8 +159,9 @@ def test_unpin_makes_a_block_evictable_again_and_counts_reads() -> None:
     s = MemoryStore(capacity=2 * 64 * KiB)
     a, b, c = key(1), key(2), key(3)
     assert s.put_many([a, b], [[data(a, 64 * KiB)], [data(b, 64 * KiB)]]) == [True, True]
-    assert [v is not None for v in s.pin_views([a, key(7)])] == [True, False]
-    s.unpin([a], [True])
+    pinned = s.pin_slots([a, key(7)])
+    assert [v is not None for v in pinned] == [True, False]
+    s.unpin_slots([p for p in pinned if p is not None], [True])
     assert s.stats().hits == 1 and s.stats().misses == 1
     assert s.put_many([c], [[data(c, 64 * KiB)]]) == [True]
     assert s.exists_many([a, b, c]) == [True, False, True]   # b was least recently used
@@ -171,10 +174,10 @@ def test_all_pinned_means_a_put_is_skipped_not_forced() -> None:
     s = MemoryStore(capacity=2 * 64 * KiB)
     ks = [key(i) for i in range(3)]
     assert s.put_many(ks[:2], [[data(k, 64 * KiB)] for k in ks[:2]]) == [True, True]
-    s.pin_views(ks[:2])
+    pinned = [p for p in s.pin_slots(ks[:2]) if p is not None]
     assert s.put_many(ks[2:], [[data(ks[2], 64 * KiB)]]) == [False]
-    assert s.reserve_views(ks[2:], [64 * KiB]) == [None]
-    s.unpin(ks[:2])
+    assert s.reserve_slots(ks[2:], [64 * KiB]) == [None]
+    s.unpin_slots(pinned)
     assert s.put_many(ks[2:], [[data(ks[2], 64 * KiB)]]) == [True]
     s.close()
 
@@ -183,23 +186,24 @@ def test_all_pinned_means_a_put_is_skipped_not_forced() -> None:
 def test_reserved_slot_is_invisible_until_committed_and_freed_on_abort(arena: bool) -> None:
     s = MemoryStore(capacity=4 * 64 * KiB, reserve=arena * (1 << 20))
     a, b = key(1), key(2)
-    va, vb = s.reserve_views([a, b], [64 * KiB, 64 * KiB])
-    assert va is not None and vb is not None
-    assert s.reserve_views([a], [64 * KiB]) == [None]          # already being written
-    va[:] = data(a, 64 * KiB)
-    vb[:] = data(b, 64 * KiB)
+    sa, sb = s.reserve_slots([a, b], [64 * KiB, 64 * KiB])
+    assert sa is not None and sb is not None and sa.view is not None and sb.view is not None
+    assert s.reserve_slots([a], [64 * KiB]) == [None]          # already being written
+    sa.view[:] = data(a, 64 * KiB)
+    sb.view[:] = data(b, 64 * KiB)
     assert s.exists_many([a, b]) == [False, False]
     assert s.get_many([a], [[bytearray(64 * KiB)]]) == [False]
-    assert s.commit_views([a, b], [True, False]) == [True, False]
+    assert s.commit_slots([sa]) == [True]
+    s.abort_slots([sb])
     assert s.exists_many([a, b]) == [True, False]
     assert get_bytes(s, a, 64 * KiB) == data(a, 64 * KiB)
     st = s.stats()
     assert st.blocks == 1 and st.bytes_used == 64 * KiB and st.puts == 1
-    assert s.reserve_views([a], [64 * KiB]) == [None]          # stored: nothing to write
+    assert s.reserve_slots([a], [64 * KiB]) == [None]          # stored: nothing to write
     assert s.put_many([b], [[data(b, 64 * KiB)]]) == [True]    # reuses b's aborted slot
     assert s.stats().extra["recycled_slots"] == 1
     assert get_bytes(s, b, 64 * KiB) == data(b, 64 * KiB)
-    assert s.commit_views([key(9)], [True]) == [False]         # never reserved
+    assert s.commit_slots([Slot(key(9), 64 * KiB)]) == [False]  # never reserved
     s.close()
 
 
@@ -207,13 +211,20 @@ def test_reserve_counts_against_capacity_and_commit_after_a_racing_put() -> None
     s = MemoryStore(capacity=2 * 64 * KiB)
     a, b, c = key(1), key(2), key(3)
     assert s.put_many([a], [[data(a, 64 * KiB)]]) == [True]
-    (vb,) = s.reserve_views([b], [64 * KiB])
+    (vb,) = s.reserve_slots([b], [64 * KiB])
     assert vb is not None
     assert s.put_many([c], [[data(c, 64 * KiB)]]) == [True]    # evicts a, not the reservation
     assert s.exists_many([a, c]) == [False, True]
     assert s.stats().bytes_used == 2 * 64 * KiB
     s.delete_many([c])
     assert s.put_many([b], [[data(b, 64 * KiB)]]) == [True]    # another writer got there first
-    assert s.commit_views([b], [True]) == [True]               # still stored once
+    assert s.commit_slots([vb]) == [True]                      # still stored once
     assert s.stats().bytes_used == 64 * KiB and s.stats().blocks == 1
+    s.close()
+
+
+def test_memory_store_is_a_slot_store_of_memory_slots() -> None:
+    s = MemoryStore(capacity=64 * KiB)
+    assert isinstance(s, SlotStore) and s.slot_medium == "memory"
+    assert set(s.tier_stats()) == {"local"}
     s.close()

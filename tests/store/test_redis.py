@@ -1,17 +1,17 @@
-"""RedisStore against a real redis-server: round trips, verification, budget, ttl, directory."""
+"""RedisStore against a real redis-server: round trips, verification, budget, ttl, clear."""
 
 from __future__ import annotations
 
 import struct
 
 import pytest
-import xxhash
 
 from offload.config import ConfigError, load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.redis import HEADER, MAGIC, RedisDirectory, RedisStore, decode_value
+from offload.store.redis import RedisStore
 from offload.store.redis_link import parse_url
+from offload.store.redis_value import HEADER, MAGIC, VERSION, ValueCodec
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
@@ -38,10 +38,10 @@ def test_round_trip_vectored_and_pipelined(redis_server: RedisProc) -> None:
     for d, b in zip(dests, blocks):
         assert bytes(d[0]) + bytes(d[1]) == b"".join(bytes(x) for x in b)
     # Stored under the prefixed key with the versioned header; a second put writes nothing.
-    raw = redis_server.client().get(b"sglo:v1:" + ks[0])
-    magic, version, _, _, length, digest = HEADER.unpack_from(raw)
-    assert (magic, version, length) == (MAGIC, 1, 4096)
-    assert digest == xxhash.xxh3_64_intdigest(raw[HEADER.size:])
+    raw = redis_server.client().get(b"sglo:v2:" + ks[0])
+    magic, version, _, _, length, _nonce, _tag = HEADER.unpack_from(raw)
+    assert (magic, version, length, VERSION) == (MAGIC, 2, 4096, 2)
+    assert s.codec.open(b"sglo:v2:" + ks[0], raw) is not None
     assert s.put_many(ks[:2], blocks[:2]) == [True, True]
     st = s.stats()
     assert (st.puts, st.hits, st.misses) == (10, 10, 0)
@@ -77,7 +77,7 @@ def test_garbage_under_our_key_is_a_deleted_miss(redis_server: RedisProc, kind: 
     k = keys(1)
     s.put_many(k, [[block_bytes("g", SIZE)]])
     r = redis_server.client()
-    rk = b"sglo:v1:" + k[0]
+    rk = b"sglo:v2:" + k[0]
     r.set(rk, _bad_values(r.get(rk))[kind])
     dest = bytearray(b"\x5a" * SIZE)
     assert s.get_many(k, [[dest]]) == [False]
@@ -88,14 +88,13 @@ def test_garbage_under_our_key_is_a_deleted_miss(redis_server: RedisProc, kind: 
     assert get_bytes(s, k[0], SIZE) == block_bytes("g", SIZE)
 
 
-def test_decode_value_rejects_every_bad_form() -> None:
-    from offload.store.redis import encode_header
-
+def test_open_rejects_every_bad_form() -> None:
+    codec = ValueCodec(b"k" * 32)
     body = block_bytes("x", 64)
-    good = encode_header([memoryview(body)]) + body
-    assert bytes(decode_value(good) or b"") == body
+    good = codec.seal(b"sglo:v2:key", [memoryview(body)]) + body
+    assert bytes(codec.open(b"sglo:v2:key", good) or b"") == body
     for kind, bad in _bad_values(good).items():
-        assert decode_value(bad) is None, kind
+        assert codec.open(b"sglo:v2:key", bad) is None, kind
 
 
 def test_ttl_is_set_and_slides_on_hits(redis_server: RedisProc) -> None:
@@ -103,7 +102,7 @@ def test_ttl_is_set_and_slides_on_hits(redis_server: RedisProc) -> None:
     k = keys(1)
     s.put_many(k, [[block_bytes("t", SIZE)]])
     r = redis_server.client()
-    rk = b"sglo:v1:" + k[0]
+    rk = b"sglo:v2:" + k[0]
     assert 0 < r.ttl(rk) <= 100
     r.expire(rk, 5)
     assert get_bytes(s, k[0], SIZE) is not None
@@ -125,7 +124,7 @@ def test_budget_evicts_least_recently_used(redis_server: RedisProc) -> None:
     # A block bigger than the whole budget is refused, not stored and evicted at once.
     assert s.put_many(keys(1, 50), [[bytes(6 * SIZE)]]) == [False]
     # Blocks Redis drops by itself leave the index when found missing.
-    redis_server.client().delete(b"sglo:v1:" + more[0])
+    redis_server.client().delete(b"sglo:v2:" + more[0])
     assert s.get_many(more[:1], [[bytearray(SIZE)]]) == [False]
     assert s.stats().bytes_used == 4 * SIZE
 
@@ -141,21 +140,8 @@ def test_budget_is_shared_by_two_clients(redis_server: RedisProc) -> None:
 def test_namespace_registered(redis_server: RedisProc) -> None:
     s = make(redis_server.url)
     s.register_namespace(Namespace("m", "fp8", "page_first", 64, salt="secret"))
-    stored = [redis_server.client().get(k) for k in redis_server.client().keys(b"sglo:v1:ns:*")]
+    stored = [redis_server.client().get(k) for k in redis_server.client().keys(b"sglo:v2:ns:*")]
     assert len(stored) == 1 and b"secret" not in stored[0] and b"fp8" in stored[0]
-
-
-def test_directory_records_agents_across_hosts(redis_server: RedisProc) -> None:
-    cfg = load_offload({"redis": {"url": redis_server.url, "directory": True}}).redis
-    host_a, host_b = RedisDirectory(cfg), RedisDirectory(cfg)
-    ks = keys(3)
-    assert host_a.record(ks[:2], "10.0.0.1:9000")
-    assert host_b.record(ks[1:], "10.0.0.2:9000")
-    assert host_b.locate(ks) == [["10.0.0.1:9000"], ["10.0.0.1:9000", "10.0.0.2:9000"],
-                                 ["10.0.0.2:9000"]]
-    host_a.forget(ks[1:2], "10.0.0.1:9000")
-    assert host_b.locate(ks[1:2]) == [["10.0.0.2:9000"]]
-    assert host_a.locate(keys(1, 99)) == [[]]
 
 
 def test_url_parsing_and_errors() -> None:

@@ -59,6 +59,6 @@ def test_tenant_salt_isolates_blocks_in_the_shared_tier(redis_server: RedisProc,
     assert same["match"] == [True] * len(pages)
     # Only namespaced keys in Redis: the salt itself is never stored.
     keys = redis_server.client().keys(b"*")
-    assert keys and all(k.startswith(b"sglo:v1:") for k in keys)
+    assert keys and all(k.startswith(b"sglo:v2:") for k in keys)
     assert not any(b"tenant-a" in redis_server.client().get(k) for k in keys
-                   if not k.startswith(b"sglo:v1:{"))
+                   if not k.startswith(b"sglo:v2:{"))

@@ -72,7 +72,7 @@ def test_cluster_spreads_blocks_and_serves_them(redis_cluster: list[RedisProc]) 
     assert [bytes(d[0]) for d in dests] == [d[0] for d in data]
     assert s.stats().bytes_used == 30 * SIZE   # the budget index works on a cluster too
     # A corrupt value on whichever node holds it is a deleted miss.
-    rk = b"sglo:v1:" + ks[7]
+    rk = b"sglo:v2:" + ks[7]
     node = _node_of(redis_cluster, rk)
     node.client().set(rk, b"garbage")
     assert other.get_many(ks[7:8], [[bytearray(SIZE)]]) == [False]

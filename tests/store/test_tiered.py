@@ -141,3 +141,34 @@ def test_disk_local_redis_shared_two_hosts(redis_server: RedisProc, tmp_path: Pa
     assert b.stats().extra["tiers"]["promotions"] == 6
     a.close()
     b.close()
+
+
+class _RaisingShared(MemoryStore):
+    """A shared tier whose put raises (a bug, a closed client) for the first `raises` calls."""
+
+    def __init__(self, raises: int):
+        super().__init__()
+        self.raises = raises
+
+    def put_many(self, keys, blocks):  # type: ignore[no-untyped-def]
+        if self.raises > 0:
+            self.raises -= 1
+            raise RuntimeError("shared tier exploded")
+        return super().put_many(keys, blocks)
+
+
+def test_an_upload_that_raises_releases_its_queued_bytes() -> None:
+    """Issue 14: the queued-bytes count leaked on an exception, then every upload was dropped."""
+    local, shared = MemoryStore(), _RaisingShared(raises=3)
+    t = TieredStore(local, shared, SeenN(1), upload_queue_bytes=SIZE)  # room for one block
+    names = [f"u{i}" for i in range(5)]
+    local.put_many(ks(*names), data(*names))
+    for n in names:                              # one at a time: each fits the queue alone
+        assert get_bytes(t, NS.key(n), SIZE) == block_bytes(n, SIZE)
+        t.flush()
+    c = t.stats().extra["tiers"]
+    assert c["uploads_dropped"] == 0 and c["uploads_queued"] == 5
+    assert (c["shared_write_failures"], c["shared_writes"]) == (3, 2)
+    assert shared.exists_many(ks(*names)) == [False] * 3 + [True] * 2
+    assert t._queued_bytes == 0
+    t.close()

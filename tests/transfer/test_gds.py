@@ -9,7 +9,9 @@ import pytest
 
 from offload.config import load_offload
 from offload.errors import PathUnavailableError
+from offload.store.base import SlotStore
 from offload.store.memory import MemoryStore
+from offload.store.tiered import TieredStore, WriteThrough
 from offload.transfer.gds import GdsPath, gds_really_available, wsum64, wsum64_numpy
 
 
@@ -47,8 +49,21 @@ def test_gds_only_when_detection_says_really_available() -> None:
 
 def test_store_without_slots_is_refused() -> None:
     cfg = load_offload({"transfer": {"path": "gds"}})
-    with pytest.raises(PathUnavailableError, match="reserve_slots"):
+    with pytest.raises(PathUnavailableError, match="reserve_slots"):   # slots, but in memory
         GdsPath.open(cfg, FakeDecision("gds", True), store=MemoryStore())
+    no_slots = TieredStore(MemoryStore(), MemoryStore(), WriteThrough())
+    assert not isinstance(no_slots, SlotStore)
+    with pytest.raises(PathUnavailableError, match="reserve_slots"):
+        GdsPath.open(cfg, FakeDecision("gds", True), store=no_slots)
+
+
+def test_disk_store_has_the_file_slots_gds_needs(tmp_path) -> None:
+    from offload.config import Size, StoreConfig
+    from offload.store.disk import DiskStore
+
+    with DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 24),
+                               min_free=Size(0))) as store:
+        assert isinstance(store, SlotStore) and store.slot_medium == "file"
 
 
 @pytest.mark.gpu
@@ -62,8 +77,7 @@ def test_gds_roundtrip_on_gpu(tmp_path) -> None:
 
     store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 30),
                                   min_free=Size(0)))
-    if not hasattr(store, "reserve_slots"):
-        pytest.skip("DiskStore does not expose reserve_slots/commit_slots/locate_many yet")
+    assert isinstance(store, SlotStore) and store.slot_medium == "file"
     path = GdsPath(store)
     src = torch.randint(0, 255, (16, 4 << 20), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
@@ -75,5 +89,86 @@ def test_gds_roundtrip_on_gpu(tmp_path) -> None:
         host = np.zeros(4 << 20, np.uint8)            # a gds-written block read on the CPU path
         assert store.get_many([keys[3]], [[host]]) == [True]
         assert np.array_equal(host, src[3].cpu().numpy())
+    finally:
+        path.close()
+
+
+class _FakeFuture:
+    def __init__(self, n: int):
+        self.n = n
+
+    def get(self) -> int:
+        return self.n
+
+
+class _FakeCuFile:
+    """kvikio's CuFile on the CPU: pwrite / pread of a tensor's bytes at an offset."""
+
+    def __init__(self, path: str, mode: str):
+        import os
+
+        self.fd = os.open(path, os.O_RDWR)
+
+    def pwrite(self, t, n: int, off: int) -> _FakeFuture:
+        import os
+
+        return _FakeFuture(os.pwrite(self.fd, t.tensor.numpy().tobytes()[:n], off))
+
+    def pread(self, t, n: int, off: int) -> _FakeFuture:
+        import os
+
+        data = os.pread(self.fd, n, off)
+        t.tensor.view(-1).numpy()[:len(data)] = np.frombuffer(data, np.uint8)
+        return _FakeFuture(len(data))
+
+    def close(self) -> None:
+        import os
+
+        os.close(self.fd)
+
+
+class _OnGpu:
+    """A CPU uint8 tensor that the gds path takes for a CUDA one."""
+    is_cuda = True
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import sys
+    import types
+
+    from offload.config import Size, StoreConfig
+    from offload.store.disk import DiskStore
+
+    fake = types.ModuleType("kvikio")
+    fake.CuFile = _FakeCuFile                              # type: ignore[attr-defined]
+    fake.CompatMode = types.SimpleNamespace(OFF="off")     # type: ignore[attr-defined]
+    fake.defaults = types.SimpleNamespace(set=lambda *a: None)   # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvikio", fake)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", fake.defaults)
+    store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 26),
+                                  min_free=Size(0)))
+    path = GdsPath(store)
+    n = 3 * 4096 + 11
+    src = [_OnGpu(torch.randint(0, 255, (n,), dtype=torch.uint8)) for _ in range(4)]
+    keys = [i.to_bytes(32, "big") for i in range(4)]
+    try:
+        assert path.put_many(keys, [[s] for s in src]) == [True] * 4
+        host = np.zeros(n, np.uint8)                      # written by "gds", read by the CPU
+        assert store.get_many([keys[1]], [[host]]) == [True]
+        assert np.array_equal(host, src[1].tensor.numpy())
+        dst = [_OnGpu(torch.zeros(n, dtype=torch.uint8)) for _ in range(5)]
+        absent = (9).to_bytes(32, "big")
+        before = store.stats()
+        assert path.get_many(keys + [absent], [[d] for d in dst]) == [True] * 4 + [False]
+        assert all(torch.equal(s.tensor, d.tensor) for s, d in zip(src, dst))
+        after = store.stats()
+        assert (after.hits - before.hits, after.misses - before.misses) == (4, 1)
     finally:
         path.close()

@@ -1,0 +1,86 @@
+"""One block's value in Redis: a header, then the block; authenticated and bound to its Redis key.
+
+Primitives:
+- Value format (little-endian): a 48-byte header `SGLB | version u8 (2) | flags u8 | reserved u16
+  | length u64 | nonce 16 bytes | tag 16 bytes`, then the block. Never pickle.
+- The tag is a MAC over (the Redis key, the header up to the tag, the block): GMAC (AES-256-GCM
+  with no plaintext, everything as associated data) under a key used for this one value,
+  `HMAC-SHA256(secret, label | nonce)`, with a random 16-byte nonce per value; so no (key, GCM
+  nonce) pair repeats however many values are written. GMAC runs at memory speed with AES-NI
+  and carry-less multiply (~30 GB/s on one core, measured; HMAC-SHA256 over the block: ~2 GB/s).
+- `ValueCodec(secret)`: `seal(rkey, parts)` -> the header for these buffers under this key;
+  `open(rkey, value)` -> the verified block (a view into `value`) or None: bad magic, version,
+  length, or a tag that does not match — a value copied or moved to another key, forged,
+  truncated or corrupted.
+- `PUBLIC_KEY`: the key used when no `redis.secret_file` is set. Values are then still bound to
+  their key and checked for corruption, but anyone who can write to the Redis can forge them.
+`cryptography` (OpenSSL) is imported on first use, never at import of `offload`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import struct
+from typing import Any, Sequence
+
+from offload.store.base import Buffer
+
+MAGIC = b"SGLB"
+VERSION = 2
+HEADER = struct.Struct("<4sBBHQ16s16s")
+SIGNED = HEADER.size - 16                  # the header bytes the tag covers (all but the tag)
+PUBLIC_KEY = b"sglang-offload: no redis.secret_file set; values are bound, not authenticated"
+_LABEL = b"sglang-offload redis value v2\0"
+_GCM_NONCE = b"\0" * 12                     # fixed: the AES key itself is used for one value only
+
+
+def _gmac(key: bytes, rkey: bytes, head: bytes, parts: Sequence[memoryview],
+          tag: bytes | None) -> Any:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    mode = modes.GCM(_GCM_NONCE, tag) if tag is not None else modes.GCM(_GCM_NONCE)
+    cipher = Cipher(algorithms.AES(key), mode)
+    ctx = cipher.decryptor() if tag is not None else cipher.encryptor()
+    ctx.authenticate_additional_data(struct.pack("<H", len(rkey)) + rkey + head)
+    for p in parts:
+        ctx.authenticate_additional_data(p)
+    return ctx
+
+
+class ValueCodec:
+    """Seals and opens block values with one deployment secret (or `PUBLIC_KEY`)."""
+
+    def __init__(self, secret: bytes | None):
+        self.authenticated = secret is not None
+        self._secret = secret if secret is not None else PUBLIC_KEY
+
+    def _key(self, nonce: bytes) -> bytes:
+        return hmac.digest(self._secret, _LABEL + nonce, "sha256")
+
+    def seal(self, rkey: bytes, parts: Sequence[Buffer]) -> bytes:
+        """The header to send before `parts` (the block, possibly in several buffers) under `rkey`."""
+        views = [memoryview(p).cast("B") for p in parts]
+        nonce = os.urandom(16)
+        head = HEADER.pack(MAGIC, VERSION, 0, 0, sum(v.nbytes for v in views), nonce,
+                           b"")[:SIGNED]
+        ctx = _gmac(self._key(nonce), rkey, head, views, None)
+        ctx.finalize()
+        return head + ctx.tag
+
+    def open(self, rkey: bytes, value: bytes) -> memoryview | None:
+        """The verified block inside `value` read from `rkey`, or None if it fails any check."""
+        from cryptography.exceptions import InvalidTag
+
+        mv = memoryview(value)
+        if mv.nbytes < HEADER.size:
+            return None
+        magic, version, _flags, _res, length, nonce, tag = HEADER.unpack_from(mv)
+        if magic != MAGIC or version != VERSION or length != mv.nbytes - HEADER.size:
+            return None
+        body = mv[HEADER.size:]
+        try:
+            _gmac(self._key(nonce), rkey, bytes(mv[:SIGNED]), [body], tag).finalize()
+        except InvalidTag:
+            return None
+        return body
