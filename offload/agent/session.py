@@ -137,8 +137,8 @@ class Session:
         store = self.server.store
         payload: list[memoryview] = []
         try:
-            keys = getattr(msg, "keys", None)
-            why = None if keys is None else self.server.access.refused(self.host, keys)
+            why = (self.server.access.refused(self.host, msg.keys)
+                   if isinstance(msg, (protocol.Blocks, protocol.KeyList)) else None)
             if why is not None:
                 raise RequestError(why)
             if op == protocol.PUT:

@@ -2,8 +2,8 @@
 
 For each block size (default 1, 4 and 8 MiB) it writes and reads the same blocks twice, in turns:
 - raw: redis-py SET / GET of the bytes, no header, no checksum, pipelined `--batch` at a time;
-- ours: `RedisStore.put_many` / `get_many` (header, xxh3 checksum verified, bytes copied into the
-  caller's buffers), pipelined the same way.
+- ours: `RedisStore.put_many` / `get_many` (header, MAC bound to the key verified, bytes copied
+  into the caller's buffers), pipelined the same way.
 It reports GB/s and ours/raw. With `redis-benchmark` installed it also prints that C client's
 SET/GET figures for the same server and size (a ceiling, not the baseline: it is not Python).
 With no `--url` it starts its own `redis-server` (no persistence) in a temporary directory.

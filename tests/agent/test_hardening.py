@@ -228,7 +228,8 @@ def test_client_waits_per_request_not_per_recv(tmp_path: Path) -> None:
 
     def fake_agent() -> None:
         conn, _ = lsock.accept()
-        ch, frame = protocol.accept_hello(conn, lambda h: SECRET, 5)
+        ch = protocol.handshake_server(conn, SECRET, 5)
+        frame = ch.recv()
         ch.send(protocol.HELLO | protocol.REPLY, frame.req_id, protocol.HelloReply(
             agent="fake", max_body=1 << 20, max_keys=4096, max_block=1 << 19, nixl=False))
         req = ch.recv(idle_timeout=10)

@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from offload.errors import ConfigError  # noqa: E402
+from tests.agent.conftest import agent_factory  # noqa: E402,F401
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import pool_families as pf  # noqa: E402
 from tests.hicache.test_controller import _corrupt_block  # noqa: E402
-from tests.agent.conftest import agent_factory  # noqa: E402,F401
 from tests.store.redis_fixtures import redis_factory, redis_server  # noqa: E402,F401
 
 PT, PN, PP = hs.PoolTransfer, hs.PoolName, hs.PoolHitPolicy

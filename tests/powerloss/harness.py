@@ -9,6 +9,7 @@ every acknowledged page a later round could not read back exactly).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -27,9 +28,11 @@ LAZYFS = HERE / "lazyfs.py"
 WRITER = HERE / "writer.py"
 
 
+@functools.cache
 def lazyfs_unavailable() -> str:
     """'' if a FUSE file system can be mounted here, else why not (the skip reason)."""
     import importlib.util
+    import tempfile
 
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse (FUSE unavailable in this container)"
@@ -40,23 +43,37 @@ def lazyfs_unavailable() -> str:
     probe = subprocess.run([sys.executable, "-c", "import mfusepy"], capture_output=True, text=True)
     if probe.returncode:
         return f"mfusepy cannot load libfuse (Debian libfuse3-3): {probe.stderr.strip()[-200:]}"
+    with tempfile.TemporaryDirectory(prefix="lazyfs-probe-") as tmp:
+        m = LazyMount(Path(tmp) / "backing", Path(tmp) / "mnt", Path(tmp) / "log", timeout=10.0)
+        try:
+            m.mount()
+        except RuntimeError as e:
+            return f"cannot mount a FUSE file system here (no CAP_SYS_ADMIN?): {str(e)[-300:]}"
+        finally:
+            m.cut()
+            shutil.rmtree(str(m.backing) + ".inodes", ignore_errors=True)
     return ""
 
 
 class LazyMount:
     """`lazyfs.py BACKING MOUNTPOINT` as a separate process."""
 
-    def __init__(self, backing: Path, mountpoint: Path, log: Path):
-        self.backing, self.mountpoint, self.log = backing, mountpoint, log
+    def __init__(self, backing: Path, mountpoint: Path, log: Path, writeback: float = 0.0,
+                 timeout: float = 20.0):
+        self.backing, self.mountpoint, self.log, self.timeout = backing, mountpoint, log, timeout
+        self.writeback = writeback    # lazyfs's chance of an early writeback per operation
+        self.mounts = 0
         self.proc: subprocess.Popen | None = None
         backing.mkdir(mode=0o700, parents=True, exist_ok=True)
         mountpoint.mkdir(parents=True, exist_ok=True)
 
-    def mount(self, timeout: float = 20.0) -> None:
+    def mount(self) -> None:
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, str(LAZYFS), str(self.backing),
-                                          str(self.mountpoint)], stdout=logf, stderr=logf)
-        end = time.monotonic() + timeout
+                                          str(self.mountpoint), str(self.writeback),
+                                          str(self.mounts)], stdout=logf, stderr=logf)
+        self.mounts += 1
+        end = time.monotonic() + self.timeout
         while not os.path.ismount(self.mountpoint):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.cut()
@@ -142,6 +159,7 @@ class Rounds:
     `start_writer(opts)` starts the writer of a round (and whatever it talks to: an agent), with
     `opts` holding `dir`, `acked`, `tag`, `write`; `stop_extra()` kills what it started beside.
     `damage(backing)` runs after each cut (the index-rebuild tests delete the index there).
+    `writeback`: lazyfs's chance per operation of persisting some unsynced change early.
     """
 
     tmp: Path
@@ -150,6 +168,7 @@ class Rounds:
     stop_extra: Callable[[], None] = lambda: None
     damage: Callable[[Path], None] = lambda _: None
     seed: int = 0
+    writeback: float = 0.0
     verify_timeout: float = 120.0
     acked: list[str] = field(default_factory=list)
     losses: list[tuple[int, str, str]] = field(default_factory=list)   # (round, name, how)
@@ -157,7 +176,8 @@ class Rounds:
 
     def __post_init__(self) -> None:
         self.backing = self.tmp / "backing"
-        self.mount = LazyMount(self.backing, self.tmp / "mnt", self.tmp / "lazyfs.log")
+        self.mount = LazyMount(self.backing, self.tmp / "mnt", self.tmp / "lazyfs.log",
+                               self.writeback)
         self.acked_file = self.tmp / "acked.txt"
         self.rng = random.Random(self.seed)
 

@@ -1,12 +1,16 @@
 """A FUSE file system that forgets what was not made durable: SIGKILL it and you have a power cut.
 
-    python tests/powerloss/lazyfs.py BACKING MOUNTPOINT      (foreground; in the spirit of Jepsen's LazyFS)
+    python tests/powerloss/lazyfs.py BACKING MOUNTPOINT [WRITEBACK [SEED]]
+    (foreground; in the spirit of Jepsen's LazyFS)
 
 Every operation acts on an in-memory view; the backing directory holds only what was made durable,
 strictly per POSIX:
 - file data (and size) is durable once that file is fsync'ed or fdatasync'ed;
 - a name (created, renamed, linked, unlinked, a new directory) is durable once its parent directory
   is fsync'ed; a file whose name is not durable is lost whatever was fsync'ed into it.
+With WRITEBACK > 0 it also does, at random (that chance per operation), what an OS may do at any
+time: write one dirty page back, or commit a directory's entries as they are now; any subset of the
+unsynced changes may then survive, as after a real power cut. With 0, none does.
 So after `kill -9` of this process (plus a lazy unmount), BACKING is exactly the durable state of the
 file system at the cut, and a fresh mount of it is the machine after the power came back.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import random
 import shutil
 import stat
 import sys
@@ -87,6 +92,15 @@ class File:
         self.size = size
         self.mtime = time.time_ns()
 
+    def writeback(self, rng: random.Random) -> None:
+        """What the OS may do any time: make one dirty page durable (it stays in the live view)."""
+        if not self.pages:
+            return
+        if self.floor < os.fstat(self.fd).st_size:
+            os.ftruncate(self.fd, self.floor)       # a pending truncation goes first
+        i = rng.choice(list(self.pages))
+        os.pwrite(self.fd, self.pages[i][:max(0, min(PAGE, self.size - i * PAGE))], i * PAGE)
+
     def sync(self) -> None:
         """Make this file's data and size durable (its shadow: every durable name of it)."""
         if self.floor < os.fstat(self.fd).st_size:
@@ -112,7 +126,9 @@ Node = File | Dir
 class LazyFS:
     use_ns = True
 
-    def __init__(self, backing: str):
+    def __init__(self, backing: str, writeback: float = 0.0, seed: int = 0):
+        self.writeback = writeback            # chance, per operation, of an early writeback
+        self.rng = random.Random(seed)
         self.backing = os.path.abspath(backing)
         self.shadows = self.backing.rstrip("/") + ".inodes"
         shutil.rmtree(self.shadows, ignore_errors=True)   # the orphans of the last power cut
@@ -258,6 +274,7 @@ class LazyFS:
                 node = self._new_file(stat.S_IMODE(mode))
                 d.children[name] = node
                 d.mtime = time.time_ns()
+                self._maybe_commit(d)
             elif flags & os.O_TRUNC:
                 node.truncate(0)
             return self._open_handle(node)
@@ -277,7 +294,10 @@ class LazyFS:
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
         with self._mu:
-            self._file(path, fh).write(offset, data)
+            f = self._file(path, fh)
+            f.write(offset, data)
+            if self.rng.random() < self.writeback:
+                f.writeback(self.rng)
             return len(data)
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
@@ -312,11 +332,20 @@ class LazyFS:
             d = self._node(path)
             if not isinstance(d, Dir):
                 raise OSError(errno.ENOTDIR, path or "")
-            d.durable = dict(d.children)
-            where = self._backing_path(d)
-            if where is not None:
-                self._apply(d, where)
+            self._commit(d)
         return 0
+
+    def _commit(self, d: Dir) -> None:
+        d.durable = dict(d.children)
+        where = self._backing_path(d)
+        if where is not None:
+            self._apply(d, where)
+
+    def _maybe_commit(self, *dirs: Dir) -> None:
+        """What a journal may do any time: make a directory's entries as they are now durable."""
+        if self.rng.random() < self.writeback:      # one coin: a rename's two directories together
+            for d in dirs:
+                self._commit(d)
 
     def opendir(self, path: str) -> int:
         return 0
@@ -330,6 +359,7 @@ class LazyFS:
             if name in d.children:
                 raise OSError(errno.EEXIST, path)
             d.children[name] = Dir(next(self._ino), stat.S_IMODE(mode))
+            self._maybe_commit(d)
         return 0
 
     def rmdir(self, path: str) -> int:
@@ -341,6 +371,7 @@ class LazyFS:
             if node.children:
                 raise OSError(errno.ENOTEMPTY, path)
             del d.children[name]
+            self._maybe_commit(d)
         return 0
 
     def unlink(self, path: str) -> int:
@@ -350,6 +381,7 @@ class LazyFS:
                 raise OSError(errno.EISDIR if name in d.children else errno.ENOENT, path)
             del d.children[name]
             d.mtime = time.time_ns()
+            self._maybe_commit(d)
         return 0
 
     def rename(self, old: str, new: str) -> int:
@@ -364,6 +396,7 @@ class LazyFS:
                 raise OSError(errno.EISDIR if not isinstance(node, Dir) else errno.ENOTEMPTY, new)
             del src.children[a]
             dst.children[b] = node
+            self._maybe_commit(*{id(x): x for x in (src, dst)}.values())
         return 0
 
     def link(self, target: str, source: str) -> int:
@@ -373,6 +406,7 @@ class LazyFS:
             if name in d.children:
                 raise OSError(errno.EEXIST, target)
             d.children[name] = f
+            self._maybe_commit(d)
         return 0
 
     def chmod(self, path: str | None, mode: int) -> int:
@@ -398,7 +432,9 @@ def main() -> None:
     import mfusepy
 
     backing, mountpoint = sys.argv[1], sys.argv[2]
-    ops = type("LazyFSOps", (LazyFS, mfusepy.Operations), {})(backing)
+    writeback = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    ops = type("LazyFSOps", (LazyFS, mfusepy.Operations), {})(backing, writeback, seed)
     mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False, use_ino=True, hard_remove=True,
                  fsname="lazyfs")
 

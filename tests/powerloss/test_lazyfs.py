@@ -70,6 +70,16 @@ def test_only_fsynced_data_under_fsynced_names_survives(fs: LazyMount) -> None:
                               "unlinked_later": b"data synced"}
 
 
+def test_early_writeback_may_keep_unsynced_changes(tmp_path: Path) -> None:
+    m = LazyMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "lazyfs.log", writeback=1.0)
+    m.mount()
+    try:
+        _write(m.mountpoint / "unsynced", b"kept anyway", sync=False)
+    finally:
+        m.cut()
+    assert (m.backing / "unsynced").read_bytes() == b"kept anyway"
+
+
 def test_renames_truncates_and_punched_holes_are_durable_once_synced(fs: LazyMount) -> None:
     mnt = fs.mountpoint
     _write(mnt / "f", b"a" * 10000, sync=True)

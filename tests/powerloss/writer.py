@@ -97,8 +97,8 @@ class SGLangWriter:
         hp, P = self.hp, self.hp.PAGE
         by_seed: dict[int, list[int]] = {}
         for n in names:
-            seed, page = n.split("-")
-            by_seed.setdefault(int(seed), []).append(int(page))
+            seed_text, page_text = n.split("-")
+            by_seed.setdefault(int(seed_text), []).append(int(page_text))
         lost, wrong = [], []
         for seed, pages in by_seed.items():
             for at in range(0, len(pages), 8):
