@@ -34,7 +34,7 @@ quiet_pip() {
   "${pip[@]}" "$@" 2>"$err" || rc=$?
   awk -v hidden="$hidden" '
     /^ERROR: pip.s dependency resolver does not currently take into account/ { hdr = $0; next }
-    /^sglang [^ ]+ requires [^,]+, which is not installed\.$/ { print >> hidden; next }
+    /^sglang [^ ]+ requires .+, which is not installed\.$/ { print >> hidden; next }
     { if (hdr != "") { print hdr; hdr = "" } print }' "$err" >&2
   rm -f "$err"
   return "$rc"

@@ -1,0 +1,67 @@
+"""The keys file and the namespace grants, in-process: what is refused, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from offload.agent.access import Access, AccessError, register_msg
+from offload.agent.auth import load_keys
+from offload.errors import ConfigError
+from offload.keys import Namespace
+
+NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, salt="tenant-a")
+
+
+def keys_file(tmp_path: Path, text: str, mode: int = 0o600) -> str:
+    p = tmp_path / "keys.toml"
+    p.write_text(text)
+    p.chmod(mode)
+    return str(p)
+
+
+def test_keys_file_problems_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_keys(keys_file(tmp_path, '[hosts.a]\nsecret = "x"\n', 0o644))
+    text = ('[hosts."bad name"]\nsecret = "' + "a" * 32 + '"\nsalts = ["s"]\n'
+            '[hosts.b]\nsecret = "short"\nnamespaces = ["nothex"]\n'
+            '[hosts.c]\nsecret = "' + "c" * 32 + '"\nsalts = ["s"]\n'
+            '[hosts.d]\nsecret = "' + "c" * 32 + '"\n')
+    with pytest.raises(ConfigError) as e:
+        load_keys(keys_file(tmp_path, text))
+    msg = str(e.value)
+    for part in ("host names are", "use at least 16", "32 lowercase hex", "the same as hosts.c",
+                 "grants nothing"):
+        assert part in msg
+
+
+def test_grants_by_salt_by_digest_and_all(tmp_path: Path) -> None:
+    other = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, salt="tenant-b")
+    keys = load_keys(keys_file(tmp_path, (
+        '[hosts.a]\nsecret = "' + "a" * 32 + '"\nsalts = ["tenant-a"]\n'
+        '[hosts.b]\nsecret = "' + "b" * 32 + f'"\nnamespaces = ["{other.digest().hex()}"]\n'
+        '[hosts.root]\nsecret = "' + "r" * 32 + '"\nnamespaces = ["*"]\n')))
+    acc = Access.per_host(keys)
+    assert acc.secret("a") == b"a" * 32 and acc.secret("nobody") is None
+    assert acc.refused("a", [NS.key("p")]) is not None          # not registered yet
+    ns = acc.register("a", register_msg(NS))
+    assert ns.digest() == NS.digest() and ns.describe()["salt"] == "set"
+    assert acc.refused("a", [NS.key("p")]) is None
+    assert acc.refused("a", [other.key("p")]) is not None
+    with pytest.raises(AccessError, match="not granted"):
+        acc.register("a", register_msg(other))
+    assert acc.refused("b", [other.key("p")]) is None            # listed digest: no registration
+    assert acc.refused("root", [other.key("p"), NS.key("p")]) is None
+
+
+def test_shared_secret_is_one_group_and_unsalted_digests_are_checked() -> None:
+    acc = Access.shared(b"s" * 32)
+    assert acc.secret("anyone") == b"s" * 32
+    assert acc.refused("anyone", [NS.key("p")]) is None
+    plain = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
+    acc.register("h", register_msg(plain))
+    lie = register_msg(Namespace(model="other", dtype="bf16", layout="page_first", page_size=16))
+    with pytest.raises(AccessError, match="does not match"):
+        acc.register("h", type(lie)(**{**{f: getattr(lie, f) for f in lie.__struct_fields__},
+                                       "digest": plain.digest()}))
