@@ -1,8 +1,9 @@
 """The storage agent a BlueField DPU (or a storage host) runs for many inference hosts, and the
 client that talks to it.
 
-Agent side: `protocol` (frames, handshake, HMAC), `auth` (the shared secret), `server` (accept
-loop), `session` (one host connection), `mover` (NIXL agent + staging memory), `nixl_util` (NIXL
+Agent side: `protocol` (frames, handshake, HMAC), `auth` (the shared secret, the keys file),
+`access` (who may connect, which namespaces each host may use), `server` (accept loop),
+`session` (one host connection), `mover` (NIXL agent + staging memory), `nixl_util` (NIXL
 plumbing shared by both sides). Host side: `client.AgentStore` (the dpu transfer path, registered
 in `offload.transfer.base.PATHS`) over `conn.AgentConn` control connections. The command is
 `offload.commands.agent`.
