@@ -1,81 +1,129 @@
-"""Coalesced slab I/O: consecutive slots of one segment moved with one pwritev / preadv.
+"""A batch's slab I/O: consecutive slots of one segment moved with one pwritev / preadv.
 
 A batch of puts usually gets consecutive slots, and a batch of gets of one prefix usually reads
 them back in order. Writing eight 2 MiB slots as one 16 MiB vectored call (header, data, header,
-data, ...) instead of eight calls keeps the device at its sequential bandwidth. A run is used only
-when every buffer is 4 KiB aligned and every block fills its slot exactly (no padding, no bounce);
-anything else goes block by block through `SlabFiles.write_block` / `read_block`.
+data, ...) instead of eight calls keeps the device at its sequential bandwidth; small blocks are
+grouped into runs of at least `MIN_RUN_BYTES` even when that leaves some I/O threads idle (a
+256 KiB call costs about what a 2 MiB one does). A run is used only when every buffer is 4 KiB
+aligned and every block fills its slot exactly (no padding, no bounce); anything else goes block
+by block through `SlabFiles.write_block` / `read_block`.
 
-Primitives: `plan_runs(locations)` -> lists of locations to move together; `write_run` /
-`read_run` -> one reason string per block ('' = ok), never raising.
+Primitives: `write_batch` (checksum + write every block on the I/O threads, then one fdatasync
+per touched slab) and `read_batch` (read + verify): one result per block, never raising; built on
+`plan_runs(locations)` -> lists of locations to move together and `write_run` / `read_run`. A
+batch that is a single run runs in the caller's thread (no hand-off).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import threading
-from typing import Sequence
+from concurrent.futures import Executor
+from typing import Callable, Sequence, TypeVar
 
 from offload.store import slab
 from offload.store.base import Buffer
 from offload.store.index import Location
 
-RUN_BYTES = 16 << 20  # about where a single stream reaches the device's sequential bandwidth
+RUN_BYTES = 16 << 20      # about where a single stream reaches the device's sequential bandwidth
+MIN_RUN_BYTES = 4 << 20   # smaller runs cost per-call overhead (syscall, thread hand-off) per byte
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
-class _Headers(threading.local):
-    def __init__(self) -> None:
-        self.buf: mmap.mmap | None = None
-
-    def get(self, n: int) -> mmap.mmap:
-        if self.buf is None or len(self.buf) < n * slab.HEADER_BYTES:
-            self.buf = mmap.mmap(-1, max(n, 8) * slab.HEADER_BYTES)
-        return self.buf
-
-
-_headers = _Headers()
+def _map(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """fn over items on the pool; a single item in the calling thread."""
+    if len(items) == 1:
+        return [fn(items[0])]
+    return list(pool.map(fn, items))
 
 
 def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
               threads: int = 1) -> list[list[int]]:
     """Indices of `locs` grouped into runs of consecutive, exactly-filled, aligned slots.
 
-    A run holds at most RUN_BYTES and at most its share of the batch over `threads`, so a small
-    batch still keeps every I/O thread (and the device queue) busy.
+    A run holds at most RUN_BYTES and at most its share of the batch's bytes over `threads` (so a
+    batch keeps every I/O thread, and the device queue, busy), but that share is never cut below
+    MIN_RUN_BYTES (so small blocks still move in large calls).
     """
-    share = max(1, -(-len(locs) // max(1, threads)))
+    total = sum(loc.slot_bytes for loc in locs)
+    limit = min(RUN_BYTES, max(MIN_RUN_BYTES, -(-total // max(1, threads))))
     runs: list[list[int]] = []
     joinable = False  # whether the last run may grow
-    nbuf = 0
+    nbuf = size = 0
     for i in sorted(range(len(locs)), key=lambda i: (locs[i].seg, locs[i].slot)):
         loc = locs[i]
-        fits = loc.length + slab.HEADER_BYTES == loc.slot_bytes and slab._aligned(bufs[i])
+        fits = loc.length + slab.HEADER_BYTES == loc.slot_bytes and slab.aligned(bufs[i])
         if fits and joinable:
             prev = locs[runs[-1][-1]]
             if (prev.seg == loc.seg and prev.slot + 1 == loc.slot
-                    and (len(runs[-1]) + 1) * loc.slot_bytes <= RUN_BYTES
-                    and len(runs[-1]) < share
+                    and size + loc.slot_bytes <= limit
                     and nbuf + 1 + len(bufs[i]) < slab.IOV_MAX):
                 runs[-1].append(i)
                 nbuf += 1 + len(bufs[i])
+                size += loc.slot_bytes
                 continue
         runs.append([i])
-        joinable, nbuf = fits, 1 + len(bufs[i])
+        joinable, nbuf, size = fits, 1 + len(bufs[i]), loc.slot_bytes
     return runs
+
+
+def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
+                bufs: Sequence[Sequence[Buffer]], created_ns: int,
+                threads: int) -> list[tuple[str, int]]:
+    """Checksum and write every block (header and data in one vectored call per run), then
+    fdatasync each touched slab once. Per block: ('' if durable, else why not; its checksum)."""
+
+    def write(run: list[int]) -> list[tuple[str, int]]:
+        ls = [locs[i] for i in run]
+        bs = [bufs[i] for i in run]
+        csums = [slab.checksum(b) for b in bs]
+        if len(run) > 1:
+            errs = write_run(slabs, ls, bs, csums, created_ns)
+        else:
+            loc = ls[0]
+            errs = [slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bs[0],
+                                      loc.length, csums[0], created_ns)]
+        return list(zip(errs, csums))
+
+    plan = plan_runs(locs, bufs, threads)
+    out: list[tuple[str, int]] = [("", 0)] * len(locs)
+    for run, res in zip(plan, _map(pool, write, plan)):
+        for i, r in zip(run, res):
+            out[i] = r
+    segs = sorted({(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(locs, out) if not err})
+    synced = dict(zip(segs, _map(pool, lambda sg: slabs.sync(*sg), segs)))
+    return [(err or ("" if synced[(loc.seg, loc.slot_bytes)] else "fdatasync failed"), csum)
+            for loc, (err, csum) in zip(locs, out)]
+
+
+def read_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
+               dests: Sequence[Sequence[Buffer]], threads: int) -> list[str]:
+    """Read and verify every block into its destination. Per block: '' if verified, else why
+    not ('corrupt: ...' when the stored block is bad)."""
+
+    def read(run: list[int]) -> list[str]:
+        if len(run) > 1:
+            return read_run(slabs, [locs[i] for i in run], [dests[i] for i in run])
+        loc = locs[run[0]]
+        return [slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, loc.length,
+                                 loc.csum, dests[run[0]])]
+
+    plan = plan_runs(locs, dests, threads)
+    errs = [""] * len(locs)
+    for run, res in zip(plan, _map(pool, read, plan)):
+        for i, err in zip(run, res):
+            errs[i] = err
+    return errs
 
 
 def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
               csums: Sequence[int], created_ns: int) -> list[str]:
     """Write consecutive slots in one call. One reason per block ('' = written)."""
     first = locs[0]
-    hdrs = _headers.get(len(locs))
     iov: list[Buffer] = []
-    for j, (loc, b, c) in enumerate(zip(locs, bufs, csums)):
-        hdr = memoryview(hdrs)[j * slab.HEADER_BYTES:(j + 1) * slab.HEADER_BYTES]
-        packed = slab.pack_header(loc.key, loc.length, c, created_ns)
-        hdr[:len(packed)] = packed
-        hdr[len(packed):] = bytes(slab.HEADER_BYTES - len(packed))
+    for hdr, loc, b, c in zip(slabs.headers.write(len(locs)), locs, bufs, csums):
+        slab.pack_header_into(hdr, loc.key, loc.length, c, created_ns)
         iov.append(hdr)
         iov.extend(b)
     want = len(locs) * first.slot_bytes
@@ -94,10 +142,10 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
              dests: Sequence[Sequence[Buffer]]) -> list[str]:
     """Read consecutive slots in one call, then verify each block. One reason per block."""
     first = locs[0]
-    hdrs = _headers.get(len(locs))
+    hdrs = slabs.headers.read(len(locs))
     iov: list[Buffer] = []
-    for j, d in enumerate(dests):
-        iov.append(memoryview(hdrs)[j * slab.HEADER_BYTES:(j + 1) * slab.HEADER_BYTES])
+    for hdr, d in zip(hdrs, dests):
+        iov.append(hdr)
         iov.extend(d)
     try:
         with slabs.use(first.seg, first.slot_bytes) as fd:
@@ -105,10 +153,9 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
     except OSError as e:
         return [slab.reason(e, "io error ")] * len(locs)
     out = []
-    for j, (loc, d) in enumerate(zip(locs, dests)):
+    for j, (hdr, loc, d) in enumerate(zip(hdrs, locs, dests)):
         if n < (j + 1) * first.slot_bytes:
             out.append(f"corrupt: short read ({n} bytes for {len(locs)} slots)")
             continue
-        raw = memoryview(hdrs)[j * slab.HEADER_BYTES:(j + 1) * slab.HEADER_BYTES]
-        out.append(slab.verify(raw, loc.key, loc.length, loc.csum, d))
+        out.append(slab.verify(hdr, loc.key, loc.length, loc.csum, d))
     return out

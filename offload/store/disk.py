@@ -206,33 +206,12 @@ class DiskStore(SlotAccess):
         for k, why in alloc.skipped.items():
             log.warning("block %s not stored: %s", k.hex()[:16], why)
             self._stats.put_skipped += 1
-        created = time.time_ns()
-
-        def write(run: list[int]) -> list[tuple[str, int]]:
-            locs = [alloc.new[i] for i in run]
-            bufs = [bufs_of[loc.key] for loc in locs]
-            csums = [slab.checksum(b) for b in bufs]
-            if len(locs) > 1:
-                errs = coalesce.write_run(self._slabs, locs, bufs, csums, created)
-            else:
-                loc = locs[0]
-                errs = [self._slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                                bufs[0], loc.length, csums[0], created)]
-            return list(zip(errs, csums))
-
-        plan = coalesce.plan_runs(alloc.new, [bufs_of[loc.key] for loc in alloc.new],
-                              self.cfg.io_threads)
-        outcomes: list[tuple[str, int]] = [("", 0)] * len(alloc.new)
-        for run, res in zip(plan, self._pool.map(write, plan)):
-            for i, r in zip(run, res):
-                outcomes[i] = r
-        segs = {(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(alloc.new, outcomes) if not err}
-        synced = dict(zip(segs, self._pool.map(lambda s: self._slabs.sync(*s), segs)))
+        outcomes = coalesce.write_batch(self._slabs, self._pool, alloc.new,
+                                        [bufs_of[loc.key] for loc in alloc.new], time.time_ns(),
+                                        self.cfg.io_threads)
         good: list[tuple[bytes, int]] = []
         failed: list[Location] = []
         for loc, (err, csum) in zip(alloc.new, outcomes):
-            if not err and not synced[(loc.seg, loc.slot_bytes)]:
-                err = "fdatasync failed"
             if err:
                 log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
                 self._stats.put_skipped += 1
@@ -285,19 +264,8 @@ class DiskStore(SlotAccess):
                 continue
             jobs.append((i, loc, bufs))
 
-        def read(run: list[int]) -> list[str]:
-            if len(run) > 1:
-                return coalesce.read_run(self._slabs, [jobs[j][1] for j in run],
-                                     [jobs[j][2] for j in run])
-            _, loc, bufs = jobs[run[0]]
-            return [self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                           loc.length, loc.csum, bufs)]
-
-        plan = coalesce.plan_runs([j[1] for j in jobs], [j[2] for j in jobs], self.cfg.io_threads)
-        errs = [""] * len(jobs)
-        for run, res in zip(plan, self._pool.map(read, plan)):
-            for j, err in zip(run, res):
-                errs[j] = err
+        errs = coalesce.read_batch(self._slabs, self._pool, [j[1] for j in jobs],
+                                   [j[2] for j in jobs], self.cfg.io_threads)
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
         nbytes = 0

@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import threading
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 from offload.config import RedisConfig
@@ -150,6 +151,9 @@ class RedisStore:
         sizes = [sum(v.nbytes for v in views[i]) for i in missing]
         budget = self.cfg.max_bytes
         written: list[tuple[bytes, int]] = []
+        # MACs are computed ahead on the codec's threads (the MAC releases the GIL), so the tags
+        # of the next pipeline are ready while this one is on the wire.
+        seals = {i: self.codec.seal_async(self.rkey(keys[i]), views[i]) for i in missing}
         for rng in _chunks(len(missing), sizes):
             idx = [missing[j] for j in rng]
             if budget is not None:
@@ -158,8 +162,7 @@ class RedisStore:
             def send(c: Any, idx: list[int] = idx) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
                 for i in idx:
-                    rk, parts = self.rkey(keys[i]), views[i]
-                    pipe.set(rk, Vectored([self.codec.seal(rk, parts), *parts]),
+                    pipe.set(self.rkey(keys[i]), Vectored([seals[i].result(), *views[i]]),
                              nx=True, ex=self.cfg.ttl_s)
                 return pipe.execute(raise_on_error=False)
 
@@ -189,6 +192,7 @@ class RedisStore:
         out = [False] * n
         want = [total_len(d) for d in dests]
         values: list[Any] = [None] * n
+        opened: dict[int, Future[memoryview | None]] = {}
         for rng in _chunks(n, want):
             def fetch(c: Any, rng: range = rng) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
@@ -202,15 +206,17 @@ class RedisStore:
             res = self.link.run(fetch, "get")
             if res is None:
                 break
-            for i, v in zip(rng, res):
-                values[i] = v
+            for i, v in zip(rng, res):     # checked on the codec's threads while the next
+                values[i] = v              # pipeline is fetched
+                if isinstance(v, bytes):
+                    opened[i] = self.codec.open_async(self.rkey(keys[i]), v)
         corrupt, gone, hits = [], [], []
         for i, v in enumerate(values):
             if not isinstance(v, bytes):
                 if v is None and self.link.available():
                     gone.append(self.rkey(keys[i]))
                 continue
-            body = self.codec.open(self.rkey(keys[i]), v)
+            body = opened[i].result()
             if body is None:
                 corrupt.append(self.rkey(keys[i]))
                 continue

@@ -14,6 +14,8 @@ Primitives:
   truncated or corrupted.
 - `PUBLIC_KEY`: the key used when no `redis.secret_file` is set. Values are then still bound to
   their key and checked for corruption, but anyone who can write to the Redis can forge them.
+- `seal_async` / `open_async`: the same on a small thread pool shared by every codec (the MAC
+  releases the GIL), so a batch's tags are computed in parallel and ahead of the network.
 `cryptography` (OpenSSL) is imported on first use, never at import of `offload`.
 """
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 import hmac
 import os
 import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from offload.store.base import Buffer
@@ -46,6 +50,19 @@ def _gmac(key: bytes, rkey: bytes, head: bytes, parts: Sequence[memoryview],
     for p in parts:
         ctx.authenticate_additional_data(p)
     return ctx
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+POOL_THREADS = 4
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="redis-mac")
+        return _POOL
 
 
 class ValueCodec:
@@ -84,3 +101,11 @@ class ValueCodec:
         except InvalidTag:
             return None
         return body
+
+    def seal_async(self, rkey: bytes, parts: Sequence[Buffer]) -> Future[bytes]:
+        """`seal` on the shared MAC threads."""
+        return _pool().submit(self.seal, rkey, parts)
+
+    def open_async(self, rkey: bytes, value: bytes) -> Future[memoryview | None]:
+        """`open` on the shared MAC threads."""
+        return _pool().submit(self.open, rkey, value)
