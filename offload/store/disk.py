@@ -39,7 +39,8 @@ from offload.keys import KEY_BYTES, NS_BYTES, Namespace
 from offload.store import cachedir, coalesce, slab
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
 from offload.store.disk_slots import SlotAccess, SlotBooks
-from offload.store.index import Allocation, Freed, Index, Location, owner_token
+from offload.store.index import Allocation, Freed, Index, Location
+from offload.store.owner import owner_token
 from offload.store.recovery import INDEX_NAME, open_index
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from offload.store import cachedir
+from offload.store.owner import owner_alive
 
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
@@ -57,36 +58,6 @@ def _signed(u: int) -> int:
 
 def _unsigned(s: int) -> int:
     return s + (1 << 64) if s < 0 else s
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def owner_token(pid: int | None = None) -> str:
-    pid = os.getpid() if pid is None else pid
-    return f"{_boot_id()}:{pid}:{_start_time(pid)}"
-
-
-def owner_alive(token: str | None) -> bool:
-    if not token:
-        return False
-    boot, pid, start = (token.split(":") + ["", "", ""])[:3]
-    if boot != _boot_id() or not pid.isdigit():
-        return False
-    return _start_time(int(pid)) == start and start != ""
 
 
 @dataclass(frozen=True)
@@ -165,8 +136,10 @@ class Index:
 
     # ---- transactions -------------------------------------------------------------------------
 
-    def txn(self, write: bool = True) -> "_Txn":
-        return _Txn(self.db, write)
+    def txn(self, write: bool = True, durable: bool = True) -> "_Txn":
+        """A transaction; `durable=False` commits without syncing the log (a later durable commit
+        of this connection or any other syncs it too)."""
+        return _Txn(self.db, write, durable)
 
     def _meta(self, name: str) -> int:
         return int(self.db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()[0])
@@ -214,10 +187,15 @@ class Index:
                  high: float, low: float, free_bytes: Callable[[], int], min_free: int,
                  segment_size: int, create_segment: Callable[[int, int, int], None],
                  free_slot: Callable[[Freed], None]) -> Allocation:
-        """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed."""
+        """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed.
+
+        One transaction, with a handful of statements per batch (not per block), and not synced:
+        a reservation lost in a power cut only leaves free slots (its blocks were never
+        acknowledged); the `finish` that acknowledges them syncs the log, reservation included.
+        """
         res = Allocation([], [], {}, [], 0)
         now = time.time()
-        with self.txn():
+        with self.txn(durable=False):
             states = self._states([k for k, *_ in items])
             todo = []
             for item in items:
@@ -240,6 +218,8 @@ class Index:
                 res.evicted, res.freed = self._evict(target, free_slot)
                 used = self._meta("used")
                 fs_free += sum(f.slot_bytes for f in res.freed)
+            by_size: dict[int, list[tuple[bytes, int, int]]] = {}
+            taken = 0
             for key, length, sb, csum in todo:
                 if used + sb > cap or fs_free - sb < min_free:
                     res.skipped[key] = (f"store full (used {used} + {sb} > capacity {cap})"
@@ -247,14 +227,19 @@ class Index:
                                         f"file system full ({fs_free} bytes free, keeping "
                                         f"{min_free})")
                     continue
-                seg, slot = self._take_slot(sb, segment_size, create_segment)
-                self.db.execute("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)",
-                                (key, seg, slot, length, sb, _signed(csum), PENDING, owner, now,
-                                 now))
+                by_size.setdefault(sb, []).append((key, length, csum))
                 used += sb
                 fs_free -= sb
-                self._add_used(sb)
-                res.new.append(Location(key, seg, slot, sb, length, csum))
+                taken += sb
+            rows = []
+            for sb, group in by_size.items():
+                for (key, length, csum), (seg, slot) in zip(
+                        group, self._take_slots(sb, len(group), segment_size, create_segment)):
+                    rows.append((key, seg, slot, length, sb, _signed(csum), PENDING, owner, now,
+                                 now))
+                    res.new.append(Location(key, seg, slot, sb, length, csum))
+            self.db.executemany("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)", rows)
+            self._add_used(taken)
         return res
 
     def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
@@ -265,38 +250,46 @@ class Index:
             out.update(self.db.execute(q, chunk).fetchall())
         return out
 
-    def _take_slot(self, sb: int, segment_size: int,
-                   create_segment: Callable[[int, int, int], None]) -> tuple[int, int]:
-        row = self.db.execute("SELECT seg, slot FROM free_slots WHERE slot_bytes=? LIMIT 1",
-                              (sb,)).fetchone()
-        if row:
-            self.db.execute("DELETE FROM free_slots WHERE slot_bytes=? AND seg=? AND slot=?",
-                            (sb, row[0], row[1]))
-            return row[0], row[1]
-        row = self.db.execute("SELECT seg, next_slot FROM segments WHERE slot_bytes=? AND "
-                              "next_slot < nslots LIMIT 1", (sb,)).fetchone()
-        if row is None:
-            nslots = max(1, segment_size // sb)
-            seg = self.db.execute("SELECT coalesce(max(seg), 0) + 1 FROM segments").fetchone()[0]
-            create_segment(seg, sb, nslots)
-            self.db.execute("INSERT INTO segments VALUES(?,?,?,0)", (seg, sb, nslots))
-            row = (seg, 0)
-        self.db.execute("UPDATE segments SET next_slot=next_slot+1 WHERE seg=?", (row[0],))
-        return row[0], row[1]
+    def _take_slots(self, sb: int, n: int, segment_size: int,
+                    create_segment: Callable[[int, int, int], None]) -> list[tuple[int, int]]:
+        """n slots of `sb` bytes: freed ones first (in slab order), then the unused tails of
+        segments (consecutive, so a batch is written with few calls), then new segments."""
+        out: list[tuple[int, int]] = self.db.execute(
+            "SELECT seg, slot FROM free_slots WHERE slot_bytes=? ORDER BY seg, slot LIMIT ?",
+            (sb, n)).fetchall()
+        self.db.executemany("DELETE FROM free_slots WHERE slot_bytes=? AND seg=? AND slot=?",
+                            ((sb, seg, slot) for seg, slot in out))
+        while len(out) < n:
+            row = self.db.execute("SELECT seg, next_slot, nslots FROM segments WHERE slot_bytes=? "
+                                  "AND next_slot < nslots LIMIT 1", (sb,)).fetchone()
+            if row is None:
+                nslots = max(1, segment_size // sb)
+                seg = self.db.execute("SELECT coalesce(max(seg), 0) + 1 FROM segments").fetchone()[0]
+                create_segment(seg, sb, nslots)
+                self.db.execute("INSERT INTO segments VALUES(?,?,?,0)", (seg, sb, nslots))
+                row = (seg, 0, nslots)
+            seg, first, nslots = row
+            k = min(n - len(out), nslots - first)
+            self.db.execute("UPDATE segments SET next_slot=? WHERE seg=?", (first + k, seg))
+            out += [(seg, slot) for slot in range(first, first + k)]
+        return out
 
     def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
                    free_slot: Callable[[Freed], None]) -> list[Freed]:
         """Delete rows (key, seg, slot, slot_bytes, state): slots freed, used bytes returned."""
+        rows = list(rows)
         freed = []
-        for key, seg, slot, sb, state in rows:
+        for _, seg, slot, sb, _ in rows:
             f = Freed(seg, slot, sb)
             free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
-            self.db.execute("DELETE FROM blocks WHERE key=?", (key,))
-            self.db.execute("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", (sb, seg, slot))
-            if state == COMMITTED:
-                self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)", (key, OP_DELETE))
-            self._add_used(-sb)
             freed.append(f)
+        if rows:
+            self.db.executemany("DELETE FROM blocks WHERE key=?", ((r[0],) for r in rows))
+            self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)",
+                                ((sb, seg, slot) for _, seg, slot, sb, _ in rows))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
+            self._add_used(-sum(r[3] for r in rows))
         return freed
 
     def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
@@ -309,12 +302,14 @@ class Index:
                                    "state=1 ORDER BY atime LIMIT 64").fetchall()
             if not rows:
                 break
+            chosen = []
             for row in rows:
                 if got >= target:
                     break
-                freed += self._free_rows([row], free_slot)
+                chosen.append(row)
                 got += row[3]
-                evicted += 1
+            freed += self._free_rows(chosen, free_slot)
+            evicted += len(chosen)
         return evicted, freed
 
     def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
@@ -334,10 +329,10 @@ class Index:
         """Make written blocks visible; free the slots of blocks whose write failed."""
         now = time.time()
         with self.txn():
-            for k, csum in committed:
-                self.db.execute("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
-                                "key=? AND state=0", (_signed(csum), now, k))
-                self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)", (k, OP_COMMIT))
+            self.db.executemany("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
+                                "key=? AND state=0", ((_signed(c), now, k) for k, c in committed))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((k, OP_COMMIT) for k, _ in committed))
             self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
                              for loc in failed), free_slot)
             self._touch(touched, now)
@@ -454,12 +449,25 @@ class Index:
 
 
 class _Txn:
-    def __init__(self, db: sqlite3.Connection, write: bool = True):
-        self.db, self.write = db, write
+    def __init__(self, db: sqlite3.Connection, write: bool = True, durable: bool = True):
+        self.db, self.write, self.durable = db, write, durable
 
     def __enter__(self) -> "_Txn":
-        self.db.execute("BEGIN IMMEDIATE" if self.write else "BEGIN")
+        if not self.durable:
+            self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: the commit is not synced
+        try:
+            self.db.execute("BEGIN IMMEDIATE" if self.write else "BEGIN")
+        except BaseException:
+            self._restore()
+            raise
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        try:
+            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        if not self.durable:
+            self.db.execute("PRAGMA synchronous=FULL")

@@ -30,10 +30,24 @@ from typing import ContextManager, Sequence
 from offload.store import cachedir
 from offload.store.base import Buffer
 from offload.store.fdcache import MAX_OPEN, FdCache, SlabMissing
-from offload.store.slot_format import (ALIGN, CSUM_WSUM64, CSUM_XXH3, HEADER_BYTES, Header,
-                                       align_up, checksum, checksum_of, pack_header,
-                                       pack_header_into, parse_segment_name, segment_name,
-                                       slot_bytes_for, unpack_header, verify, wsum64)
+from offload.store.slot_format import (
+    ALIGN,
+    CSUM_WSUM64,
+    CSUM_XXH3,
+    HEADER_BYTES,
+    Header,
+    align_up,
+    checksum,
+    checksum_of,
+    pack_header,
+    pack_header_into,
+    parse_segment_name,
+    segment_name,
+    slot_bytes_for,
+    unpack_header,
+    verify,
+    wsum64,
+)
 
 log = logging.getLogger(__name__)
 
