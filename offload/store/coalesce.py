@@ -42,12 +42,13 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
               threads: int = 1) -> list[list[int]]:
     """Indices of `locs` grouped into runs of consecutive, exactly-filled, aligned slots.
 
-    A run holds at most RUN_BYTES and at most its share of the batch's bytes over `threads` (so a
-    batch keeps every I/O thread, and the device queue, busy), but that share is never cut below
-    MIN_RUN_BYTES (so small blocks still move in large calls).
+    A run holds at most RUN_BYTES. The batch is cut into as many runs as it has MIN_RUN_BYTES
+    (at least one, at most `threads`, so the I/O threads and the device queue are kept busy but
+    small blocks still move in large calls), each of an even share of the blocks.
     """
     total = sum(loc.slot_bytes for loc in locs)
-    limit = min(RUN_BYTES, max(MIN_RUN_BYTES, -(-total // max(1, threads))))
+    nruns = max(1, min(max(1, threads), total // MIN_RUN_BYTES))
+    share = -(-len(locs) // nruns)
     runs: list[list[int]] = []
     joinable = False  # whether the last run may grow
     nbuf = size = 0
@@ -57,7 +58,7 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
         if fits and joinable:
             prev = locs[runs[-1][-1]]
             if (prev.seg == loc.seg and prev.slot + 1 == loc.slot
-                    and size + loc.slot_bytes <= limit
+                    and len(runs[-1]) < share and size + loc.slot_bytes <= RUN_BYTES
                     and nbuf + 1 + len(bufs[i]) < slab.IOV_MAX):
                 runs[-1].append(i)
                 nbuf += 1 + len(bufs[i])

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import cachedir, coalesce, slab
+from offload.store import cachedir, coalesce, fdcache, scrub, slab
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
 from offload.store.disk_slots import SlotAccess, SlotBooks
 from offload.store.index import Allocation, Freed, Index, Location
@@ -81,7 +81,7 @@ class DiskStore(SlotAccess):
         self._free_bytes = free_bytes
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise StoreError(f"store.path {cfg.path!r}: directory is not writable")
-        self.o_direct = self._probe_o_direct()
+        self.o_direct = fdcache.probe_o_direct(self.directory, cfg.o_direct)
         self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off",
                                      max_open_slabs)
         self._lock = threading.RLock()
@@ -97,31 +97,6 @@ class DiskStore(SlotAccess):
         self._closed = False
 
     # ---- opening ------------------------------------------------------------------------------
-
-    def _probe_o_direct(self) -> bool:
-        mode = self.cfg.o_direct
-        if mode == "off":
-            return False
-        probe = os.path.join(self.directory, f".o_direct_probe.{os.getpid()}")
-        try:
-            try:
-                os.unlink(probe)  # a leftover of a killed process with this pid
-            except FileNotFoundError:
-                pass
-            os.close(cachedir.open_file(probe, os.O_RDWR | os.O_DIRECT, create=True))
-            return True
-        except OSError as e:
-            if mode == "on":
-                raise StoreError(f"store.o_direct is 'on' but {self.directory} refuses O_DIRECT: "
-                                 f"{e.strerror}; use 'auto' or 'off'") from None
-            log.warning("%s refuses O_DIRECT (%s): using buffered I/O + fdatasync",
-                        self.directory, e.strerror)
-            return False
-        finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
 
     def _open_index(self, timeout_s: float) -> Index:
         index, aside = open_index(self.directory, self._slabs, capacity=self.cfg.capacity,
@@ -403,35 +378,20 @@ class DiskStore(SlotAccess):
         not counted as bad. `progress(n)` is called after each batch of n blocks.
         Returns (blocks checked, [(key, why)] of the bad ones).
         """
-        checked, bad, after = 0, [], b""
-
-        def read(loc: Location) -> str:
-            return self._slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, loc.length,
-                                          loc.csum, [bytearray(loc.length)])
-
-        while True:
+        def drop(loc: Location, corrupt: bool) -> bool:
             with self._lock:
-                locs = self._index.committed_after(after, batch)
-            if not locs:
-                break
-            after = locs[-1].key
-            for loc, err in zip(locs, self._pool.map(read, locs)):
-                if not err:
-                    continue
-                corrupt = err.startswith("corrupt")   # deleted; an I/O error is only reported
-                with self._lock:
-                    if corrupt:
-                        still = self._index.drop_corrupt([loc], self._free_slot)
-                        self._keys.discard(loc.key)
-                    else:
-                        still = len(self._index.locate([loc.key]))
-                if still:       # the index still held that block: it really is bad
-                    bad.append((loc.key, err))
-                    self._stats.checksum_failures += int(corrupt)
-            checked += len(locs)
-            if progress is not None:
-                progress(len(locs))
-        return checked, bad
+                if corrupt:
+                    still = self._index.drop_corrupt([loc], self._free_slot)
+                    self._keys.discard(loc.key)
+                    self._stats.checksum_failures += still
+                    return bool(still)
+                return bool(self._index.locate([loc.key]))
+
+        def page(after: bytes) -> list[Location]:
+            with self._lock:
+                return self._index.committed_after(after, batch)
+
+        return scrub.scan(self._slabs, self._pool, page, drop, progress)
 
 
 __all__ = ["DiskStore", "fs_free_bytes"]

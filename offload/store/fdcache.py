@@ -6,7 +6,7 @@ closed only once that thread is done with it. Files are opened with O_NOFOLLOW
 allows it (in `auto` mode a refusal switches to buffered I/O, logged once). A file found missing is
 remembered (`take_missing`) so the store drops its segment from the index.
 
-Primitives: `FdCache(directory, o_direct, max_open)`, `use(seg, slot_bytes)` (a context holding the
+Primitives: `probe_o_direct(directory, mode)`, `FdCache(directory, o_direct, max_open)`, `use(seg, slot_bytes)` (a context holding the
 fd open), `forget`, `take_missing`, `mark_missing`, `open_count`, `close`; `SlabMissing`.
 """
 
@@ -20,12 +20,40 @@ import threading
 from collections import OrderedDict
 from typing import Iterator
 
+from offload.errors import StoreError
 from offload.store import cachedir
 from offload.store.slot_format import segment_name
 
 log = logging.getLogger(__name__)
 
 MAX_OPEN = 256  # slab fds kept open per process (LRU)
+
+
+def probe_o_direct(directory: str, mode: str) -> bool:
+    """Whether files in `directory` can be opened with O_DIRECT (`store.o_direct`: off -> False;
+    on -> True, else a `StoreError`; auto -> whether it works, a refusal logged)."""
+    if mode == "off":
+        return False
+    probe = os.path.join(directory, f".o_direct_probe.{os.getpid()}")
+    try:
+        try:
+            os.unlink(probe)  # a leftover of a killed process with this pid
+        except FileNotFoundError:
+            pass
+        os.close(cachedir.open_file(probe, os.O_RDWR | os.O_DIRECT, create=True))
+        return True
+    except OSError as e:
+        if mode == "on":
+            raise StoreError(f"store.o_direct is 'on' but {directory} refuses O_DIRECT: "
+                             f"{e.strerror}; use 'auto' or 'off'") from None
+        log.warning("%s refuses O_DIRECT (%s): using buffered I/O + fdatasync", directory,
+                    e.strerror)
+        return False
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
 
 
 class SlabMissing(FileNotFoundError):
