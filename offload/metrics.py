@@ -84,6 +84,11 @@ class TierMetrics:
         self.read_bandwidth = Gauge(PREFIX + "read_bandwidth_bytes_per_second",
                                     "moving average of the tier's measured load bandwidth",
                                     multiprocess_mode="mostrecent", registry=reg)
+        self.pool_pages = Counter(PREFIX + "pool_pages",
+                                  "pages moved per pool (kv, draft, indexer, mamba, swa, ...)",
+                                  ["pool", "direction"], registry=reg)
+        self.pool_bytes = Counter(PREFIX + "pool_bytes", "bytes moved per pool",
+                                  ["pool", "direction"], registry=reg)
         self.declined = Counter(PREFIX + "worth_it_declined_pages",
                                 "hit pages not loaded: recomputing them is faster", registry=reg)
         self.accepted = Counter(PREFIX + "worth_it_accepted_pages",
@@ -93,6 +98,9 @@ class TierMetrics:
                 fam.labels(t)
             for d in ("read", "write"):
                 self.bytes.labels(t, d)
+        for d in ("read", "write"):
+            self.pool_pages.labels("kv", d)
+            self.pool_bytes.labels("kv", d)
 
     def set_path(self, chosen: str) -> None:
         for p in PATHS:

@@ -258,9 +258,10 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return self._make_keys(keys)
 
-    def _record(self, kind: str, n: int, nbytes: int, t0: float, asked: int = 0) -> None:
-        """Note one prefetch or backup call of n pages out of `asked` (SGLang's storage metrics,
-        ours, and the bandwidth the worth-it rule uses)."""
+    def _record(self, kind: str, n: int, nbytes: int, t0: float, asked: int = 0,
+                pool: str = "kv") -> None:
+        """Note one prefetch or backup call of n pages of `pool` out of `asked` (SGLang's storage
+        metrics, ours, and the bandwidth the worth-it rule uses)."""
         dt = max(time.perf_counter() - t0, 1e-9)
         if kind == "prefetch" and n:
             bw = self.worth.observe(nbytes, dt)
@@ -269,6 +270,9 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         if self.tm is not None:
             (self.tm.load_seconds if kind == "prefetch" else
              self.tm.store_seconds).labels(self.transfer_path).observe(dt)
+            direction = "read" if kind == "prefetch" else "write"
+            self.tm.pool_pages.labels(pool, direction).inc(n)
+            self.tm.pool_bytes.labels(pool, direction).inc(nbytes)
             if self._count_agent:
                 read = kind == "prefetch"
                 count_agent(self.tm, n if read else 0, max(asked - n, 0) if read else 0,

@@ -323,7 +323,8 @@ class PoolsMixin:
                 if good:
                     pages.store_copy(s, page)
         n = sum(ok)
-        self._record("backup" if write else "prefetch", n, n * pages.page_bytes, t0, len(keys))
+        self._record("backup" if write else "prefetch", n, n * pages.page_bytes, t0, len(keys),
+                     pool=name)
         return ok
 
 

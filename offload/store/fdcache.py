@@ -6,8 +6,9 @@ closed only once that thread is done with it. Files are opened with O_NOFOLLOW
 allows it (in `auto` mode a refusal switches to buffered I/O, logged once). A file found missing is
 remembered (`take_missing`) so the store drops its segment from the index.
 
-Primitives: `probe_o_direct(directory, mode)`, `FdCache(directory, o_direct, max_open)`, `use(seg, slot_bytes)` (a context holding the
-fd open), `forget`, `take_missing`, `mark_missing`, `open_count`, `close`; `SlabMissing`.
+Primitives: `probe_o_direct(directory, mode)`; `FdCache(directory, o_direct, max_open)` with
+`use(seg, slot_bytes)` (a context holding the fd open), `forget`, `take_missing`, `mark_missing`,
+`open_count`, `close`; `SlabMissing`.
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 Why SQLite: it is crash-safe (WAL + synchronous=FULL: a commit survives a crash of the process or
 the machine), safe for several processes at once (one writer at a time, readers never blocked),
-opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B per block).
-
-Tables: `blocks` (key -> segment, slot, length, checksum, state, last use), `segments` (slot size and
-fill of each slab file), `free_slots`, `changes` (an append-only log of commits and deletions, so
-every process keeps an in-memory set of committed keys up to date with one indexed query), `meta`
-(schema version, capacity, bytes used) and `namespaces`.
+opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B per block). The
+schema and row types are in `index_schema.py`; the `changes` log lets every process keep an
+in-memory set of committed keys up to date with one indexed query.
 
 Lifecycle of a block: `allocate` (state PENDING, owned by this process, its slot counted against the
-capacity) -> bytes written and made durable by the caller -> `commit` (state COMMITTED, visible) or
-`release` (slot freed). Pending rows of dead processes are reclaimed on open and under pressure.
+capacity; one unsynced transaction per batch) -> bytes written and made durable by the caller ->
+`finish` (state COMMITTED, visible; one synced transaction per batch, which also makes the
+reservation durable) or its slot freed. Pending rows of dead processes are reclaimed on open and
+under pressure. Every call costs a few statements per batch, not per block.
 """
 
 from __future__ import annotations
@@ -20,70 +19,27 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from offload.store import cachedir
+from offload.store.index_schema import (
+    CHANGES_KEPT,
+    COMMITTED,
+    MAX_VARS,
+    OP_COMMIT,
+    OP_DELETE,
+    PENDING,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SIDE_FILES,
+    Allocation,
+    Freed,
+    Location,
+    Txn,
+    signed,
+    unsigned,
+)
 from offload.store.owner import owner_alive
-
-SCHEMA_VERSION = 1
-PENDING, COMMITTED = 0, 1
-OP_COMMIT, OP_DELETE = 1, 2
-CHANGES_KEPT = 200_000
-_MAX_VARS = 900
-SIDE_FILES = ("-wal", "-shm")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS blocks(
-  key BLOB PRIMARY KEY, seg INTEGER NOT NULL, slot INTEGER NOT NULL, length INTEGER NOT NULL,
-  slot_bytes INTEGER NOT NULL, csum INTEGER NOT NULL, state INTEGER NOT NULL, owner TEXT,
-  created REAL NOT NULL, atime REAL NOT NULL) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, atime);
-CREATE TABLE IF NOT EXISTS segments(seg INTEGER PRIMARY KEY, slot_bytes INTEGER NOT NULL,
-  nslots INTEGER NOT NULL, next_slot INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS segments_size ON segments(slot_bytes, next_slot);
-CREATE TABLE IF NOT EXISTS free_slots(slot_bytes INTEGER NOT NULL, seg INTEGER NOT NULL,
-  slot INTEGER NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL,
-  op INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT NOT NULL)
-  WITHOUT ROWID;
-"""
-
-
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= (1 << 63) else u
-
-
-def _unsigned(s: int) -> int:
-    return s + (1 << 64) if s < 0 else s
-
-
-@dataclass(frozen=True)
-class Location:
-    key: bytes
-    seg: int
-    slot: int
-    slot_bytes: int
-    length: int
-    csum: int
-
-
-@dataclass(frozen=True)
-class Freed:
-    seg: int
-    slot: int
-    slot_bytes: int
-
-
-@dataclass
-class Allocation:
-    new: list[Location]          # slots to write
-    present: list[bytes]         # already committed: nothing to do
-    skipped: dict[bytes, str]    # key -> why not stored (busy, full)
-    freed: list[Freed]           # evicted slots (already hole-punched by the caller's callback)
-    evicted: int
 
 
 class Index:
@@ -118,7 +74,7 @@ class Index:
         ok = self.db.execute("PRAGMA quick_check").fetchone()
         if not ok or ok[0] != "ok":
             raise sqlite3.DatabaseError(f"quick_check: {ok[0] if ok else 'no answer'}")
-        self.db.executescript(_SCHEMA)
+        self.db.executescript(SCHEMA)
         with self.txn():
             row = self.db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
             if row is None:
@@ -136,10 +92,10 @@ class Index:
 
     # ---- transactions -------------------------------------------------------------------------
 
-    def txn(self, write: bool = True, durable: bool = True) -> "_Txn":
+    def txn(self, write: bool = True, durable: bool = True) -> "Txn":
         """A transaction; `durable=False` commits without syncing the log (a later durable commit
         of this connection or any other syncs it too)."""
-        return _Txn(self.db, write, durable)
+        return Txn(self.db, write, durable)
 
     def _meta(self, name: str) -> int:
         return int(self.db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()[0])
@@ -151,12 +107,12 @@ class Index:
 
     def locate(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
         out: dict[bytes, Location] = {}
-        for i in range(0, len(keys), _MAX_VARS):
-            chunk = keys[i:i + _MAX_VARS]
+        for i in range(0, len(keys), MAX_VARS):
+            chunk = keys[i:i + MAX_VARS]
             q = ("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks WHERE +state=1 AND "
                  f"key IN ({','.join('?' * len(chunk))})")
             for k, seg, slot, sb, length, csum in self.db.execute(q, chunk):
-                out[k] = Location(k, seg, slot, sb, length, _unsigned(csum))
+                out[k] = Location(k, seg, slot, sb, length, unsigned(csum))
         return out
 
     def committed_keys(self) -> tuple[int, list[bytes]]:
@@ -235,7 +191,7 @@ class Index:
             for sb, group in by_size.items():
                 for (key, length, csum), (seg, slot) in zip(
                         group, self._take_slots(sb, len(group), segment_size, create_segment)):
-                    rows.append((key, seg, slot, length, sb, _signed(csum), PENDING, owner, now,
+                    rows.append((key, seg, slot, length, sb, signed(csum), PENDING, owner, now,
                                  now))
                     res.new.append(Location(key, seg, slot, sb, length, csum))
             self.db.executemany("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)", rows)
@@ -244,8 +200,8 @@ class Index:
 
     def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
         out: dict[bytes, int] = {}
-        for i in range(0, len(keys), _MAX_VARS):
-            chunk = keys[i:i + _MAX_VARS]
+        for i in range(0, len(keys), MAX_VARS):
+            chunk = keys[i:i + MAX_VARS]
             q = f"SELECT key, state FROM blocks WHERE key IN ({','.join('?' * len(chunk))})"
             out.update(self.db.execute(q, chunk).fetchall())
         return out
@@ -330,7 +286,7 @@ class Index:
         now = time.time()
         with self.txn():
             self.db.executemany("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
-                                "key=? AND state=0", ((_signed(c), now, k) for k, c in committed))
+                                "key=? AND state=0", ((signed(c), now, k) for k, c in committed))
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((k, OP_COMMIT) for k, _ in committed))
             self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
@@ -349,8 +305,8 @@ class Index:
     def delete(self, keys: Sequence[bytes], free_slot: Callable[[Freed], None]) -> int:
         with self.txn():
             rows = []
-            for i in range(0, len(keys), _MAX_VARS):
-                chunk = keys[i:i + _MAX_VARS]
+            for i in range(0, len(keys), MAX_VARS):
+                chunk = keys[i:i + MAX_VARS]
                 rows += self.db.execute(
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE +state=1 AND "
                     f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
@@ -410,7 +366,7 @@ class Index:
             self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", free)
             self.db.executemany(
                 "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
-                ((k, seg, slot, length, sb, _signed(csum), created, created)
+                ((k, seg, slot, length, sb, signed(csum), created, created)
                  for k, seg, slot, sb, length, csum, created in rows))
             used = self.db.execute("SELECT coalesce(sum(slot_bytes), 0) FROM blocks").fetchone()[0]
             self.db.execute("UPDATE meta SET value=? WHERE name='used'", (used,))
@@ -424,7 +380,7 @@ class Index:
         rows = self.db.execute("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks "
                                "WHERE key > ? AND +state=1 ORDER BY key LIMIT ?",
                                (key, limit)).fetchall()
-        return [Location(k, seg, slot, sb, length, _unsigned(c)) for k, seg, slot, sb, length, c
+        return [Location(k, seg, slot, sb, length, unsigned(c)) for k, seg, slot, sb, length, c
                 in rows]
 
     def summary(self) -> dict[str, object]:
@@ -448,26 +404,4 @@ class Index:
                 "namespaces": namespaces}
 
 
-class _Txn:
-    def __init__(self, db: sqlite3.Connection, write: bool = True, durable: bool = True):
-        self.db, self.write, self.durable = db, write, durable
-
-    def __enter__(self) -> "_Txn":
-        if not self.durable:
-            self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: the commit is not synced
-        try:
-            self.db.execute("BEGIN IMMEDIATE" if self.write else "BEGIN")
-        except BaseException:
-            self._restore()
-            raise
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        try:
-            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        if not self.durable:
-            self.db.execute("PRAGMA synchronous=FULL")
+__all__ = ["Allocation", "Freed", "Index", "Location", "SIDE_FILES"]

@@ -315,3 +315,25 @@ def test_pools_through_the_dpu_agent(request, tmp_path, monkeypatch):
             assert _snapshot(pools, tr) == want
         finally:
             backend.close()
+
+
+def test_metrics_label_the_pool(tmp_path):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import REGISTRY
+
+    def pages(pool: str, direction: str) -> float:
+        return REGISTRY.get_sample_value("sglang_offload_pool_pages_total",
+                                         {"pool": pool, "direction": direction}) or 0.0
+
+    before = {(p, d): pages(p, d) for p in ("kv", "draft") for d in ("read", "write")}
+    backend, anchor, pools = _attach("draft", hp.extra(str(tmp_path / "kv")))
+    keys = _keys()
+    try:
+        _write(backend, anchor, pools, keys)
+        tr = [t for t in _transfers(pools, keys, 8) if str(t.name) != "kv"]
+        backend.batch_get_v2(tr)
+    finally:
+        backend.close()
+    assert pages("kv", "write") - before["kv", "write"] == N
+    assert pages("draft", "write") - before["draft", "write"] == N
+    assert pages("draft", "read") - before["draft", "read"] == N
