@@ -102,7 +102,11 @@ def resolve(python: str, reqs: list[str]) -> list[dict]:
 
 def keep(items: list[dict], reqs: list[str], major: int) -> tuple[list[dict], dict[str, str]]:
     """(items reachable from reqs avoiding SKIP, {skipped name: why})."""
-    from pip._vendor.packaging.requirements import Requirement
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:       # a bare base: pip's own copy (importing pip in a process that later
+        from pip._vendor.packaging.requirements import Requirement  # builds torch extensions
+        #                                                 upsets setuptools' distutils shim)
 
     by = {canon(i["metadata"]["name"]): i for i in items}
     todo = [(Requirement(r), frozenset(Requirement(r).extras)) for r in reqs]

@@ -61,7 +61,7 @@ def _package(module: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[0] == "offload" else None
 
 
-@pytest.mark.parametrize("a,b", [("transfer", "agent"), ("store", "transfer"),
+@pytest.mark.parametrize("a,b", [("transfer", "agent"), ("agent", "transfer"), ("store", "transfer"),
                                  ("store", "agent"), ("store", "hicache"), ("hw", "hicache")])
 def test_no_import_from_one_package_into_the_other(a: str, b: str) -> None:
     """`a` never imports `b` (the registry reaches across by a lazy import path instead)."""

@@ -1,0 +1,135 @@
+"""What a batch of small blocks costs the disk store: a few index statements per batch (not per
+block), an unsynced reservation and one synced commit after the slab's fdatasync, small blocks
+written and read in large vectored runs, and one fdatasync per touched slab. Real files; the
+counts are of calls, never of time."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sqlite3
+
+import pytest
+
+from offload.store import coalesce, slab
+from offload.store.index import Location
+from tests.store.blocks import data, key
+from tests.store.test_disk import open_store
+
+SIZE = 256 << 10
+
+
+class _Counting:
+    """The index's connection, logging each execute / executemany call (one entry per call)."""
+
+    def __init__(self, db: sqlite3.Connection, log: list[str]):
+        self.db, self.log = db, log
+
+    def execute(self, sql: str, *a: object) -> sqlite3.Cursor:
+        self.log.append(sql)
+        return self.db.execute(sql, *a)
+
+    def executemany(self, sql: str, *a: object) -> sqlite3.Cursor:
+        self.log.append(sql)
+        return self.db.executemany(sql, *a)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def _aligned_blocks(ks: list[bytes], size: int = SIZE) -> tuple[mmap.mmap, list[list[memoryview]]]:
+    buf = mmap.mmap(-1, size * len(ks))
+    for i, k in enumerate(ks):
+        buf[i * size:(i + 1) * size] = data(k, size)
+    return buf, [[memoryview(buf)[i * size:(i + 1) * size]] for i in range(len(ks))]
+
+
+def _put_statements(tmp_path, n: int) -> list[str]:
+    with open_store(tmp_path / f"s{n}") as s:
+        assert s.put_many([key(-1)], [[data(key(-1), SIZE)]]) == [True]  # the slab exists
+        log: list[str] = []
+        s._index.db = _Counting(s._index.db, log)  # type: ignore[assignment]
+        ks = [key(i) for i in range(n)]
+        assert s.put_many(ks, [[data(k, SIZE)] for k in ks]) == [True] * n
+        s._index.db = s._index.db.db
+    return log
+
+
+def test_a_put_costs_the_same_index_statements_for_8_or_64_blocks(tmp_path):
+    few, many = _put_statements(tmp_path, 8), _put_statements(tmp_path, 64)
+    assert len(many) == len(few), (few, many)
+    assert len(many) < 40, many
+
+
+def test_the_reservation_is_not_synced_and_the_commit_follows_the_slab_sync(tmp_path, monkeypatch):
+    events: list[str] = []
+    with open_store(tmp_path) as s:
+        s._index.db = _Counting(s._index.db, events)  # type: ignore[assignment]
+        real_sync = slab.SlabFiles.sync
+        monkeypatch.setattr(slab.SlabFiles, "sync",
+                            lambda self, *a: (events.append("slab fdatasync"), real_sync(self, *a))[1])
+        ks = [key(i) for i in range(16)]
+        assert s.put_many(ks, [[data(k, SIZE)] for k in ks]) == [True] * 16
+        s._index.db = s._index.db.db
+        assert s._index.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
+    marks = [e for e in events if e in ("PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL",
+                                        "COMMIT", "slab fdatasync")]
+    # reserve (unsynced) -> bytes + header written and fdatasync'ed -> one synced commit
+    assert marks == ["PRAGMA synchronous=NORMAL", "COMMIT", "PRAGMA synchronous=FULL",
+                     "slab fdatasync", "COMMIT"], events
+
+
+def test_an_unsynced_transaction_restores_full_sync_even_when_it_fails(tmp_path):
+    with open_store(tmp_path) as s:
+        with pytest.raises(sqlite3.OperationalError):
+            with s._index.txn(durable=False):
+                s._index.db.execute("SELECT * FROM no_such_table")
+        assert s._index.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+        assert s.put_many([key(1)], [[data(key(1), SIZE)]]) == [True]
+
+
+def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, monkeypatch):
+    calls: dict[str, list[int]] = {"pwritev": [], "preadv": [], "fdatasync": []}
+    real = {name: getattr(os, name) for name in calls}
+
+    def counting(name: str):  # type: ignore[no-untyped-def]
+        def call(fd: int, *a: object, **kw: object) -> object:
+            if slab.parse_segment_name(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))):
+                calls[name].append(len(a[0]) if name != "fdatasync" else 1)  # type: ignore
+            return real[name](fd, *a, **kw)
+        return call
+
+    with open_store(tmp_path, io_threads=8) as s:
+        ks = [key(i) for i in range(32)]                 # 8 MiB in 256 KiB blocks
+        src, blocks = _aligned_blocks(ks)
+        for name in calls:
+            monkeypatch.setattr(os, name, counting(name))
+        assert s.put_many(ks, blocks) == [True] * 32
+        dst, outs = _aligned_blocks([key(-1)] * 32)
+        assert s.get_many(ks, outs) == [True] * 32
+        monkeypatch.undo()
+        assert dst[:] == src[:]
+    runs = 32 * slab.slot_bytes_for(SIZE) // coalesce.MIN_RUN_BYTES
+    assert len(calls["pwritev"]) == runs and len(calls["preadv"]) == runs, calls
+    assert sum(calls["pwritev"]) == 64                   # a header and the data per block
+    assert calls["fdatasync"] == [1]
+
+
+def test_plan_keeps_threads_busy_without_cutting_runs_below_the_minimum():
+    def locs(n: int, size: int) -> list[Location]:
+        sb = slab.slot_bytes_for(size)
+        return [Location(key(i), 1, i, sb, size, 0) for i in range(n)]
+
+    buf = mmap.mmap(-1, 16 << 20)
+
+    def bufs(n: int, size: int) -> list[list[memoryview]]:
+        return [[memoryview(buf)[:size]] for _ in range(n)]
+
+    small = coalesce.plan_runs(locs(32, SIZE), bufs(32, SIZE), threads=8)
+    assert [len(r) for r in small] == [16, 16]                     # 8 MiB: two 4 MiB runs
+    mid = coalesce.plan_runs(locs(32, 1 << 20), bufs(32, 1 << 20), threads=8)
+    assert [len(r) for r in mid] == [4] * 8                        # 32 MiB: every thread busy
+    one = coalesce.plan_runs(locs(4, SIZE), bufs(4, SIZE), threads=8)
+    assert [len(r) for r in one] == [4]                            # 1 MiB: one call
+    big = coalesce.plan_runs(locs(4, 16 << 20), bufs(4, 16 << 20), threads=8)
+    assert [len(r) for r in big] == [1] * 4                        # never above RUN_BYTES
