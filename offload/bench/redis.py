@@ -32,6 +32,8 @@ OPTIONS = (
     Option(("--batch",), "blocks per pipelined batch", 8, int),
     Option(("--rounds",), "rounds per size (best one is kept)", 3, int),
     Option(("--min-ratio",), "exit 1 if ours/raw at 4MiB (set or get) is below this", None, float),
+    Option(("--secret-file",), "measure authenticated values (GMAC) under this redis.secret_file "
+           "(default: unauthenticated, key-bound XXH3 values)"),
     Option(("--json",), "print the results as JSON", flag=True),
 )
 
@@ -73,12 +75,14 @@ def _rate(nbytes: int, fn: Callable[[], None]) -> float:
     return nbytes / timed(fn) / 1e9
 
 
-def _measure(url: str, size: int, count: int, batch: int, rounds: int) -> dict[str, Any]:
+def _measure(url: str, size: int, count: int, batch: int, rounds: int,
+             secret_file: str | None = None) -> dict[str, Any]:
     import numpy as np
 
     from offload.store.redis import RedisStore
 
-    cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0}}).redis
+    cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0,
+                                  **({"secret_file": secret_file} if secret_file else {})}}).redis
     store = RedisStore(cfg)
     client = store.link.run(lambda c: c, "bench")
     if client is None:
@@ -174,15 +178,16 @@ def run(args: Args) -> Outcome:
         rows = []
         for size in sizes:
             count = max(args.batch, total // size)
-            row = _measure(url, size, count, args.batch, args.rounds)
+            row = _measure(url, size, count, args.batch, args.rounds, args.secret_file)
             row["redis_benchmark"] = _redis_benchmark(url, size, count, args.batch)
             rows.append(row)
-    result = {"url": url, "rows": rows}
+    result = {"url": url, "authenticated": bool(args.secret_file), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"Redis tier vs raw redis-py on the same server ({url}), best of {args.rounds}, "
-              f"batch {args.batch}")
+              f"batch {args.batch}, values "
+              + ("authenticated (GMAC)" if args.secret_file else "key-bound (XXH3, no secret)"))
         print(f"{'block':>7} {'raw set':>9} {'ours set':>9} {'ratio':>6} "
               f"{'raw get':>9} {'ours get':>9} {'ratio':>6}   redis-benchmark set/get")
         for r in rows:

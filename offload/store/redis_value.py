@@ -12,8 +12,11 @@ Primitives:
   `open(rkey, value)` -> the verified block (a view into `value`) or None: bad magic, version,
   length, or a tag that does not match — a value copied or moved to another key, forged,
   truncated or corrupted.
-- `PUBLIC_KEY`: the key used when no `redis.secret_file` is set. Values are then still bound to
-  their key and checked for corruption, but anyone who can write to the Redis can forge them.
+- Without a `redis.secret_file` there is nothing to authenticate with (a MAC under a public key
+  proves nothing), so the tag is an XXH3-128 digest of the same (Redis key, header, block), flag
+  `BOUND`: values are still bound to their key and checked for corruption at the speed of the
+  old checksum, but anyone who can write to the Redis can forge them. A codec with a secret
+  accepts only GMAC values and one without only `BOUND` ones, so no value can downgrade.
 - `seal_async` / `open_async`: the same on a small thread pool shared by every codec (the MAC
   releases the GIL), so a batch's tags are computed in parallel and ahead of the network.
 `cryptography` (OpenSSL) is imported on first use, never at import of `offload`.
@@ -34,7 +37,7 @@ MAGIC = b"SGLB"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHQ16s16s")
 SIGNED = HEADER.size - 16                  # the header bytes the tag covers (all but the tag)
-PUBLIC_KEY = b"sglang-offload: no redis.secret_file set; values are bound, not authenticated"
+GMAC, BOUND = 0, 1                           # the flags byte: which tag the value carries
 _LABEL = b"sglang-offload redis value v2\0"
 _GCM_NONCE = b"\0" * 12                     # fixed: the AES key itself is used for one value only
 
@@ -65,22 +68,37 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _bound(rkey: bytes, head: bytes, parts: Sequence[memoryview]) -> bytes:
+    """XXH3-128 of (Redis key, header, block): binds a value to its key, authenticates nothing."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<H", len(rkey)) + rkey + head)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
 class ValueCodec:
-    """Seals and opens block values with one deployment secret (or `PUBLIC_KEY`)."""
+    """Seals and opens block values with one deployment secret (GMAC), or with none (XXH3)."""
 
     def __init__(self, secret: bytes | None):
         self.authenticated = secret is not None
-        self._secret = secret if secret is not None else PUBLIC_KEY
+        self._secret = secret
+        self.kind = GMAC if secret is not None else BOUND
 
     def _key(self, nonce: bytes) -> bytes:
+        assert self._secret is not None
         return hmac.digest(self._secret, _LABEL + nonce, "sha256")
 
     def seal(self, rkey: bytes, parts: Sequence[Buffer]) -> bytes:
         """The header to send before `parts` (the block, possibly in several buffers) under `rkey`."""
         views = [memoryview(p).cast("B") for p in parts]
         nonce = os.urandom(16)
-        head = HEADER.pack(MAGIC, VERSION, 0, 0, sum(v.nbytes for v in views), nonce,
+        head = HEADER.pack(MAGIC, VERSION, self.kind, 0, sum(v.nbytes for v in views), nonce,
                            b"")[:SIGNED]
+        if self.kind == BOUND:
+            return head + _bound(rkey, head, views)
         ctx = _gmac(self._key(nonce), rkey, head, views, None)
         ctx.finalize()
         return head + ctx.tag
@@ -92,10 +110,14 @@ class ValueCodec:
         mv = memoryview(value)
         if mv.nbytes < HEADER.size:
             return None
-        magic, version, _flags, _res, length, nonce, tag = HEADER.unpack_from(mv)
-        if magic != MAGIC or version != VERSION or length != mv.nbytes - HEADER.size:
+        magic, version, flags, _res, length, nonce, tag = HEADER.unpack_from(mv)
+        if (magic != MAGIC or version != VERSION or flags != self.kind
+                or length != mv.nbytes - HEADER.size):
             return None
         body = mv[HEADER.size:]
+        if self.kind == BOUND:
+            return body if hmac.compare_digest(_bound(rkey, bytes(mv[:SIGNED]), [body]),
+                                               tag) else None
         try:
             _gmac(self._key(nonce), rkey, bytes(mv[:SIGNED]), [body], tag).finalize()
         except InvalidTag:

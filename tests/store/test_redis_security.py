@@ -17,7 +17,7 @@ from offload.config import ConfigError, Size, StoreConfig, load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis import RedisStore
-from offload.store.redis_value import HEADER, PUBLIC_KEY, ValueCodec
+from offload.store.redis_value import BOUND, HEADER, ValueCodec
 from offload.store.secret import read_secret_file
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
@@ -107,7 +107,17 @@ def test_without_a_secret_a_warning_names_the_setting(redis_server: RedisProc,
         store = make(redis_server.url)
     assert "secret_file is unset" in caplog.text
     assert store.stats().extra["authenticated"] is False
-    assert ValueCodec(None)._secret == PUBLIC_KEY
+    assert ValueCodec(None).kind == BOUND     # a digest bound to the key: no MAC without a secret
+
+
+def test_no_value_downgrades_or_upgrades_between_the_two_kinds() -> None:
+    rk, body = b"sglo:v2:" + bytes(32), block_bytes("x", SIZE)
+    bound, authed = ValueCodec(None), ValueCodec(b"0123456789abcdef0123456789abcdef")
+    assert bound.open(rk, bound.seal(rk, [body]) + body) is not None
+    assert authed.open(rk, authed.seal(rk, [body]) + body) is not None
+    assert authed.open(rk, bound.seal(rk, [body]) + body) is None    # no downgrade
+    assert bound.open(rk, authed.seal(rk, [body]) + body) is None
+    assert bound.open(rk + b"x", bound.seal(rk, [body]) + body) is None   # bound to its key
 
 
 def test_secret_file_must_be_private_and_long_enough(tmp_path: Path) -> None:
