@@ -1,7 +1,8 @@
 """Opening a cache directory's index, with recovery: what `DiskStore` does under the directory lock.
 
 `open_index(directory, slabs, ...)`: under the lock file (taken with a deadline), open the index and
-`PRAGMA quick_check` it; a damaged index is set aside (`index.db.damaged-<time>`, renames fsync'ed)
+`PRAGMA quick_check` it; a missing index beside slab files is rebuilt from their headers; a
+damaged index is set aside (`index.db.damaged-<time>`, renames fsync'ed)
 and rebuilt from the slab headers (a freed slot's header never names a block, so nothing deleted
 comes back); a segment whose slab file is missing or is not a regular file is dropped (its blocks
 stop existing, its slots are never handed out again); dead processes' pending slots are reclaimed.
@@ -36,8 +37,13 @@ def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_
         index: Index | None = None
         try:
             try:
-                index = Index(path)
-                index.check_and_init()
+                if not os.path.lexists(path) and _has_slabs(directory):
+                    log.error("index %s is missing beside slab files: rebuilding it from the slab "
+                              "headers", path)
+                    index = _rebuild(directory, slabs, path, segment_size)
+                else:
+                    index = Index(path)
+                    index.check_and_init()
             except sqlite3.DatabaseError as e:
                 if index is not None:
                     index.close()
@@ -81,6 +87,18 @@ def _set_aside_and_rebuild(directory: str, slabs: slab.SlabFiles, path: str, asi
         if os.path.lexists(path + suffix):
             os.replace(path + suffix, aside + suffix)
     cachedir.fsync_dir(directory)
+    return _rebuild(directory, slabs, path, segment_size)
+
+
+def _has_slabs(directory: str) -> bool:
+    return any(slab.parse_segment_name(n) is not None for n in os.listdir(directory))
+
+
+def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int) -> Index:
+    """A new index at `path` holding every block whose slab header names it."""
+    for suffix in SIDE_FILES:            # a WAL left without its database belongs to no index
+        if os.path.lexists(path + suffix):
+            os.unlink(path + suffix)
     index = Index(path)
     index.check_and_init()
     rows, segments, free = [], [], []

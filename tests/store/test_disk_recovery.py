@@ -168,3 +168,25 @@ def test_fd_cache_churn_under_concurrent_threads_never_mixes_files(tmp_path):
             t.join()
         assert errors == []
         assert exact(s, range(64))
+
+
+# ---- a missing index ---------------------------------------------------------------------------
+
+def test_missing_index_beside_slabs_is_rebuilt_from_their_headers(tmp_path):
+    d = tmp_path / "cache"
+    with open_store(d) as s:
+        assert put(s, range(6)) == [True] * 6
+        assert s.delete_many([key(5)]) == 1
+    for name in ("index.db", "index.db-wal", "index.db-shm"):
+        if os.path.lexists(d / name):
+            os.unlink(d / name)          # `rm index.db*`: the slabs are all that is left
+    with open_store(d) as s:
+        assert s.exists_many([key(i) for i in range(6)]) == [True] * 5 + [False]
+        assert exact(s, range(5))
+        assert put(s, [7]) == [True] and exact(s, [7])
+
+
+def test_a_new_directory_opens_without_a_rebuild(tmp_path, caplog):
+    with open_store(tmp_path / "fresh") as s:
+        assert put(s, [1]) == [True]
+    assert "rebuild" not in caplog.text
