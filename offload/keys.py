@@ -5,6 +5,8 @@ ranks, MLA, tenant salt; for a sidecar pool of SGLang's v2 interface also its po
 by the 16-byte digest of SGLang's page hash. Putting the namespace
 first makes every namespace a contiguous key range in the index (`cache clear --namespace`), and the
 same page hash under any other namespace field or salt is a different block.
+`block_key(ns_digest, page_hash)` makes one key; `key_maker(ns_digest)` a batch maker (the data
+path's: the hasher set up once).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
 
 KEY_BYTES = 32
 NS_BYTES = 16
@@ -57,3 +60,25 @@ def block_key(ns_digest: bytes, page_hash: str | bytes) -> bytes:
     raw = page_hash.encode() if isinstance(page_hash, str) else bytes(page_hash)
     return ns_digest + hashlib.blake2b(raw, digest_size=KEY_BYTES - NS_BYTES,
                                        person=b"sglo-page-v1").digest()
+
+
+def key_maker(ns_digest: bytes) -> Callable[[Sequence[str | bytes]], list[bytes]]:
+    """Block keys of a batch of page hashes: `block_key` with the hasher set up once per batch
+    (about 2x faster). Checked against `block_key` here; if they ever differ, `block_key` is used.
+    """
+    base = hashlib.blake2b(digest_size=KEY_BYTES - NS_BYTES, person=b"sglo-page-v1")
+
+    def fast(keys: Sequence[str | bytes]) -> list[bytes]:
+        out = []
+        new = base.copy
+        for k in keys:
+            h = new()
+            h.update(k.encode() if isinstance(k, str) else bytes(k))
+            out.append(ns_digest + h.digest())
+        return out
+
+    def slow(keys: Sequence[str | bytes]) -> list[bytes]:
+        return [block_key(ns_digest, k) for k in keys]
+
+    probe = ["0123abcd" * 8, "x"]
+    return fast if fast(probe) == slow(probe) else slow

@@ -17,7 +17,7 @@ from offload.cli import main
 from offload.config import Size, StoreConfig
 from offload.keys import Namespace
 from offload.store.disk import DiskStore
-from offload.store.slab import HEADER_BYTES, parse_segment_name
+from offload.store.slot_format import HEADER_BYTES, parse_segment_name
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 64 << 10

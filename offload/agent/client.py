@@ -242,15 +242,22 @@ class AgentStore:
             ok[i] = bool(f)
         return True
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        out: list[bool] = []
+    def _key_chunks(self, op: int, keys: Sequence[bytes]) -> Iterator[tuple[int, Any]]:
+        """Send `op` over `keys` in chunks of `protocol.MAX_KEYS` on one connection: per chunk its
+        length and the agent's reply (None while the agent is down)."""
         with self._use() as c:
             for start in range(0, len(keys), protocol.MAX_KEYS):
                 chunk = list(keys[start:start + protocol.MAX_KEYS])
                 try:
-                    out += c.request(protocol.EXISTS, protocol.KeyList(chunk))[0].ok  # type: ignore[attr-defined]
+                    reply = c.request(op, protocol.KeyList(chunk))[0]
                 except Down:
-                    out += [False] * len(chunk)
+                    reply = None
+                yield len(chunk), reply
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for n, reply in self._key_chunks(protocol.EXISTS, keys):
+            out += reply.ok if reply is not None else [False] * n
         return out
 
     def clear(self, namespace: bytes | None = None) -> int:
@@ -260,15 +267,8 @@ class AgentStore:
         return 0
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        with self._use() as c:
-            for start in range(0, len(keys), protocol.MAX_KEYS):
-                chunk = list(keys[start:start + protocol.MAX_KEYS])
-                try:
-                    n += c.request(protocol.DELETE, protocol.KeyList(chunk))[0].n  # type: ignore[attr-defined]
-                except Down:
-                    pass
-        return n
+        return sum(reply.n for _, reply in self._key_chunks(protocol.DELETE, keys)
+                   if reply is not None)
 
     def register_namespace(self, ns: Namespace) -> None:
         with self._lock:

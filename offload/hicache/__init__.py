@@ -1,10 +1,10 @@
 """What SGLang loads: the HiCache L3 backend and what it needs.
 
 `backend` (`OffloadStorage`, SGLang's `HiCacheStorage` over a block store), `pools` (its v2 sidecar
-pools: draft, indexer, Mamba, SWA, DeepSeek-V4), `layout` (host-pool
-page -> buffers), `worth_it` (load-or-recompute rule), `contract` (backend name, module, class and
-extra-config keys; imports no SGLang). `offload.hicache:OffloadStorage` is the name users' configs,
-`launch` and patches/ give SGLang: it resolves lazily, so importing `offload.hicache.contract`
+pools: draft, indexer, Mamba, SWA, DeepSeek-V4), `layout` (host-pool page -> buffers), `page_io`
+(pages <-> the store), `worth_it` (load-or-recompute rule), `contract` (backend name, module, class
+and extra-config keys; imports no SGLang). `offload.hicache:OffloadStorage` is the name users'
+configs, `launch` and patches/ give SGLang: it resolves lazily, so importing `offload.hicache.contract`
 does not import SGLang.
 """
 

@@ -30,7 +30,6 @@ recomputing them, at the read bandwidth measured on this backend's loads.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -46,9 +45,10 @@ from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
 from offload.hicache.layout import PageMap
-from offload.hicache.pools import Pool, PoolsMixin
+from offload.hicache.page_io import page_starts, read_pages, write_pages
+from offload.hicache.pools import KV, Pool, PoolsMixin
 from offload.hicache.worth_it import WorthIt, cuda_gpu_name, from_config
-from offload.keys import KEY_BYTES, NS_BYTES, Namespace, block_key
+from offload.keys import Namespace, key_maker
 from offload.metrics import (
     StoreWatch,
     TierMetrics,
@@ -58,7 +58,7 @@ from offload.metrics import (
     serve,
     tier_metrics,
 )
-from offload.store.base import BlockStore, Buffer, all_false, never_raises
+from offload.store.base import BlockStore, Buffer, all_false, leading_hits, never_raises
 
 if TYPE_CHECKING:
     import torch
@@ -132,28 +132,6 @@ def namespace_for(storage_config: HiCacheStorageConfig, host_pool: Any, page_byt
         pp_rank=sc.pp_rank, pp_size=sc.pp_size, mla=mla, salt=salt, extra=extra)
 
 
-def key_maker(ns_digest: bytes) -> Callable[[Sequence[str]], list[bytes]]:
-    """Block keys of a batch of page hashes: `block_key` with the hasher set up once per batch
-    (about 2x faster). Checked against `block_key` here; if they ever differ, `block_key` is used.
-    """
-    base = hashlib.blake2b(digest_size=KEY_BYTES - NS_BYTES, person=b"sglo-page-v1")
-
-    def fast(keys: Sequence[str]) -> list[bytes]:
-        out = []
-        new = base.copy
-        for k in keys:
-            h = new()
-            h.update(k.encode() if isinstance(k, str) else bytes(k))
-            out.append(ns_digest + h.digest())
-        return out
-
-    def slow(keys: Sequence[str]) -> list[bytes]:
-        return [block_key(ns_digest, k) for k in keys]
-
-    probe = ["0123abcd" * 8, "x"]
-    return fast if fast(probe) == slow(probe) else slow
-
-
 class OffloadStorage(PoolsMixin, HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
@@ -173,7 +151,6 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         self.namespace: Namespace | None = None
         self._ns_digest = b""
         self._make_keys: Callable[[Sequence[str]], list[bytes]] = key_maker(b"")
-        self._key_maker = key_maker
         self.pools: dict[str, Pool] = {}
         self.logical_anchor = False
         self._lock = threading.Lock()
@@ -283,19 +260,6 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
             self._pgs[kind].append(n)
             self._bw[kind].append(nbytes / dt / (1 << 30))
 
-    def _page_starts(self, keys: Sequence[str], host_indices: "torch.Tensor") -> list[int] | None:
-        assert self.pages is not None
-        step = self.pages.page_size
-        if host_indices.numel() != len(keys) * step:
-            logger.error("offload: %d host indices for %d pages of %d tokens", host_indices.numel(),
-                         len(keys), step)
-            return None
-        starts = host_indices[::step].tolist()
-        if self.pages.zero_copy and any(self.pages.page_no(s) is None for s in starts):
-            logger.error("offload: host indices do not start on page boundaries")
-            return None
-        return starts
-
     # ---------------------------------------------------------------- zero-copy interface
 
     @never_raises("batch_exists", lambda *_a, **_k: 0)
@@ -303,18 +267,14 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if self.logical_anchor:
             return 0   # no bytes to verify without the pools (SGLang asks v2 for those)
-        n = 0
-        for present in self.store.exists_many(self._keys(keys)):
-            if not present:
-                break
-            n += 1
-        return self._worth_loading(n)
+        return self._worth_loading(leading_hits(self.store, self._keys(keys)))
 
-    def _worth_loading(self, hits: int) -> int:
-        """The leading hits worth loading (the worth-it rule), counted in the metrics."""
+    def _worth_loading(self, hits: int, page_bytes: int = 0) -> int:
+        """The leading hits worth loading (the worth-it rule over pages of `page_bytes`, by default
+        the KV page's), counted in the metrics."""
         if hits == 0 or self.pages is None:
             return hits
-        n = self.worth.pages_to_load(hits, self.pages.page_size, self.pages.page_bytes)
+        n = self.worth.pages_to_load(hits, self.pages.page_size, page_bytes or self.pages.page_bytes)
         if self.tm is not None:
             self.tm.accepted.inc(n)
             if n < hits:
@@ -326,65 +286,34 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # no KV bytes: SGLang writes the pools through v2
             return [True] * len(keys)
-        return self._set_pages(keys, host_indices)
+        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True)
 
     @never_raises("batch_get_v1", all_false)
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # zero bytes to read; the v2 pools decide the hit
             return [True] * len(keys)
-        return self._get_pages(keys, host_indices)
+        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=False)
 
-    def _pages_at(self, keys: Sequence[str], host_indices: "torch.Tensor"
-                  ) -> tuple[PageMap, list[int]] | None:
-        """The page map and each page's first host index, or None if the call cannot be served."""
-        pages = self.pages
-        starts = self._page_starts(keys, host_indices) if pages is not None else None
-        return None if pages is None or starts is None else (pages, starts)
-
-    def _set_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
+    def _move(self, pool: str, pages: PageMap | None, make_keys: Callable[[Sequence[str]], list[bytes]],
+              writes: bool, keys: Sequence[str], host_indices: "torch.Tensor | None", write: bool
+              ) -> List[bool]:
+        """Store (`write`) or load the pages of `pool` at `host_indices` under `keys`: the one data
+        path of the v1 and v2 calls. A rank that does not write the pool reports what is stored."""
         if not keys:
             return []
-        at = self._pages_at(keys, host_indices)
-        if at is None:
+        starts = None if pages is None else page_starts(pages, pool, len(keys), host_indices)
+        if pages is None or starts is None:
             return [False] * len(keys)
-        pages, starts = at
-        bkeys = self._keys(keys)
-        if not self.is_writer:  # MLA replica: rank 0 writes the shared namespace
+        bkeys = make_keys(keys)
+        if write and not writes:   # MLA replica: the storage writer (rank 0) writes shared pools
             return list(self.store.exists_many(bkeys))
         t0 = time.perf_counter()
-        if pages.zero_copy:
-            blocks: list[list[Buffer]] = [list(pages.buffers(s)) for s in starts]
-        else:
-            blocks = [[pages.page_copy(s)] for s in starts]
-        ok = self.store.put_many(bkeys, blocks)
-        self._after_put(ok, pages.page_bytes, t0)
-        return list(ok)
-
-    def _get_pages(self, keys: Sequence[str], host_indices: "torch.Tensor") -> List[bool]:
-        if not keys:
-            return []
-        at = self._pages_at(keys, host_indices)
-        if at is None:
-            return [False] * len(keys)
-        pages, starts = at
-        t0 = time.perf_counter()
-        bkeys = self._keys(keys)
-        if pages.zero_copy:
-            ok = list(self.store.get_many(bkeys, [pages.buffers(s) for s in starts]))
-        else:
-            scratch = [pages.scratch() for _ in starts]
-            ok = list(self.store.get_many(bkeys, [[mv] for _, mv in scratch]))
-            for s, (page, _), good in zip(starts, scratch, ok):
-                if good:
-                    pages.store_copy(s, page)
+        ok = (write_pages if write else read_pages)(self.store, pages, bkeys, starts)
         n = sum(ok)
-        self._record("prefetch", n, n * pages.page_bytes, t0, len(keys))
+        self._record("backup" if write else "prefetch", n, n * pages.page_bytes, t0, len(keys),
+                     pool=pool)
         return ok
-
-    def _after_put(self, ok: Sequence[bool], page_bytes: int, t0: float) -> None:
-        n = sum(ok)
-        self._record("backup", n, n * page_bytes, t0, len(ok))
 
     # ---------------------------------------------------------------- legacy interface
 
@@ -396,53 +325,48 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         out = self.batch_get([key], [target_location] if target_location is not None else None)
         return out[0]
 
+    @never_raises("batch_get", lambda _self, keys, *_a, **_k: [None] * len(keys))
     def batch_get(self, keys: List[str], target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> List[Any]:
         """Read flat pages into `target_locations` (contiguous tensors); None for a miss."""
-        try:
-            import torch
+        import torch
 
-            if target_locations is None:
-                if self.mem_pool_host is None:
-                    return [None] * len(keys)
-                target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-            dests: list[list[Buffer]] = []
-            for t in target_locations:
-                if not t.is_contiguous():
-                    return [None] * len(keys)
-                dests.append([memoryview(t.reshape(-1).view(torch.uint8).numpy())])
-            t0 = time.perf_counter()
-            ok = self.store.get_many(self._keys(keys), dests)
-            n = sum(ok)
-            nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
-            self._record("prefetch", n, nbytes, t0, len(keys))
-            return [t if g else None for t, g in zip(target_locations, ok)]
-        except Exception:
-            logger.exception("offload: batch_get failed; reporting misses")
-            return [None] * len(keys)
+        if target_locations is None:
+            if self.mem_pool_host is None:
+                return [None] * len(keys)
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        dests: list[list[Buffer]] = []
+        for t in target_locations:
+            if not t.is_contiguous():
+                return [None] * len(keys)
+            dests.append([memoryview(t.reshape(-1).view(torch.uint8).numpy())])
+        t0 = time.perf_counter()
+        ok = self.store.get_many(self._keys(keys), dests)
+        n = sum(ok)
+        nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
+        self._record("prefetch", n, nbytes, t0, len(keys))
+        return [t if g else None for t, g in zip(target_locations, ok)]
 
     def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
             target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
+    @never_raises("batch_set", lambda *_a, **_k: False)
     def batch_set(self, keys: List[str], values: Any | None = None,
                   target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> bool:
         """Store flat page tensors; True only if every page is stored."""
-        try:
-            import torch
+        import torch
 
-            if values is None or len(values) != len(keys):
-                return False
-            bkeys = self._keys(keys)
-            if not self.is_writer:
-                return all(self.store.exists_many(bkeys))
-            blocks: list[list[Buffer]] = [
-                [memoryview(v.contiguous().reshape(-1).view(torch.uint8).numpy())] for v in values]
-            t0 = time.perf_counter()
-            ok = self.store.put_many(bkeys, blocks)
-            self._after_put(ok, memoryview(blocks[0][0]).nbytes if blocks else 0, t0)
-            return all(ok)
-        except Exception:
-            logger.exception("offload: batch_set failed")
+        if values is None or len(values) != len(keys):
             return False
+        bkeys = self._keys(keys)
+        if not self.is_writer:
+            return all(self.store.exists_many(bkeys))
+        blocks: list[list[Buffer]] = [
+            [memoryview(v.contiguous().reshape(-1).view(torch.uint8).numpy())] for v in values]
+        t0 = time.perf_counter()
+        ok = self.store.put_many(bkeys, blocks)
+        n = sum(ok)
+        self._record("backup", n, n * (memoryview(blocks[0][0]).nbytes if blocks else 0), t0, len(ok))
+        return all(ok)

@@ -27,14 +27,13 @@ block is, and `batch_get_v2` says True only for blocks fully read and checksum-v
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from offload.errors import ConfigError
 from offload.hicache.layout import PageMap
-from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer, never_raises
+from offload.keys import Namespace, key_maker
+from offload.store.base import BlockStore, leading_hits, never_raises
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import (
@@ -91,15 +90,18 @@ class Pool:
 
     name: str
     host: Any
-    pages: PageMap | None          # None: a logical pool (no bytes, e.g. DeepSeek-V4's anchor)
+    pages: PageMap
     digest: bytes
     keys: Callable[[Sequence[str]], list[bytes]]
     writes: bool                   # this rank writes the pool's blocks
-    page_size: int
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
 
     @property
     def page_bytes(self) -> int:
-        return self.pages.page_bytes if self.pages is not None else 0
+        return self.pages.page_bytes
 
 
 def _per_rank(name: str, host_pool: Any, mla: bool) -> bool:
@@ -107,8 +109,7 @@ def _per_rank(name: str, host_pool: Any, mla: bool) -> bool:
 
 
 def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageConfig",
-               is_writer: bool, key_maker: Callable[[bytes], Callable[[Sequence[str]], list[bytes]]]
-               ) -> tuple[Pool, Namespace]:
+               is_writer: bool) -> tuple[Pool, Namespace]:
     """Lay one sidecar pool out (control path). Raises ConfigError naming the pool and family."""
     fam = family_of(name)
 
@@ -136,7 +137,7 @@ def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageC
                         (sc.tp_rank, sc.tp_size))
     digest = ns.digest()
     return Pool(name=name, host=host_pool, pages=pages, digest=digest, keys=key_maker(digest),
-                writes=is_writer or per_rank, page_size=page_size), ns
+                writes=is_writer or per_rank), ns
 
 
 def restorable(kv_pages: int, transfers: Iterable[Any], present: Mapping[str, Sequence[bool]]
@@ -199,8 +200,8 @@ class PoolsMixin:
     logical_anchor: bool
     pools: dict[str, Pool]
     _keys: Callable[[Sequence[str]], list[bytes]]
-    _key_maker: Callable[[bytes], Callable[[Sequence[str]], list[bytes]]]
-    _record: Callable[..., None]
+    _move: Callable[..., list[bool]]
+    _worth_loading: Callable[[int, int], int]
 
     # ------------------------------------------------------------ control path
 
@@ -208,17 +209,15 @@ class PoolsMixin:
         """Register one pool of a hybrid stack: at attach (a refusal fails the attach) or later,
         a SIDECAR draft (a refusal is logged and every call for that pool is a miss)."""
         name = pool_str(host_pool_name)
-        registered: dict[Any, Any] = getattr(self, "registered_pools", None) or {}
-        registered[host_pool_name] = host_pool
-        self.registered_pools = registered
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)  # type: ignore[misc]
         if name == KV or host_pool is getattr(self, "mem_pool_host", None):
             return   # the anchor: v1 pages (`register_mem_pool_host`)
         if self.namespace is None:
             raise ConfigError([f"offload: pool {name!r} registered before the KV host pool"])
         pool, ns = build_pool(name, host_pool, self.namespace, self.storage_config,
-                              self.is_writer, self._key_maker)
+                              self.is_writer)
         self.store.register_namespace(ns)
-        if pool.pages is not None and pool.pages.zero_copy:
+        if pool.pages.zero_copy:
             register_region = getattr(self.store, "register_region", None)
             if register_region is not None:
                 register_region(host_pool.kv_buffer)
@@ -243,8 +242,7 @@ class PoolsMixin:
         if self.logical_anchor:
             kv_pages = len(keys) if transfers else 0   # the sidecars carry every byte
         else:
-            kv = self.store.exists_many(self._keys(keys))
-            kv_pages = kv.index(False) if False in kv else len(kv)
+            kv_pages = leading_hits(self.store, self._keys(keys))
         present: dict[str, list[bool]] = {}
         for t in transfers:
             pool = self.pools.get(pool_str(t.name))
@@ -269,13 +267,7 @@ class PoolsMixin:
         nbytes = self.pages.page_bytes + sum(
             p.page_bytes for p in (self.pools.get(pool_str(t.name)) for t in transfers)
             if p is not None)
-        n = self.worth.pages_to_load(final, self.pages.page_size, nbytes)
-        tm = getattr(self, "tm", None)
-        if tm is not None:
-            tm.accepted.inc(n)
-            if n < final:
-                tm.declined.inc(final - n)
-        return n
+        return self._worth_loading(final, nbytes)
 
     @never_raises("batch_get_v2", _all_false)
     def batch_get_v2(self, transfers: list["PoolTransfer"],
@@ -290,54 +282,13 @@ class PoolsMixin:
     def _pool_io(self, t: "PoolTransfer", write: bool) -> list[bool]:
         keys = list(t.keys or [])
         name = pool_str(t.name)
-        if not keys:
-            return []
         if name == KV:
             if self.logical_anchor:
                 return [True] * len(keys)
-            fn = getattr(self, "_set_pages" if write else "_get_pages")
-            return list(fn(keys, t.host_indices)) if t.host_indices is not None else [False] * len(keys)
+            return self._move(KV, self.pages, self._keys, self.is_writer, keys, t.host_indices, write)
         pool = self.pools.get(name)
-        if pool is None or pool.pages is None:
-            logger.debug("offload: %s of unregistered pool %s", "set" if write else "get", name)
+        if pool is None:
+            if keys:
+                logger.debug("offload: %s of unregistered pool %s", "set" if write else "get", name)
             return [False] * len(keys)
-        starts = _starts(pool, keys, t.host_indices)
-        if starts is None:
-            return [False] * len(keys)
-        bkeys = pool.keys(keys)
-        if write and not pool.writes:   # a shared pool: the MLA writer rank writes it
-            return list(self.store.exists_many(bkeys))
-        pages = pool.pages
-        t0 = time.perf_counter()
-        if write:
-            blocks: list[list[Buffer]] = (
-                [list(pages.buffers(s)) for s in starts] if pages.zero_copy
-                else [[pages.page_copy(s)] for s in starts])
-            ok = list(self.store.put_many(bkeys, blocks))
-        elif pages.zero_copy:
-            ok = list(self.store.get_many(bkeys, [pages.buffers(s) for s in starts]))
-        else:
-            scratch = [pages.scratch() for _ in starts]
-            ok = list(self.store.get_many(bkeys, [[mv] for _, mv in scratch]))
-            for s, (page, _), good in zip(starts, scratch, ok):
-                if good:
-                    pages.store_copy(s, page)
-        n = sum(ok)
-        self._record("backup" if write else "prefetch", n, n * pages.page_bytes, t0, len(keys),
-                     pool=name)
-        return ok
-
-
-def _starts(pool: Pool, keys: Sequence[str], host_indices: Any) -> list[int] | None:
-    """Each page's first host index, or None (logged) if the call cannot be served."""
-    assert pool.pages is not None
-    step = pool.page_size
-    if host_indices is None or host_indices.numel() != len(keys) * step:
-        logger.error("offload: pool %s: %s host indices for %d pages of %d tokens", pool.name,
-                     None if host_indices is None else host_indices.numel(), len(keys), step)
-        return None
-    starts = [int(s) for s in host_indices[::step].tolist()]
-    if pool.pages.zero_copy and any(pool.pages.page_no(s) is None for s in starts):
-        logger.error("offload: pool %s: host indices do not start on page boundaries", pool.name)
-        return None
-    return starts
+        return self._move(name, pool.pages, pool.keys, pool.writes, keys, t.host_indices, write)

@@ -20,7 +20,7 @@ import os
 from concurrent.futures import Executor
 from typing import Callable, Sequence, TypeVar
 
-from offload.store import slab
+from offload.store import slab, slot_format
 from offload.store.base import Buffer
 from offload.store.index import Location
 
@@ -54,7 +54,7 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
     nbuf = size = 0
     for i in sorted(range(len(locs)), key=lambda i: (locs[i].seg, locs[i].slot)):
         loc = locs[i]
-        fits = loc.length + slab.HEADER_BYTES == loc.slot_bytes and slab.aligned(bufs[i])
+        fits = loc.length + slot_format.HEADER_BYTES == loc.slot_bytes and slab.aligned(bufs[i])
         if fits and joinable:
             prev = locs[runs[-1][-1]]
             if (prev.seg == loc.seg and prev.slot + 1 == loc.slot
@@ -78,7 +78,7 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
     def write(run: list[int]) -> list[tuple[str, int]]:
         ls = [locs[i] for i in run]
         bs = [bufs[i] for i in run]
-        csums = [slab.checksum(b) for b in bs]
+        csums = [slot_format.checksum(b) for b in bs]
         if len(run) > 1:
             errs = write_run(slabs, ls, bs, csums, created_ns)
         else:
@@ -124,7 +124,7 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
     first = locs[0]
     iov: list[Buffer] = []
     for hdr, loc, b, c in zip(slabs.headers.write(len(locs)), locs, bufs, csums):
-        slab.pack_header_into(hdr, loc.key, loc.length, c, created_ns)
+        slot_format.pack_header_into(hdr, loc.key, loc.length, c, created_ns)
         iov.append(hdr)
         iov.extend(b)
     want = len(locs) * first.slot_bytes
@@ -158,5 +158,5 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
         if n < (j + 1) * first.slot_bytes:
             out.append(f"corrupt: short read ({n} bytes for {len(locs)} slots)")
             continue
-        out.append(slab.verify(hdr, loc.key, loc.length, loc.csum, d))
+        out.append(slot_format.verify(hdr, loc.key, loc.length, loc.csum, d))
     return out

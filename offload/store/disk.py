@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import cachedir, coalesce, fdcache, scrub, slab
+from offload.store import cachedir, coalesce, fdcache, scrub, slab, slot_format
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
 from offload.store.disk_slots import SlotAccess, SlotBooks
 from offload.store.index import Allocation, Freed, Index, Location
@@ -170,7 +170,7 @@ class DiskStore(SlotAccess):
                     continue
                 if k not in where:
                     n = total_len(bufs)
-                    items.append((k, n, slab.slot_bytes_for(n), 0))
+                    items.append((k, n, slot_format.slot_bytes_for(n), 0))
                     bufs_of[k] = bufs
                 where.setdefault(k, []).append(i)
             if not items:
@@ -297,7 +297,7 @@ class DiskStore(SlotAccess):
     def _slot_allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
         with self._lock:
             self._refresh_keys()
-            todo = [(k, n, slab.slot_bytes_for(n), 0) for k, n in items if k not in self._keys]
+            todo = [(k, n, slot_format.slot_bytes_for(n), 0) for k, n in items if k not in self._keys]
             return self._allocate(todo).new if todo else []
 
     def _slot_finish(self, good: list[tuple[bytes, int]], failed: list[Location]) -> None:

@@ -9,7 +9,7 @@ Primitives:
 Lifecycle: a path reserves slots (`reserve_slots`: 4 KiB-aligned data areas inside slab files,
 counted against the cap like any put), writes the data with its own engine, then `commit_slots`
 writes each slot's header with the checksum the path computed (kind WSUM64, verified on the CPU by
-`slab.wsum64` when such a block is read through the ordinary path), fdatasyncs and makes the
+`slot_format.wsum64` when such a block is read through the ordinary path), fdatasyncs and makes the
 blocks visible — or `abort_slots` frees them. `pin_slots` gives the slots of committed blocks with
 their stored checksum, for reads by the same engine; `unpin_slots` counts those reads.
 """
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from offload.store import slab
+from offload.store import slab, slot_format
 from offload.store.base import Slot, SlotMedium, StoreStats, never_raises
 from offload.store.index import Location
 
@@ -42,15 +42,15 @@ class SlotBooks:
 
 def _slot_of(books: SlotBooks, loc: Location, checksum: int = 0) -> Slot:
     return Slot(loc.key, loc.length, path=books.slabs.path(loc.seg, loc.slot_bytes),
-                offset=loc.slot * loc.slot_bytes + slab.HEADER_BYTES, checksum=checksum)
+                offset=loc.slot * loc.slot_bytes + slot_format.HEADER_BYTES, checksum=checksum)
 
 
 def _loc_of(s: Slot) -> Location:
-    parsed = slab.parse_segment_name(os.path.basename(s.path))
+    parsed = slot_format.parse_segment_name(os.path.basename(s.path))
     if parsed is None:
         raise ValueError(f"not a slab file: {s.path}")
     seg, sb = parsed
-    return Location(s.key, seg, (s.offset - slab.HEADER_BYTES) // sb, sb, s.length, s.checksum)
+    return Location(s.key, seg, (s.offset - slot_format.HEADER_BYTES) // sb, sb, s.length, s.checksum)
 
 
 def _none_each(_self: Any, keys: Sequence[Any], *_: Any) -> list[None]:
@@ -66,7 +66,7 @@ def _file_wsum64(s: Slot) -> int:
     """The checksum of a slot's bytes as written in its file (a committer that gave none)."""
     fd = os.open(s.path, os.O_RDONLY)
     try:
-        return slab.wsum64([os.pread(fd, s.length, s.offset)])
+        return slot_format.wsum64([os.pread(fd, s.length, s.offset)])
     finally:
         os.close(fd)
 
@@ -113,7 +113,7 @@ class SlotAccess:
         locs = [_loc_of(s) for s in slots]
         now = time.time_ns()
         errs = [books.slabs.write_header(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                         loc.length, c, now, slab.CSUM_WSUM64)
+                                         loc.length, c, now, slot_format.CSUM_WSUM64)
                 for loc, c in zip(locs, sums)]
         segs = {(loc.seg, loc.slot_bytes) for loc, e in zip(locs, errs) if not e}
         synced = {sg: books.slabs.sync(*sg) for sg in segs}

@@ -9,10 +9,8 @@ agent's NIXL thread keeps moving bytes meanwhile). Slots of evicted or deleted b
 size and reused (the blocks of one deployment all have the same size), so that a full store copies
 into memory already in use instead of faulting in new pages (about 5x slower on small VMs).
 With `reserve > 0` (the agent's DRAM tier) slots are carved from one arena of `capacity` bytes of
-address space, and a background thread keeps `reserve` bytes past the fill point faulted in
-(MADV_POPULATE_WRITE), refilling once the store has had no call for 50 ms (zeroing pages during a
-burst would take memory bandwidth from the copies it is meant to speed up), so that a burst of
-puts into an empty tier costs no page faults either.
+address space that a background thread keeps faulted in `reserve` bytes ahead of the fill point
+(`offload.store.reserve`), so that a burst of puts into an empty tier costs no page faults either.
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
@@ -24,31 +22,19 @@ and deletion does not reuse until `unpin_slots`. `arena_region()` is the arena's
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import os
 import sys
 import threading
-import time
 from collections import OrderedDict
 from typing import Sequence
 
 from offload.keys import Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
+from offload.store.reserve import ReservedArena, pages
 
 log = logging.getLogger(__name__)
 
-_PAGE = mmap.PAGESIZE
 _NUMPY_FROM = 64 << 10       # copies at least this large go through numpy, which frees the GIL
-_MAP_NORESERVE = 0x4000      # Linux; address space only, pages are committed as they are touched
-_MADV_POPULATE_WRITE = 23    # Linux >= 5.14
-_POPULATE_STEP = 4 << 20
-_IDLE_S = 0.05               # the reserve is refilled once the store had no call for this long
-
-
-def _pages(n: int) -> int:
-    return -(-n // _PAGE) * _PAGE
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -76,75 +62,24 @@ class MemoryStore:
         self._recycled = 0
         self._reserved: dict[bytes, memoryview] = {}    # reserved, uncommitted slots
         self._pins: dict[bytes, list] = {}              # key -> [count, slot]
-        # The arena (reserve > 0): slots carved page-aligned from _top; [_top, _ready) faulted in.
-        self._arena: mmap.mmap | None = None
-        self._arena_view: memoryview | None = None
-        self._top = 0
-        self._ready = 0
-        self._reserve = _pages(min(reserve, capacity))
-        self._arena_at: dict[int, int] = {}    # id of an arena slot -> its offset
-        self._wake = threading.Condition(self._lock)
-        self._busy_until = 0.0                 # refills wait until then (calls in progress)
-        self._closed = False
-        if self._reserve > 0 and sys.platform.startswith("linux"):
-            self._arena = mmap.mmap(-1, _pages(capacity),
-                                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-            self._arena_view = memoryview(self._arena)
-            threading.Thread(target=self._populate, name="memory-store-reserve",
-                             daemon=True).start()
+        # The arena (reserve > 0, Linux): slots carved from one mapping, faulted in ahead.
+        reserve = pages(min(reserve, capacity))
+        self._arena = (ReservedArena(capacity, reserve, self._lock)
+                       if reserve > 0 and sys.platform.startswith("linux") else None)
         # Failure switches for tests: keys whose reads/writes fail.
         self.fail_reads: set[bytes] = set()
         self.fail_writes: set[bytes] = set()
         self.namespaces: dict[bytes, dict[str, object]] = {}
 
-    def _populate(self) -> None:
-        """Keep `reserve` bytes past the fill point faulted in (outside the lock, GIL released)."""
-        assert self._arena is not None
-        try:   # refill when the tier is idle, not while it competes with the copies it speeds up
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        size = len(self._arena)
-        while True:
-            with self._wake:
-                while not self._closed and self._ready >= min(size, self._top + self._reserve):
-                    self._wake.wait()
-                if self._closed:
-                    return
-                pause = self._busy_until - time.monotonic()
-                if pause > 0:    # zeroing pages would take memory bandwidth from the copies
-                    self._wake.wait(pause)
-                    continue
-                start = max(self._ready, self._top)
-                n = min(_POPULATE_STEP, min(size, self._top + self._reserve) - start)
-            if madvise(base + start, n, _MADV_POPULATE_WRITE) != 0:
-                log.info("DRAM tier: pages cannot be faulted in ahead (errno %d); filling it "
-                         "faults them in as it goes", ctypes.get_errno())
-                return
-            with self._wake:
-                self._ready = max(self._ready, start + n)
-
     def wait_reserve(self, timeout: float) -> bool:
         """Block until the reserve is faulted in (start-up of a DRAM tier sized to be preallocated:
         its first puts then copy without page faults). False if `timeout` passed first."""
-        if self._arena is None:
-            return True
-        end = time.monotonic() + timeout
-        with self._wake:
-            while self._ready < min(len(self._arena), self._top + self._reserve):
-                left = end - time.monotonic()
-                if left <= 0 or self._closed:
-                    return False
-                self._wake.wait(min(left, 0.05))
-        return True
+        return self._arena.wait_ready(timeout) if self._arena is not None else True
 
     # ---------------------------------------------------------------- slots (lock held)
     def _held_bytes(self) -> int:
         """Memory held besides stored blocks: kept slots and the arena's uncarved part."""
-        return self._free_bytes + max(0, self._ready - self._top)
+        return self._free_bytes + (self._arena.spare() if self._arena is not None else 0)
 
     def _release(self, slot: memoryview) -> None:
         """Keep a slot whose block left the store, for the next block of its size."""
@@ -165,15 +100,8 @@ class MemoryStore:
                 return
 
     def _forget(self, slot: memoryview) -> None:
-        start = self._arena_at.pop(id(slot), None)
-        if start is not None and self._arena is not None:
-            # An arena slot stays mapped (its address range is a hole now); its pages go back.
-            end = (start + slot.nbytes) // _PAGE * _PAGE
-            try:
-                if end > start:
-                    self._arena.madvise(mmap.MADV_DONTNEED, start, end - start)
-            except (OSError, ValueError):
-                pass
+        if self._arena is not None:
+            self._arena.forget(slot)
         slot.release()
 
     def _slot(self, size: int) -> memoryview | None:
@@ -186,13 +114,9 @@ class MemoryStore:
             self._free_bytes -= size
             self._recycled += 1
             return slot
-        av = self._arena_view
-        if av is not None and self._top + size <= av.nbytes:
-            slot = av[self._top:self._top + size]
-            self._arena_at[id(slot)] = self._top
-            self._top = min(av.nbytes, self._top + _pages(size))
-            self._wake.notify()
-            return slot
+        carved = self._arena.carve(size) if self._arena is not None else None
+        if carved is not None:
+            return carved
         if self._used + self._held_bytes() + size > self.capacity:
             self._drop_free(size)
         if self._used + self._held_bytes() + size > self.capacity:
@@ -200,7 +124,8 @@ class MemoryStore:
         return memoryview(bytearray(size))
 
     def _busy(self) -> None:
-        self._busy_until = time.monotonic() + _IDLE_S
+        if self._arena is not None:
+            self._arena.busy()
 
     def _make_room(self, size: int) -> bool:
         """Evict least-recently-used unpinned blocks until `size` more bytes fit the cap."""
@@ -227,9 +152,7 @@ class MemoryStore:
     # ---------------------------------------------------------------- slot API
     def arena_region(self) -> tuple[int, int] | None:
         """(address, length) of the arena every arena slot lies in; None without one."""
-        if self._arena is None:
-            return None
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), len(self._arena)
+        return self._arena.region() if self._arena is not None else None
 
     def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]:
         """Slots to write new blocks into, invisible until committed. None where the key is
@@ -421,6 +344,5 @@ class MemoryStore:
         return {"local": self.stats()}
 
     def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
+        if self._arena is not None:
+            self._arena.close()

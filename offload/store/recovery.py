@@ -18,7 +18,7 @@ import stat
 import time
 from typing import Callable
 
-from offload.store import cachedir, slab
+from offload.store import cachedir, slab, slot_format
 from offload.store.index import SIDE_FILES, Freed, Index
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def _set_aside_and_rebuild(directory: str, slabs: slab.SlabFiles, path: str, asi
 
 
 def _has_slabs(directory: str) -> bool:
-    return any(slab.parse_segment_name(n) is not None for n in os.listdir(directory))
+    return any(slot_format.parse_segment_name(n) is not None for n in os.listdir(directory))
 
 
 def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int) -> Index:
@@ -104,7 +104,7 @@ def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int
     rows, segments, free = [], [], []
     seen: set[bytes] = set()
     for name in sorted(os.listdir(directory)):
-        parsed = slab.parse_segment_name(name)
+        parsed = slot_format.parse_segment_name(name)
         if parsed is None:
             continue
         seg, sb = parsed
@@ -118,7 +118,7 @@ def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int
         free += [(sb, seg, s) for s in range(used) if s not in allocated]
         for s in sorted(allocated):
             h = slabs.read_header(seg, sb, s)
-            if h is None or h.key in seen or slab.slot_bytes_for(h.length) != sb:
+            if h is None or h.key in seen or slot_format.slot_bytes_for(h.length) != sb:
                 free.append((sb, seg, s))
                 slabs.free(seg, sb, s)
                 continue

@@ -1,6 +1,6 @@
 """Slab files: the bytes of the disk store. No bookkeeping here (that is `index.py`).
 
-The slot format (names, header, checksums) is in `slot_format.py` (re-exported here); the open
+The slot format (names, header, checksums) is in `slot_format.py`; the open
 fds in `fdcache.py`. Slots are written without fallocate (the file grows as O_DIRECT writes land)
 and hole-punched when freed, so the disk holds only live blocks. I/O is O_DIRECT where the file
 system allows (else buffered, logged once), vectored straight from/into the caller's buffers when
@@ -32,21 +32,12 @@ from offload.store.base import Buffer
 from offload.store.fdcache import MAX_OPEN, FdCache, SlabMissing
 from offload.store.slot_format import (
     ALIGN,
-    CSUM_WSUM64,
-    CSUM_XXH3,
     HEADER_BYTES,
     Header,
     align_up,
-    checksum,
-    checksum_of,
-    pack_header,
     pack_header_into,
-    parse_segment_name,
-    segment_name,
-    slot_bytes_for,
     unpack_header,
     verify,
-    wsum64,
 )
 
 log = logging.getLogger(__name__)
@@ -319,7 +310,5 @@ class SlabFiles:
         self.fds.close()
 
 
-__all__ = ["ALIGN", "CSUM_WSUM64", "CSUM_XXH3", "HEADER_BYTES", "IOV_MAX", "MAX_OPEN", "MISSING",
-           "Header", "HeaderAreas", "SlabFiles", "SlabMissing", "align_up", "aligned", "checksum",
-           "checksum_of", "pack_header", "pack_header_into", "parse_segment_name", "punch_hole",
-           "reason", "segment_name", "slot_bytes_for", "unpack_header", "verify", "wsum64"]
+__all__ = ["IOV_MAX", "MAX_OPEN", "MISSING", "HeaderAreas", "SlabFiles", "SlabMissing", "aligned",
+           "punch_hole", "reason"]

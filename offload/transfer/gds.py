@@ -45,8 +45,8 @@ def wsum64(data: Any) -> int:
 
 
 def wsum64_numpy(buf: Buffer) -> int:
-    """The same checksum on the CPU (the store's own `slab.wsum64`, which verifies GDS blocks)."""
-    from offload.store.slab import wsum64 as cpu_wsum64
+    """The same checksum on the CPU (the store's own `slot_format.wsum64`, which verifies GDS blocks)."""
+    from offload.store.slot_format import wsum64 as cpu_wsum64
 
     return cpu_wsum64([buf])
 

@@ -219,8 +219,8 @@ def test_metrics_and_clear(tmp_path):
 
 
 def test_fast_block_keys_equal_block_key():
-    from offload.keys import block_key
+    from offload.keys import block_key, key_maker
 
     ns = bytes(range(16))
     hashes = ["", "a", "f" * 64, "é"] + KEYS
-    assert hicache.key_maker(ns)(hashes) == [block_key(ns, h) for h in hashes]
+    assert key_maker(ns)(hashes) == [block_key(ns, h) for h in hashes]

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from offload.keys import block_key
-from offload.store import slab
+from offload.store import slot_format
 from tests.hicache import controller_harness as ch
 from tests.hicache import hicache_pools as hp
 
@@ -61,7 +61,7 @@ def test_backup_then_prefetch_is_byte_identical(tmp_path, layout, mla):
 def _corrupt_block(store_dir: str, key: bytes) -> bool:
     """Flip one data byte of the block stored under `key` (found by its slot header)."""
     for name in os.listdir(store_dir):
-        parsed = slab.parse_segment_name(name)
+        parsed = slot_format.parse_segment_name(name)
         if parsed is None:
             continue
         _, slot_bytes = parsed
@@ -70,11 +70,11 @@ def _corrupt_block(store_dir: str, key: bytes) -> bool:
             size = os.path.getsize(path)
             for off in range(0, size, slot_bytes):
                 f.seek(off)
-                h = slab.unpack_header(f.read(slab.HEADER_BYTES))
+                h = slot_format.unpack_header(f.read(slot_format.HEADER_BYTES))
                 if h is not None and h.key == key:
-                    f.seek(off + slab.HEADER_BYTES + 100)
+                    f.seek(off + slot_format.HEADER_BYTES + 100)
                     b = f.read(1)
-                    f.seek(off + slab.HEADER_BYTES + 100)
+                    f.seek(off + slot_format.HEADER_BYTES + 100)
                     f.write(bytes([b[0] ^ 0xFF]))
                     return True
     return False

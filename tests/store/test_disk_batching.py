@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from offload.store import coalesce, slab
+from offload.store import coalesce, slab, slot_format
 from offload.store.index import Location
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
@@ -94,7 +94,7 @@ def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, 
 
     def counting(name: str):  # type: ignore[no-untyped-def]
         def call(fd: int, *a: object, **kw: object) -> object:
-            if slab.parse_segment_name(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))):
+            if slot_format.parse_segment_name(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))):
                 calls[name].append(len(a[0]) if name != "fdatasync" else 1)  # type: ignore
             return real[name](fd, *a, **kw)
         return call
@@ -109,7 +109,7 @@ def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, 
         assert s.get_many(ks, outs) == [True] * 32
         monkeypatch.undo()
         assert dst[:] == src[:]
-    runs = 32 * slab.slot_bytes_for(SIZE) // coalesce.MIN_RUN_BYTES
+    runs = 32 * slot_format.slot_bytes_for(SIZE) // coalesce.MIN_RUN_BYTES
     assert len(calls["pwritev"]) == runs and len(calls["preadv"]) == runs, calls
     assert sum(calls["pwritev"]) == 64                   # a header and the data per block
     assert calls["fdatasync"] == [1]
@@ -117,7 +117,7 @@ def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, 
 
 def test_plan_keeps_threads_busy_without_cutting_runs_below_the_minimum():
     def locs(n: int, size: int) -> list[Location]:
-        sb = slab.slot_bytes_for(size)
+        sb = slot_format.slot_bytes_for(size)
         return [Location(key(i), 1, i, sb, size, 0) for i in range(n)]
 
     buf = mmap.mmap(-1, 16 << 20)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import threading
 
-from offload.store import cachedir, slab
+from offload.store import cachedir, slab, slot_format
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 
 SIZE = 64 << 10
-SLOT = slab.slot_bytes_for(SIZE)
+SLOT = slot_format.slot_bytes_for(SIZE)
 
 
 def put(s, ids, size=SIZE) -> list[bool]:

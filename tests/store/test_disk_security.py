@@ -16,13 +16,13 @@ from typing import Iterator
 import pytest
 
 from offload.errors import StoreError
-from offload.store import slab
+from offload.store import slot_format
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 
 SIZE = 64 << 10
-SLOT = slab.slot_bytes_for(SIZE)
+SLOT = slot_format.slot_bytes_for(SIZE)
 SETPRIV = shutil.which("setpriv")
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
@@ -117,7 +117,7 @@ def test_directory_precreated_by_another_user_with_a_symlinked_slab(public_tmp, 
     d = os.path.join(public_tmp, "cache")
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious" * 1024)
-    link = os.path.join(d, slab.segment_name(1, SLOT))
+    link = os.path.join(d, slot_format.segment_name(1, SLOT))
     r = as_nobody("sh", "-c", f"mkdir -m 777 {d} && ln -s {victim} {link}")
     assert r.returncode == 0, r.stderr
     with pytest.raises(StoreError, match=r"owned by nobody.*chown"):
@@ -132,7 +132,7 @@ def test_symlink_planted_as_the_next_slab_is_not_followed(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious" * 1024)
     d.mkdir(mode=0o700)
-    os.symlink(victim, d / slab.segment_name(1, SLOT))
+    os.symlink(victim, d / slot_format.segment_name(1, SLOT))
     with open_store(d) as s:
         assert put(s, range(4)) == [True] * 4
         assert all(get_bytes(s, key(i), SIZE) == data(key(i), SIZE) for i in range(4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from offload.store import slab
+from offload.store import slot_format
 from offload.store.base import Slot, SlotStore, get_bytes
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
@@ -27,7 +27,7 @@ def test_reserved_slot_written_elsewhere_is_verified_with_wsum64(tmp_path):
         assert s.exists_many(ks) == [False] * 3  # not visible before commit
         for sl in slots:
             _write_like_gds(sl, data(sl.key, size))
-        sums = [slab.wsum64([data(k, size)]) for k in ks]
+        sums = [slot_format.wsum64([data(k, size)]) for k in ks]
         sums[2] ^= 1  # the path computed a wrong checksum for block 2
         assert s.commit_slots(slots, sums) == [True] * 3
         assert get_bytes(s, ks[0], size) == data(ks[0], size)
@@ -51,7 +51,7 @@ def test_wsum64_matches_the_gds_module():
     from offload.transfer.gds import wsum64_numpy
 
     buf = os.urandom(1000)
-    assert wsum64_numpy(buf) == slab.wsum64([buf]) == slab.wsum64([buf[:300], buf[300:]])
+    assert wsum64_numpy(buf) == slot_format.wsum64([buf]) == slot_format.wsum64([buf[:300], buf[300:]])
 
 
 def test_disk_store_is_a_slot_store_of_file_slots(tmp_path):
