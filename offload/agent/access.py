@@ -45,18 +45,18 @@ class RemoteNamespace(Namespace):
         return d
 
 
+# The fields a host describes a namespace by: all of `Namespace` but the salt.
+DESCRIBED = tuple(f.name for f in dataclasses.fields(Namespace) if f.name != "salt")
+
+
 def _fields(msg: protocol.RegisterNs, salt: str) -> Namespace:
-    return Namespace(model=msg.model, dtype=msg.dtype, layout=msg.layout, page_size=msg.page_size,
-                     tp_rank=msg.tp_rank, tp_size=msg.tp_size, pp_rank=msg.pp_rank,
-                     pp_size=msg.pp_size, mla=msg.mla, salt=salt, extra=msg.extra)
+    return Namespace(salt=salt, **{f: getattr(msg, f) for f in DESCRIBED})
 
 
 def register_msg(ns: Namespace) -> protocol.RegisterNs:
     """What a host sends for a namespace (client side): no salt."""
-    return protocol.RegisterNs(
-        digest=ns.digest(), model=ns.model, dtype=ns.dtype, layout=ns.layout,
-        page_size=ns.page_size, tp_rank=ns.tp_rank, tp_size=ns.tp_size, pp_rank=ns.pp_rank,
-        pp_size=ns.pp_size, mla=ns.mla, salted=bool(ns.salt), extra=ns.extra)
+    return protocol.RegisterNs(digest=ns.digest(), salted=bool(ns.salt),
+                               **{f: getattr(ns, f) for f in DESCRIBED})
 
 
 class Access:

@@ -148,6 +148,7 @@ class RegisterNs(Msg):
     mla: bool = False
     salted: bool = False
     extra: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    pool: Annotated[str, msgspec.Meta(max_length=64)] = ""   # a v2 sidecar pool ("" = KV pages)
 
 
 class Metadata(Msg):

@@ -65,3 +65,19 @@ def test_shared_secret_is_one_group_and_unsalted_digests_are_checked() -> None:
     with pytest.raises(AccessError, match="does not match"):
         acc.register("h", type(lie)(**{**{f: getattr(lie, f) for f in lie.__struct_fields__},
                                        "digest": plain.digest()}))
+
+
+def test_pool_namespaces_are_granted_like_their_kv(tmp_path: Path) -> None:
+    """A v2 sidecar pool (its own namespace, `pool` set) is described in full, so the agent can
+    recompute its digest from the host's salt, and an unsalted one's digest is checked."""
+    draft = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16,
+                      salt="tenant-a", pool="draft")
+    keys = load_keys(keys_file(tmp_path, '[hosts.a]\nsecret = "' + "a" * 32
+                               + '"\nsalts = ["tenant-a"]\n'))
+    acc = Access.per_host(keys)
+    ns = acc.register("a", register_msg(draft))
+    assert ns.digest() == draft.digest() and ns.describe()["pool"] == "draft"
+    assert acc.refused("a", [draft.key("p")]) is None
+    unsalted = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, pool="mamba")
+    assert Access.shared(b"s" * 32).register("h", register_msg(unsalted)).digest() \
+        == unsalted.digest()
