@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -97,3 +98,22 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return pred()
+
+
+@contextmanager
+def recording_sends() -> Iterator[list[bytes]]:
+    """Every frame this process sends on a protocol channel meanwhile, as the bytes on the wire."""
+    from offload.agent import protocol
+
+    sent: list[bytes] = []
+    real = protocol.send_parts
+
+    def record(sock, parts, *rest):  # type: ignore[no-untyped-def]
+        sent.append(b"".join(bytes(p) for p in parts))
+        real(sock, parts, *rest)
+
+    protocol.send_parts = record
+    try:
+        yield sent
+    finally:
+        protocol.send_parts = real

@@ -22,7 +22,7 @@ import pytest
 from offload.agent import protocol
 from offload.agent.client import AgentStore
 from offload.keys import Namespace
-from tests.agent.conftest import SECRET, needs_nixl, wait_for
+from tests.agent.conftest import SECRET, needs_nixl, recording_sends, wait_for
 
 KEY = b"K" * 32
 
@@ -371,19 +371,11 @@ def test_a_host_cannot_act_as_another(keyed) -> None:
 
 
 def test_register_ns_does_not_send_the_salt(keyed) -> None:
-    sent: list[bytes] = []
-    real = protocol.send_parts
-
-    def record(sock, parts, *rest):
-        sent.append(b"".join(bytes(p) for p in parts))
-        real(sock, parts, *rest)
-
-    protocol.send_parts = record
     a = host(keyed, "host-a")
     try:
-        a.register_namespace(NS_A)
-        assert a.put_many([NS_A.key("p")], [[b"x"]]) == [True]
+        with recording_sends() as sent:
+            a.register_namespace(NS_A)
+            assert a.put_many([NS_A.key("p")], [[b"x"]]) == [True]
     finally:
-        protocol.send_parts = real
         a.close()
     assert sent and not any(b"tenant-a" in s for s in sent)

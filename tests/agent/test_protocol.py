@@ -12,6 +12,7 @@ import pytest
 from offload.agent import protocol
 from offload.agent.auth import load_secret
 from offload.errors import ConfigError
+from tests.agent.conftest import recording_sends
 
 SECRET = b"s" * 32
 
@@ -47,14 +48,8 @@ def test_wrong_secret_fails_mac() -> None:
 def test_direction_matters() -> None:
     """A server frame reflected back to the server does not verify."""
     s, c = pair()
-    sent: list[bytes] = []
-    real = protocol.send_parts
-    protocol.send_parts = lambda sock, parts, *rest: (
-        sent.append(b"".join(bytes(p) for p in parts)), real(sock, parts, *rest))
-    try:
+    with recording_sends() as sent:
         s.send(protocol.STATS | protocol.REPLY, 1, protocol.StatsReply({}))
-    finally:
-        protocol.send_parts = real
     c.recv()
     c.sock.sendall(sent[0])
     with pytest.raises(protocol.AuthError):

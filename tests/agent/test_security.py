@@ -13,7 +13,7 @@ import pytest
 
 from offload.agent import protocol
 from offload.agent.client import AgentStore
-from tests.agent.conftest import SECRET, wait_for
+from tests.agent.conftest import SECRET, recording_sends, wait_for
 
 KEY = b"K" * 32
 
@@ -101,20 +101,10 @@ def test_tampered_frame_rejected(agent) -> None:
 
 def test_replayed_frame_rejected(agent) -> None:
     ch = raw(agent)
-    sent: list[bytes] = []
-    real_send = protocol.send_parts
-
-    def record(sock, parts, *rest):
-        sent.append(b"".join(bytes(p) for p in parts))
-        real_send(sock, parts, *rest)
-
-    protocol.send_parts = record
-    try:
+    with recording_sends() as sent:
         hello(ch)
         ch.send(protocol.EXISTS, 2, protocol.KeyList([KEY]))
         assert ch.recv().op == protocol.EXISTS | protocol.REPLY
-    finally:
-        protocol.send_parts = real_send
     ch.sock.sendall(sent[-1])          # the same EXISTS frame again
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "replay" in agent.text())
