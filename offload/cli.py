@@ -2,7 +2,14 @@
 
 Each sub-command lives in its own module, imported only when that command runs (so `detect` never
 pays for the block store, and `--help` loads nothing heavy). A command module exposes
-`add_arguments(parser)` and `run(args) -> int`. Exit codes: 0 ok, 1 a check failed, 2 bad input.
+`add_arguments(parser)` and `run(args) -> int`.
+
+One error path for every command (`main`): a bad option value is argparse's `error:` line (the
+option types in `offload.commands.argtypes` check values while parsing, before any work); a typed
+error (`offload.errors`) is one `error:` line per problem with its exit code; an OSError names
+the file; anything else is one `error: internal error` line (`-v` logs its traceback). A closed
+stdout (`... | head`) ends the command quietly. Exit codes: 0 ok, 1 a check failed or the run
+could not complete, 2 bad input, 130 interrupted, 141 stdout closed by the reader.
 """
 
 from __future__ import annotations
@@ -10,9 +17,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import select
 import sys
+import time
 
 from offload.errors import OffloadError
+
+log = logging.getLogger("offload.cli")
 
 # name -> (module, one-line help). A duplicate name is a programming error caught at import.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,7 +35,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("offload.commands.cache", "inspect and maintain a cache directory"),
     "agent": ("offload.commands.agent", "run the storage agent (on a BlueField DPU or storage host)"),
     "launch": ("offload.commands.launch", "validate a deployment config and exec SGLang with the tier"),
+    "demo-model": ("offload.commands.demo_model", "write a small random-weight model to serve on a CPU box"),
 }
+EXIT_PIPE = 141      # as a process killed by SIGPIPE, what a shell reports for `yes | head -1`
 
 
 def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -39,23 +53,79 @@ def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespac
     return parser, parser.parse_args(argv)
 
 
+def _errors(lines: str) -> None:
+    for line in lines.splitlines() or [""]:
+        print(f"error: {line}", file=sys.stderr)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (a BrokenPipeError may also come from another pipe)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):   # stdout without a file descriptor (tests)
+        return True
+
+
+def _quiet_stdout() -> int:
+    """Stop writing to a closed stdout, and let nothing flush into it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):   # stdout without a file descriptor (tests)
+        pass
+    return EXIT_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, args = _parser(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if not args.command:
-        parser.print_help()
-        return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
+    verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
     try:
-        return int(module.run(args) or 0)
+        parser, args = _parser(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        if args.verbose:         # also when logging was configured before (in-process callers)
+            logging.getLogger("offload").setLevel(logging.DEBUG)
+        if not args.command:
+            parser.print_help()
+            return 2
+        module = importlib.import_module(COMMANDS[args.command][0])
+        given = sorted(k for k, v in vars(args).items()
+                       if k not in ("command", "verbose") and v not in (None, False, [], ""))
+        log.debug("%s (%s), options given: %s", args.command, module.__name__,
+                  ", ".join(given) or "none")          # names only: values may be secrets
+        t0 = time.monotonic()
+        rc = int(module.run(args) or 0)
+        sys.stdout.flush()       # a closed pipe shows here, inside the handler, not at exit
+        log.debug("%s: exit %d after %.2f s", args.command, rc, time.monotonic() - t0)
+        return rc
+    except SystemExit as e:      # argparse: --help (0) or a bad option (2, its message printed)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        _errors(str(e.code))     # sys.exit("message")
+        return 1
+    except BrokenPipeError as e:
+        if _stdout_closed():
+            return _quiet_stdout()
+        _errors(f"{e.filename or 'a pipe'}: {e.strerror or e}")
+        return 1
     except OffloadError as e:
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        _errors(str(e))
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except OSError as e:         # a file or socket the command needed, named with the reason
+        log.debug("traceback", exc_info=True)
+        where = f"{e.filename}: " if e.filename else ""
+        _errors(f"{where}{e.strerror or e}")
+        return 1
+    except Exception as e:       # a bug: one line; -v logs the traceback for the report
+        log.debug("traceback", exc_info=True)
+        _errors(f"internal error: {type(e).__name__}: {e}"
+                + ("" if verbose else " (run with -v for the traceback and report it)"))
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from offload import redact
 from offload.errors import ConfigError
 
 _UNITS = {
@@ -68,6 +69,15 @@ def _doc(text: str, **kw: Any) -> Any:
     return field(metadata={"doc": text}, **kw)
 
 
+def _redacted_repr(section: str) -> Any:
+    """A dataclass __repr__ that masks the section's secrets (a repr ends up in tracebacks)."""
+    def __repr__(self: Any) -> str:
+        inner = ", ".join(f"{f.name}={redact.value(f'{section}.{f.name}', getattr(self, f.name))}"
+                          for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({inner})"
+    return __repr__
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     path: str = _doc("cache directory (local NVMe); shared by every process that opens it",
@@ -83,15 +93,18 @@ class StoreConfig:
     o_direct: OnOffAuto = _doc("O_DIRECT I/O: on (fail if refused), off, auto (fall back, logged)",
                                default="auto")
     io_threads: int = _doc("I/O threads per process keeping the device queue busy", default=8)
-    salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier)",
-                     default="")
+    salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier); "
+                     "a secret: printed as ***", default="")
+
+    __repr__ = _redacted_repr("offload.store")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     path: Literal["auto", "cpu", "gds", "dpu"] = _doc(
         "how blocks move: auto (decided by detection), cpu staging, gds, dpu agent", default="auto")
-    numa_node: int | None = _doc("pin I/O threads to this NUMA node (default: the GPU's)", default=None)
+    numa_node: int | None = _doc("pin I/O threads to this NUMA node (default: the GPU's); must be a "
+                                 "node of the machine", default=None)
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,8 @@ class AgentConfig:
     address: str | None = _doc("HOST:PORT of the DPU / storage agent", default=None)
     transport: Literal["ucx", "tcp"] = _doc("ucx (NIXL moves the bytes) or tcp (bytes on the "
                                             "control connection)", default="ucx")
-    secret_file: str | None = _doc("file holding the shared secret (else env SGLANG_OFFLOAD_SECRET)",
-                                   default=None)
+    secret_file: str | None = _doc("file (mode 600) holding the shared secret (else env "
+                                   "SGLANG_OFFLOAD_SECRET)", default=None)
     host_name: str | None = _doc("this host's name in the agent's keys file (per-host credentials; "
                                  "secret_file then holds this host's own secret)", default=None)
     timeout_s: float = _doc("give up on one request after this many seconds", default=5.0)
@@ -108,8 +121,8 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class RedisConfig:
-    url: str | None = _doc("redis://, rediss:// (TLS) or redis+cluster:// URL; unset = no Redis tier",
-                           default=None)
+    url: str | None = _doc("redis://, rediss:// (TLS) or redis+cluster:// URL; unset = no Redis tier; "
+                           "a password in it is printed as ***", default=None)
     write_policy: Literal["write_through", "seen_n"] = _doc(
         "write every block to Redis, or only blocks stored seen_n times", default="write_through")
     seen_n: int = _doc("with write_policy seen_n: how many stores before a block goes to Redis",
@@ -121,8 +134,8 @@ class RedisConfig:
                              default=None)
     max_bytes: Size | None = _doc("our own budget in Redis (unset: Redis's maxmemory decides)",
                                   default=None)
-    password_file: str | None = _doc("file holding the Redis AUTH password (wins over one in the URL)",
-                                     default=None)
+    password_file: str | None = _doc("file (mode 600) holding the Redis AUTH password (wins over one "
+                                     "in the URL)", default=None)
     secret_file: str | None = _doc(
         "file (mode 600, >= 16 bytes) holding the key that authenticates every value in Redis; "
         "unset: values are bound to their key but anyone who can write to the Redis can forge "
@@ -136,6 +149,8 @@ class RedisConfig:
                                      "tls-auth-clients yes)", default=None)
     tls_key_file: str | None = _doc("rediss://: private key of tls_cert_file", default=None)
 
+    __repr__ = _redacted_repr("offload.redis")
+
 
 @dataclass(frozen=True)
 class HwConfig:
@@ -146,8 +161,8 @@ class HwConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = _doc("export Prometheus metrics", default=True)
-    port: int | None = _doc("also serve metrics on this port (SGLang's own /metrics has them "
-                            "with --enable-metrics; without it, each rank on port + rank)",
+    port: int | None = _doc("also serve metrics on this port, 1..65535 (SGLang's own /metrics has "
+                            "them with --enable-metrics; without it, each rank on port + rank)",
                             default=None)
 
 
@@ -207,7 +222,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         allowed = typing.get_args(tp)
         if value in allowed and type(value) is type(allowed[0]):
             return value
-        problems.append(f"{path}: {value!r} is not allowed; use {_type_name(tp)}")
+        problems.append(f"{path}: {redact.value(path, value)} is not allowed; use {_type_name(tp)}")
         return None
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
@@ -215,7 +230,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         try:
             return Size.parse(value)
         except ValueError as e:
-            problems.append(f"{path}: {value!r} is not {e}")
+            problems.append(f"{path}: {redact.value(path, value)} is not {e}")
             return None
     if tp is bool:
         if isinstance(value, bool):
@@ -231,7 +246,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return value
     else:  # pragma: no cover - schema error, not user error
         raise TypeError(f"unsupported config type {tp!r} at {path}")
-    problems.append(f"{path}: {value!r} is not {_type_name(tp)}")
+    problems.append(f"{path}: {redact.value(path, value)} is not {_type_name(tp)}")
     return None
 
 
@@ -247,7 +262,8 @@ def _build(cls: Any, data: Any, path: str, problems: list[str]) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        problems.append(f"{path}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        problems.append(f"{path}: expected a mapping of keys, got {type(data).__name__} "
+                        f"{redact.text(repr(data))}")
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -268,6 +284,7 @@ def _build(cls: Any, data: Any, path: str, problems: list[str]) -> Any:
 
 
 def _check(cfg: OffloadConfig, problems: list[str]) -> None:
+    """Append one line per range or combination problem of `cfg` to `problems`."""
     s = cfg.store
     for name in ("high_watermark", "low_watermark"):
         v = getattr(s, name)
@@ -286,15 +303,23 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
     if not s.path:
         problems.append("offload.store.path: '' is empty; name the cache directory")
     a = cfg.agent
-    if a.address is not None and not re.match(r"^\[?[A-Za-z0-9_.:-]+\]?:[0-9]{1,5}$", a.address):
-        problems.append(f"offload.agent.address: {a.address!r} is not HOST:PORT")
+    m = re.match(r"^\[?[A-Za-z0-9_.:-]+\]?:([0-9]{1,5})$", a.address or "")
+    if a.address is not None and (not m or not 0 < int(m.group(1)) < 65536):
+        problems.append(f"offload.agent.address: {a.address!r} is not HOST:PORT (port 1..65535)")
     if a.timeout_s <= 0:
         problems.append(f"offload.agent.timeout_s: {a.timeout_s!r} must be > 0")
     r = cfg.redis
     if r.url is not None and not re.match(r"^(redis|rediss|redis\+cluster|rediss\+cluster)://",
                                           r.url):
-        problems.append(f"offload.redis.url: {r.url!r} is not a redis://, rediss:// or "
-                        "redis+cluster:// URL")
+        problems.append(f"offload.redis.url: {redact.value('offload.redis.url', r.url)} is not a "
+                        "redis://, rediss:// or redis+cluster:// URL")
+    elif r.url is not None:
+        from offload.store.redis_link import parse_url  # (imports nothing native)
+
+        try:
+            parse_url(r.url)
+        except ConfigError as e:
+            problems.extend(e.problems)
     if r.timeout_s <= 0:
         problems.append(f"offload.redis.timeout_s: {r.timeout_s!r} must be > 0")
     if r.seen_n < 1:
@@ -313,25 +338,51 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
                         "tls_cert_file and tls_key_file")
     if r.url is not None and not r.url.startswith("rediss") and (
             r.tls_ca_file or r.tls_cert_file):
-        problems.append(f"offload.redis.tls_ca_file: TLS settings need a rediss:// URL, got "
-                        f"{r.url!r}")
+        problems.append("offload.redis.tls_ca_file: TLS settings need a rediss:// URL, got "
+                        f"{redact.value('offload.redis.url', r.url)}")
     if cfg.transfer.path == "dpu" and cfg.agent.address is None:
         problems.append("offload.transfer.path: 'dpu' needs offload.agent.address (HOST:PORT)")
+    if cfg.transfer.numa_node is not None and cfg.transfer.numa_node < 0:
+        problems.append(f"offload.transfer.numa_node: {cfg.transfer.numa_node!r} is not a NUMA "
+                        "node; use a node number >= 0 (`ls /sys/devices/system/node`) or unset it")
+    port = cfg.metrics.port
+    if port is not None and not 1 <= port <= 65535:
+        problems.append(f"offload.metrics.port: {port!r} is out of range; use a TCP port 1..65535 "
+                        "(with several TP ranks, port + rank must stay <= 65535) or unset it")
     w = cfg.worth_it
     if w.prefill_tokens_per_s is not None and w.prefill_tokens_per_s <= 0:
         problems.append(f"offload.worth_it.prefill_tokens_per_s: {w.prefill_tokens_per_s!r} "
                         "must be > 0")
 
 
+def _unrelated(line: str, bad_keys: set[str]) -> bool:
+    """A range/combination problem not about a key that already failed its type check (whose
+    default stands in for it while checking the rest)."""
+    key = line.split(":", 1)[0]
+    return key not in bad_keys and not any(k.rsplit(".", 1)[-1] in line for k in bad_keys)
+
+
 def load_offload(data: Any, path: str = "offload") -> OffloadConfig:
-    """Validate the `offload:` tree. Raises ConfigError listing every problem."""
+    """Validate the `offload:` tree. Raises ConfigError listing every problem (type and range
+    problems of every key at once)."""
     problems: list[str] = []
     cfg = _build(OffloadConfig, data, path, problems)
-    if not problems:
-        _check(cfg, problems)
+    checks: list[str] = []
+    _check(cfg, checks)
+    bad_keys = {line.split(":", 1)[0] for line in problems}
+    problems += [line for line in checks if _unrelated(line, bad_keys)]
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _yaml_problem(e: Exception) -> str:
+    """The parser's problem and where, without the quoted source line (it may hold a secret)."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or type(e).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return redact.text(f"{what}{where}" + (f" ({context})" if context else ""))
 
 
 def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
@@ -340,7 +391,7 @@ def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError([f"{source}: not valid YAML: {e}"]) from None
+        raise ConfigError([f"{source}: not valid YAML: {_yaml_problem(e)}"]) from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -366,12 +417,23 @@ def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
     return DeploymentConfig(offload=offload, sglang=dict(sglang))
 
 
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def load_file(path: str | Path) -> DeploymentConfig:
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError([f"{p}: cannot read the config file: {e.strerror or e}"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{p}: larger than {MAX_CONFIG_BYTES >> 20} MiB; not a config file"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                           "save the config file as UTF-8"]) from None
     return load_text(text, str(p))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 KEY_BYTES = 32
@@ -31,7 +31,7 @@ class Namespace:
     pp_rank: int = 0
     pp_size: int = 1
     mla: bool = False
-    salt: str = ""
+    salt: str = field(default="", repr=False)   # a secret: never in a repr (offload.redact)
     extra: str = ""  # anything else that changes the bytes of a page (e.g. KV heads per rank)
     pool: str = ""   # SGLang v2 pool name ("draft", "mamba", ...); "" is the KV pages of v1
 

@@ -95,6 +95,47 @@ def test_stats_hit_rates_from_a_metrics_endpoint(tmp_path, capsys):
         thread.join()
 
 
+def test_stats_on_a_page_that_is_not_prometheus_text(tmp_path, capsys):
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>{not: metrics} x y z</body></html>\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        d = tmp_path / "cache"
+        _fill(d, per_ns=1)
+        url = f"http://127.0.0.1:{server.server_port}/"
+        rc, out, err = _cli(capsys, "stats", str(d), "--metrics-url", url)
+        assert rc == 1 and out == "" and err.startswith(f"error: --metrics-url {url}: not "
+                                                        "Prometheus text")
+        assert len(err.splitlines()) == 1
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_clear_of_a_namespace_the_directory_does_not_hold(tmp_path, capsys):
+    d = tmp_path / "cache"
+    _fill(d, per_ns=1)
+    rc, out, err = _cli(capsys, "clear", str(d), "--namespace", "ab" * 16)
+    assert rc == 2 and out == "" and "no such namespace" in err
+    assert NS_A.digest().hex() in err and NS_B.digest().hex() in err     # the ones it holds
+    rc, out, _ = _cli(capsys, "stats", "--json", str(d))
+    assert json.loads(out)["blocks"] == 2                                  # nothing deleted
+
+
 def _flip_data_byte(d: Path, which: int = 3) -> None:
     """Flip one byte in the data region (past the slot header) of the `which`-th slot."""
     slab = next(p for p in sorted(d.iterdir()) if parse_segment_name(p.name))
@@ -186,7 +227,11 @@ def test_evict_and_clear(tmp_path, capsys):
     rc, out, _ = _cli(capsys, "stats", "--json", str(d))
     s = json.loads(out)
     assert s["blocks"] == left - per_ns[NS_B.digest().hex()]
-    rc, out, _ = _cli(capsys, "clear", str(d), "--all")
+    rc, _, err = _cli(capsys, "clear", str(d), "--all")        # no terminal to ask: refused
+    assert rc == 2 and "--yes" in err and "nothing deleted" in err
+    rc, out, _ = _cli(capsys, "stats", "--json", str(d))
+    assert json.loads(out)["blocks"] == s["blocks"]
+    rc, out, _ = _cli(capsys, "clear", str(d), "--all", "--yes")
     assert rc == 0
     rc, out, _ = _cli(capsys, "stats", "--json", str(d))
     assert json.loads(out)["blocks"] == 0
@@ -194,7 +239,7 @@ def test_evict_and_clear(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["evict", "{d}", "--to", "lots"], "--to 'lots'"),
+    (["evict", "{d}", "--to", "lots"], "--to: 'lots'"),
     (["clear", "{d}", "--namespace", "xyz"], "32-digit hex digest"),
     (["clear", "{d}", "--namespace", "00ff"], "32-digit hex digest"),
     (["stats", "{missing}"], "not a cache directory"),

@@ -214,7 +214,7 @@ def test_cli_json_is_one_object(capsys) -> None:
     (["--model", "Llama-9-1T"], "unknown model preset 'Llama-9-1T'; presets: Llama-3.1-8B"),
     (["--gpu", "A100"], "unknown GPU preset 'A100'; presets: H100-80G"),
     (["--kv-dtype", "int4"], "--kv-dtype 'int4'"),
-    (["--context", "lots"], "token count 'lots'"),
+    (["--context", "lots"], "--context 'lots': expected a token count"),
     (["--gpu-mem", "much"], "--gpu-mem 'much'"),
     (["--tp", "2", "--gpus", "3"], "--gpus 3 must be a positive multiple of --tp 2"),
     (["--tp", "3"], "--tp 3 must divide"),
@@ -247,3 +247,39 @@ def test_multimodal_text_config_and_counts() -> None:
     assert parse_count("8030261248", "--params") == 8_030_261_248
     with pytest.raises(ConfigError, match="--params"):
         parse_count("many", "--params")
+
+
+def test_tier_capacity_line_and_tier_needed_count_the_same_users(capsys) -> None:
+    # 100 GiB holds 5 FP8 users, fewer than the 12 in HBM: the column, the note and the tier
+    # needed all say 12 (the old output said "with offload 12; tier holds 5" then "for 15 users")
+    argv = ["plan", "--tp", "2", "--gpus", "2", "--weight-dtype", "fp8", "--kv-dtype", "fp8"]
+    assert main([*argv, "--tier-capacity", "100GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "the tier holds 5 users, fewer than the 12 in HBM: offload adds none (uncapped: 15)" \
+        in out
+    assert "for 12 users" in out
+    assert main([*argv, "--tier-capacity", "260GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "caps those served with offload at 13 (uncapped: 15)" in out and "for 13 users" in out
+    assert main([*argv, "--tier-capacity", "10TiB"]) == 0
+    assert "the tier holds 512 users: not a limit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpu-mem", "0"], "--gpu-mem 0: must be more than 0 bytes"),
+    (["--tier-capacity", "0"], "--tier-capacity 0: must be more than 0 bytes"),
+    (["--prefix-tokens", "999999999999"], "--prefix-tokens '999999999999': more than"),
+    (["--context", "8K", "--prefix-tokens", "16K"], "--prefix-tokens 16384: longer than a user's"),
+    (["--tp", "0"], "argument --tp: '0': must be at least 1"),
+    (["--users", "-3"], "argument --users: '-3': cannot be negative"),
+])
+def test_values_that_made_nonsense_figures_are_refused(capsys, argv: list[str],
+                                                       needle: str) -> None:
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_a_slow_prefill_rate_is_not_printed_as_zero(capsys) -> None:
+    assert main(["plan", "--context", "16M", "--prefill-tps", "0.25"]) == 0
+    assert "prefill rate     0.25 tokens/s per GPU" in capsys.readouterr().out

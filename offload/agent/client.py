@@ -67,7 +67,7 @@ class AgentStore:
         settings = ConnSettings(self.address, secret, self.host_name, transport, timeout_s)
         hooks = ConnHooks(is_down=lambda: time.monotonic() < self.down_until,
                           mark_down=self.mark_down, nixl_metadata=self.nixl_metadata,
-                          namespaces=self.namespaces)
+                          namespaces=self.namespaces, proof_nonces=self.proof_nonces)
         # Several connections so that a prefetch (get) need not wait behind a backup (put).
         self._conns = [AgentConn(settings, hooks) for _ in range(max(1, connections))]
         self._next = 0
@@ -75,6 +75,7 @@ class AgentStore:
         self._regions: list[tuple[int, int]] = []   # registered [start, end)
         self._regs: list[Any] = []
         self._namespaces: dict[bytes, Namespace] = {}
+        self._proofs: dict[bytes, list[bytes]] = {}   # proof tag -> nonces received (NIXL)
 
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: Any = None) -> "AgentStore":
@@ -137,6 +138,30 @@ class AgentStore:
     def nixl_metadata(self) -> bytes | None:
         with self._lock:
             return self._nixl.get_agent_metadata() if self._nixl is not None else None
+
+    def proof_nonces(self, tag: bytes, deadline: float) -> list[bytes]:
+        """The nonces the agent sent this host's NIXL agent under `tag` (a connection's proof
+        tag), waiting for one until `deadline`. Notifications for other connections are kept
+        for them (bounded); anything else is dropped."""
+        prefix = protocol.PROOF_MAGIC + tag
+        size = len(prefix) + protocol.PROOF_NONCE_BYTES
+        while True:
+            with self._lock:
+                if self._nixl is None:
+                    return []
+                for msgs in self._nixl.get_new_notifs().values():
+                    for m in msgs:
+                        m = bytes(m)
+                        if len(m) == size and m.startswith(protocol.PROOF_MAGIC):
+                            got = self._proofs.setdefault(m[4:4 + protocol.PROOF_TAG_BYTES], [])
+                            got.append(m[len(prefix):])
+                            del got[:-protocol.MAX_PROOF_NONCES]
+                while len(self._proofs) > 64:
+                    self._proofs.pop(next(iter(self._proofs)))
+                mine = self._proofs.pop(tag, [])
+            if mine or time.monotonic() > deadline:
+                return mine
+            time.sleep(0.002)
 
     def namespaces(self) -> list[Namespace]:
         with self._lock:

@@ -2,13 +2,14 @@
 
 Primitives: `ConnSettings` (address, secret, host name, transport, timeout) and `ConnHooks` (what
 the connection asks of its store: is the agent marked down, mark it down, this host's NIXL
-metadata, its namespaces), both handed in by the store; `AgentConn(settings, hooks)`; `.lock`
-serialises its use; `.connect()` opens the connection (handshake, HELLO with this host's NIXL
-metadata — sent as METADATA after the HELLO when larger than the agent's pre-authentication
-limit — namespaces re-sent) unless open; `.request(op, msg, payload)` sends one frame and returns
-the decoded reply and its payload, all within `timeout_s` (one deadline per request, not per
-`recv`); `.drop()`. Any failure marks the agent down (`hooks.mark_down`) and raises `Down`; an
-ERROR reply raises `Refused` and keeps the connection.
+metadata, its namespaces, the proof nonces its NIXL agent received), both handed in by the store;
+`AgentConn(settings, hooks)`; `.lock` serialises its use; `.connect()` opens the connection
+(handshake, HELLO with this host's NIXL metadata — sent as METADATA after the HELLO when larger
+than the agent's pre-authentication limit — then PROVE: the nonce the agent sent to this host's
+NIXL endpoint, echoed; namespaces re-sent) unless open; `.request(op, msg, payload)` sends one
+frame and returns the decoded reply and its payload, all within `timeout_s` (one deadline per
+request, not per `recv`); `.drop()`. Any failure marks the agent down (`hooks.mark_down`) and
+raises `Down`; an ERROR reply raises `Refused` and keeps the connection.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ConnHooks:
     mark_down: Callable[[BaseException], None]
     nixl_metadata: Callable[[], bytes | None]
     namespaces: Callable[[], list[Namespace]]
+    proof_nonces: Callable[[bytes, float], list[bytes]]
 
 
 class AgentConn:
@@ -80,13 +82,15 @@ class AgentConn:
                 host=s.host_name, transport=s.transport, nixl_md=md if small else None))[0]
             assert isinstance(info, protocol.HelloReply)
             self.ch.max_body = info.max_body
-            self.nixl = info.nixl
+            self.nixl = info.nixl and small
             if md is not None and not small:
                 try:
                     self._send(protocol.METADATA, protocol.Metadata(md))
                     self.nixl = True
                 except Refused:
                     self.nixl = False
+            if self.nixl:
+                self.nixl = self._prove(info.proof_tag)
             if md is not None and not self.nixl:
                 log.warning("agent %s:%d does not move bytes by NIXL; they travel on the "
                             "control connection", *s.address)
@@ -104,6 +108,19 @@ class AgentConn:
         except (OSError, protocol.ProtocolError, EOFError) as e:
             self.fail(e)
             raise Down(str(e)) from None
+
+    def _prove(self, tag: bytes) -> bool:
+        """Echo the nonce the agent sent to this host's NIXL endpoint; True once accepted."""
+        nonces = self.hooks.proof_nonces(tag, time.monotonic() + self.settings.timeout_s)
+        if not nonces:
+            log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
+                        "the control connection", *self.settings.address)
+            return False
+        try:
+            self._send(protocol.PROVE, protocol.Prove(nonces[-protocol.MAX_PROOF_NONCES:]))
+            return True
+        except Refused:
+            return False
 
     def request(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
                 ) -> tuple[protocol.Msg, memoryview]:

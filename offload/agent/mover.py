@@ -3,16 +3,21 @@
 Primitives:
 - `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host)` loads a host's metadata
   (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
-  `host/` (read from the metadata *before* loading it: a host cannot load another host's metadata
-  and so aim the agent's RDMA at that host's memory); several connections of one host share a
+  `host/` (read from the metadata *before* loading it); several connections of one host share a
   peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
-  `drop_peer(name, conn)` forgets a peer when its last connection closes.
+  `drop_peer(name, conn)` forgets a peer when its last connection closes. A loaded peer is not
+  used until proven: `challenge(name, tag)` sends a fresh nonce to the endpoint the metadata
+  names (a NIXL notification), `prove(name, md)` marks it usable once the host echoed it over
+  its authenticated connection, `proven(name)`; newer metadata under the name is unproven again
+  (a renamed copy of another host's metadata names that host's endpoint, which never tells the
+  presenter the nonce). `covers(name, descs)`: descriptors lie in memory the peer registered.
 - `Direct(store, arena, agent, count)`: what the zero-copy moves need, handed in by the server.
   `direct_put(direct, peer, req, todo, ok, deadline)` / `direct_get(...)`: the zero-copy moves
   for a store with an arena: NIXL READs a PUT's blocks into slots from `reserve_slots` (then
   `commit_slots` / `abort_slots`), WRITEs a GET's blocks from slots held by `pin_slots` (then
-  `unpin_slots`); each
-  returns the blocks it left to the staging path. Never raise.
+  `unpin_slots`); each returns the blocks it left to the staging path. Never raise. A transfer
+  still running at its deadline keeps its slots reserved / pinned in the mover's `Quarantine`
+  until NIXL says it is final: no slot is reused while a late transfer could still land in it.
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
   two halves for double buffering (NIXL moves one half while the store reads/writes the other).
   Page alignment lets an O_DIRECT store use it without a bounce buffer.
@@ -27,12 +32,15 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from offload.agent import nixl_util
+from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
+from offload.agent.quarantine import Quarantine
 from offload.store.base import SlotStore
 
 if TYPE_CHECKING:
@@ -46,17 +54,27 @@ class PeerError(Exception):
     """A host's NIXL metadata cannot be used."""
 
 
+@dataclass
+class _Peer:
+    md: bytes                  # the metadata NIXL holds for this name
+    host: str                  # the authenticated host it belongs to
+    owners: set[int]           # the connections using it
+    proven: bool = False       # its endpoint echoed a nonce sent to it (`prove`)
+
+
 class Mover:
     def __init__(self, name: str):
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
+        self.quarantine = Quarantine(self.agent)
         self._lock = threading.Lock()
-        # host NIXL name -> (its metadata, the host it belongs to, the connections using it). A
-        # host may hold several connections; the peer is forgotten when the last one closes.
-        self._peers: dict[str, tuple[bytes, str, set[int]]] = {}
+        # host NIXL name -> peer. A host may hold several connections; the peer is forgotten
+        # when the last one closes.
+        self._peers: dict[str, _Peer] = {}
 
     def add_peer(self, metadata: bytes, owner: int, host: str) -> str:
-        """Load the metadata of connection `owner` of `host` (once per distinct metadata)."""
+        """Load the metadata of connection `owner` of `host` (once per distinct metadata).
+        Newer metadata under a known name is unproven until `prove`d again."""
         md = bytes(metadata)
         name = nixl_util.metadata_name(md)
         if name is None:
@@ -64,10 +82,10 @@ class Mover:
         if name != host and not name.startswith(host + "/"):
             raise PeerError(f"NIXL metadata of agent {name!r} does not belong to host {host!r}")
         with self._lock:
-            known, holder, owners = self._peers.get(name, (b"", host, set()))
-            if holder != host:
+            peer = self._peers.get(name) or _Peer(b"", host, set())
+            if peer.host != host:
                 raise PeerError(f"NIXL peer {name!r} belongs to another connection's host")
-            if known != md:
+            if peer.md != md:
                 try:
                     # NIXL reloads a known peer's newer metadata in place (more registered memory).
                     loaded = self.agent.add_remote_agent(md)
@@ -77,8 +95,9 @@ class Mover:
                 if loaded != name:       # never expected: the name is read from the same bytes
                     self._invalidate(loaded)
                     raise PeerError(f"NIXL loaded agent {loaded!r}, the metadata names {name!r}")
-            owners.add(owner)
-            self._peers[name] = (md, host, owners)
+                peer.md, peer.proven = md, False
+            peer.owners.add(owner)
+            self._peers[name] = peer
             return name
 
     def update_peer(self, old: str, metadata: bytes, owner: int, host: str) -> str:
@@ -88,19 +107,62 @@ class Mover:
             self.drop_peer(old, owner)
         return name
 
+    def challenge(self, name: str, tag: bytes) -> tuple[bytes, bytes]:
+        """Send a fresh nonce to the endpoint of peer `name` (a NIXL notification tagged `tag`);
+        returns (nonce, the metadata it was sent for). Raises PeerError."""
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None:
+                raise PeerError(f"unknown NIXL peer {name!r}")
+            md = peer.md
+        nonce = os.urandom(PROOF_NONCE_BYTES)
+        try:
+            self.agent.send_notif(name, PROOF_MAGIC + tag + nonce)
+        except Exception as e:  # noqa: BLE001
+            raise PeerError(f"cannot reach the NIXL endpoint of {name!r}: {e}") from None
+        return nonce, md
+
+    def prove(self, name: str, md: bytes) -> bool:
+        """The nonce sent for `md` came back: peer `name` is usable, if `md` is still its
+        metadata."""
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None or peer.md != md:
+                return False
+            peer.proven = True
+            return True
+
+    def proven(self, name: str | None) -> bool:
+        with self._lock:
+            peer = self._peers.get(name) if name is not None else None
+            return peer is not None and peer.proven
+
+    def covers(self, name: str, descs: Sequence[tuple[int, int]]) -> bool:
+        """Whether every (address, length) lies in memory peer `name` registered (its metadata)."""
+        if not descs:
+            return True
+        try:
+            dl = self.agent.get_xfer_descs([(a, n, 0) for a, n in descs], "DRAM")
+            return bool(self.agent.check_remote_metadata(name, dl))
+        except Exception as e:  # noqa: BLE001
+            log.warning("checking descriptors of %s: %s", name, e)
+            return False
+
     def peers(self) -> int:
         with self._lock:
             return len(self._peers)
 
     def drop_peer(self, name: str, owner: int) -> None:
         with self._lock:
-            entry = self._peers.get(name)
-            if entry is None:
+            peer = self._peers.get(name)
+            if peer is None:
                 return
-            entry[2].discard(owner)
-            if not entry[2]:
-                del self._peers[name]
-                self._invalidate(name)
+            peer.owners.discard(owner)
+            if peer.owners:
+                return
+            del self._peers[name]
+            # What its transfers held is freed only once NIXL forgot the peer (none can land).
+            self.quarantine.drop_peer(name, lambda: self._invalidate(name))
 
     def _invalidate(self, name: str) -> None:
         try:
@@ -192,10 +254,11 @@ class Staging:
 @dataclass(frozen=True)
 class Direct:
     """What the zero-copy moves need, handed in by the server: the store's slot API, its arena
-    registered with NIXL, the NIXL agent, and the server's counter."""
+    registered with NIXL, the NIXL agent, its quarantine, and the server's counter."""
     store: SlotStore
     arena: Arena
     agent: Any
+    quarantine: Quarantine
     count: Callable[[str, int], None]
 
 
@@ -223,6 +286,22 @@ def _split(arena: Arena, req: "Blocks", idx: Sequence[int],
     return direct, rest, local, remote
 
 
+def _move(d: Direct, op: str, local: list, remote: list, peer: str, deadline: float,
+          n: int, release: Callable[[], None]) -> bool:
+    """One transfer for `n` blocks; True if it completed. Its slots are released by `release`
+    (now, or once the transfer is final when it outlives its deadline: quarantined)."""
+    d.quarantine.reap()
+    pending: list[Any] = []
+    good = time.monotonic() < deadline and nixl_util.run_xfer(
+        d.agent, op, local, remote, peer, deadline, on_pending=pending.append)
+    if pending:
+        d.quarantine.hold(pending[0], peer, n, release)
+        d.count("blocks_quarantined", n)
+    elif not good:
+        release()
+    return good
+
+
 def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int],
                ok: list[bool], deadline: float) -> list[int]:
     """NIXL READs blocks straight into reserved store slots; returns the blocks left for the
@@ -237,17 +316,11 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
         store.abort_slots([slot_of[i] for i in rest])
     rest += [i for i in todo if i not in slot_of]
     if direct:
-        good = time.monotonic() < deadline and nixl_util.run_xfer(
-            d.agent, "READ", local, remote, peer, deadline)
         mine = [slot_of[i] for i in direct]
-        if good:
-            flags = store.commit_slots(mine)
-        else:
-            store.abort_slots(mine)
-            flags = [False] * len(mine)
-        for i, f in zip(direct, flags):
-            ok[i] = f
-        if good:
+        if _move(d, "READ", local, remote, peer, deadline, len(mine),
+                 lambda: store.abort_slots(mine)):
+            for i, f in zip(direct, store.commit_slots(mine)):
+                ok[i] = f
             d.count("bytes_nixl_in", sum(req.sizes[i] for i in direct))
             d.count("blocks_direct_in", len(direct))
     return sorted(rest)
@@ -266,12 +339,12 @@ def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool]
     if rest:
         store.unpin_slots([slot_of[i] for i in rest], [False] * len(rest))
     if direct:
-        good = time.monotonic() < deadline and nixl_util.run_xfer(
-            d.agent, "WRITE", local, remote, peer, deadline)
-        store.unpin_slots([slot_of[i] for i in direct], [good] * len(direct))
-        for i in direct:
-            ok[i] = good
-        if good:
+        mine = [slot_of[i] for i in direct]
+        if _move(d, "WRITE", local, remote, peer, deadline, len(mine),
+                 lambda: store.unpin_slots(mine, [False] * len(mine))):
+            store.unpin_slots(mine, [True] * len(mine))
+            for i in direct:
+                ok[i] = True
             d.count("bytes_nixl_out", sum(req.sizes[i] for i in direct))
             d.count("blocks_direct_out", len(direct))
     return rest

@@ -4,8 +4,9 @@ Primitives: `import_nixl()` (sets `UCX_MODULES=^ib` unless already set, then imp
 raises `PathUnavailableError` when it is not installed), `make_agent(name)` (a thread-safe NIXL
 agent with the UCX backend), `region_of(buffer)` -> (address, nbytes) of any buffer-protocol object
 or torch CPU tensor, `metadata_name(md)` -> the NIXL agent name a metadata blob carries (read without
-loading it), `run_xfer(agent, op, local, remote, peer, deadline)` -> bool (posts one
-transfer and polls it to completion or deadline, always releasing the handle).
+loading it), `run_xfer(agent, op, local, remote, peer, deadline, on_pending)` -> bool (posts one
+transfer and polls it to completion or deadline; a transfer still running at its deadline is
+handed to `on_pending`, else released), `xfer_state(agent, handle)` -> "DONE" / "ERR" / "PROC".
 
 `UCX_MODULES=^ib`: without InfiniBand hardware UCX's ib module makes the process crash at exit on
 these hosts; real RDMA deployments set UCX_MODULES themselves (it is only set when absent).
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from offload.errors import PathUnavailableError
 
@@ -34,8 +35,9 @@ def import_nixl() -> ModuleType:
     try:
         import nixl
     except ImportError as e:
-        raise PathUnavailableError(f"the dpu path needs NIXL: pip install 'sglang-offload[dpu]' "
-                                   f"({e})") from None
+        raise PathUnavailableError(f"the dpu path needs NIXL: install the dpu extra from the "
+                                   f"checkout, `.venv/bin/pip install -e '.[dpu]'` "
+                                   f"(docs/install.md) ({e})") from None
     logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl
 
@@ -134,20 +136,22 @@ def metadata_name(md: bytes) -> str | None:
 
 
 def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
-             remote: Sequence[tuple[int, int]], peer: str, deadline: float) -> bool:
+             remote: Sequence[tuple[int, int]], peer: str, deadline: float,
+             on_pending: Callable[[Any], None] | None = None) -> bool:
     """One NIXL transfer (op "READ": remote -> local, "WRITE": local -> remote), waited on.
 
-    Returns True when it completed before `deadline` (time.monotonic()); never raises.
+    Returns True when it completed before `deadline` (time.monotonic()); never raises. A transfer
+    still running at its deadline may yet land: with `on_pending` its handle goes there (the caller
+    holds the memory it touches until NIXL says it is final, `offload.agent.quarantine`), else it
+    is released (NIXL tries to cancel it).
     """
     handle = None
     try:
         handle = start_xfer(agent, op, local, remote, peer)
-        return wait_xfer(agent, handle, deadline)
     except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
         log.warning("nixl %s with %s failed: %s", op, peer, e)
-        if handle is not None:
-            release(agent, handle)
         return False
+    return wait_xfer(agent, handle, deadline, on_pending)
 
 
 def start_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
@@ -163,29 +167,40 @@ def start_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
     return handle
 
 
-def wait_xfer(agent: Any, handle: Any, deadline: float) -> bool:
-    """Poll a posted transfer until done, error or deadline; releases the handle."""
-    ok = False
+def xfer_state(agent: Any, handle: Any) -> str:
+    """"DONE", "ERR" (final) or "PROC" (still running); a failed state check is "ERR"."""
     try:
-        spins = 0
-        while True:
-            state = agent.check_xfer_state(handle)
-            if state == "DONE":
-                ok = True
-                break
-            if state == "ERR":
-                log.warning("nixl transfer failed")
-                break
-            if time.monotonic() > deadline:
-                log.warning("nixl transfer did not finish before its deadline; aborting it")
-                break
-            spins += 1
-            if spins > 64:
-                time.sleep(0.0002)
+        state = agent.check_xfer_state(handle)
     except Exception as e:  # noqa: BLE001
         log.warning("nixl transfer state check failed: %s", e)
-    release(agent, handle)
-    return ok
+        return "ERR"
+    return state if state in ("DONE", "ERR") else "PROC"
+
+
+def wait_xfer(agent: Any, handle: Any, deadline: float,
+              on_pending: Callable[[Any], None] | None = None) -> bool:
+    """Poll a posted transfer until done, error or deadline; releases the handle, except one
+    still running at the deadline when `on_pending` takes it."""
+    spins = 0
+    while True:
+        state = xfer_state(agent, handle)
+        if state == "DONE":
+            release(agent, handle)
+            return True
+        if state == "ERR":
+            log.warning("nixl transfer failed")
+            release(agent, handle)
+            return False
+        if time.monotonic() > deadline:
+            log.warning("nixl transfer did not finish before its deadline; aborting it")
+            if on_pending is not None:
+                on_pending(handle)
+            else:
+                release(agent, handle)
+            return False
+        spins += 1
+        if spins > 64:
+            time.sleep(0.0002)
 
 
 def release(agent: Any, handle: Any) -> None:

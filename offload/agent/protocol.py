@@ -16,6 +16,10 @@ Primitives:
   must increase by one (no replay, no reorder). The body length is checked against `max_body`
   *before* the body is read. The body is `u32 meta length | msgpack meta | raw payload`; the meta is
   decoded with msgspec into the op's typed Struct (no pickle, unknown fields rejected).
+- Proof of possession of a NIXL endpoint (version 2): the agent answers HELLO / METADATA that
+  carry NIXL metadata with `nixl=True` only after it loaded the metadata and sent a fresh nonce
+  to that endpoint as a NIXL notification (`PROOF_MAGIC | HelloReply.proof_tag | nonce`); the
+  host echoes it in PROVE over this channel, and only then are descriptors accepted.
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
@@ -40,7 +44,7 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 1
+VERSION = 2                        # 2: PROVE (proof of possession of a NIXL endpoint)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"
@@ -55,14 +59,19 @@ MAX_META_BYTES = 1 << 20           # msgpack meta of one frame (bounds a request
 MAX_KEYS = 4096
 MAX_DESCS_PER_BLOCK = 1024
 MAX_DESCS_PER_REQUEST = 32768
+PROOF_MAGIC = b"SGLP"               # a proof notification: magic | 16-byte tag | 32-byte nonce
+PROOF_TAG_BYTES = 16
+PROOF_NONCE_BYTES = 32
+MAX_PROOF_NONCES = 8
 HOST_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$"   # no '/', spaces, quotes or control chars
 
 # Ops. A reply carries the request's op with REPLY set; ERROR replies to anything.
-HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA = 1, 2, 3, 4, 5, 6, 7, 8
+HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA, PROVE = 1, 2, 3, 4, 5, 6, 7, 8, 9
 ERROR = 0x7F
 REPLY = 0x80
 OP_NAMES = {HELLO: "hello", PUT: "put", GET: "get", EXISTS: "exists", DELETE: "delete",
-            STATS: "stats", REGISTER_NS: "register_ns", METADATA: "metadata", ERROR: "error"}
+            STATS: "stats", REGISTER_NS: "register_ns", METADATA: "metadata", PROVE: "prove",
+            ERROR: "error"}
 
 
 class ProtocolError(OffloadError):
@@ -94,11 +103,14 @@ class Hello(Msg):
 
 
 class HelloReply(Msg):
+    """`nixl`: the agent loaded this host's NIXL metadata and sent it a proof notification tagged
+    `proof_tag`; descriptors are accepted once the host echoed its nonce (PROVE)."""
     agent: str
     max_body: int
     max_keys: int
     max_block: int
     nixl: bool
+    proof_tag: bytes = b""
 
 
 class Blocks(Msg):
@@ -155,17 +167,24 @@ class Metadata(Msg):
     nixl_md: bytes
 
 
+class Prove(Msg):
+    """The nonces this host's NIXL agent received under the connection's proof tag."""
+    nonces: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=PROOF_NONCE_BYTES,
+                                                         max_length=PROOF_NONCE_BYTES)]],
+                      msgspec.Meta(min_length=1, max_length=MAX_PROOF_NONCES)]
+
+
 class ErrorReply(Msg):
     message: str
 
 
 REQUEST_TYPES: dict[int, Type[Msg]] = {
     HELLO: Hello, PUT: Blocks, GET: Blocks, EXISTS: KeyList, DELETE: KeyList, STATS: Empty,
-    REGISTER_NS: RegisterNs, METADATA: Metadata,
+    REGISTER_NS: RegisterNs, METADATA: Metadata, PROVE: Prove,
 }
 REPLY_TYPES: dict[int, Type[Msg]] = {
     HELLO: HelloReply, PUT: Flags, GET: Flags, EXISTS: Flags, DELETE: Count, STATS: StatsReply,
-    REGISTER_NS: Empty, METADATA: Empty, ERROR: ErrorReply,
+    REGISTER_NS: Empty, METADATA: Empty, PROVE: Empty, ERROR: ErrorReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(t) for t in set(REQUEST_TYPES.values()) |

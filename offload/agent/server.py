@@ -7,7 +7,10 @@ own thread (`offload.agent.session.Session`). With `transport="ucx"` one NIXL ag
 (`offload.agent.mover.Mover`) moves the bytes of every host that registered its memory; with
 "tcp" NIXL is never imported and bytes travel on the connections.
 Limits: `max_pending` connections not yet authenticated (more are closed at accept), then
-`max_clients` authenticated ones (`admit`); `max_body` bytes per frame (`protocol.
+`max_clients` authenticated ones, `max_requests` requests in progress and `max_namespaces`
+registered namespaces *per tenant* (a host key
+of the keys file; every holder of a shared secret is one tenant: `Access.connect` / `.begin`),
+so that one tenant cannot lock out another; `max_body` bytes per frame (`protocol.
 PRE_AUTH_MAX_BODY` before a verified HELLO), `max_block` bytes per block, `staging_size` bytes of
 staging per NIXL connection. An `accept` error (EMFILE: out of descriptors) is logged and
 retried after `ACCEPT_BACKOFF_S`; the agent keeps serving the connections it has.
@@ -43,9 +46,13 @@ class AgentServer:
                  port: int = 0, *, transport: str = "ucx", max_clients: int = 64,
                  max_pending: int = 16, max_body: int = protocol.DEFAULT_MAX_BODY,
                  staging_size: int = 64 << 20, io_timeout: float = 30.0,
-                 idle_timeout: float = 3600.0, name: str | None = None):
+                 idle_timeout: float = 3600.0, name: str | None = None,
+                 max_requests: int = 32, max_namespaces: int = 1024):
         self.store = store
         self.access = access if isinstance(access, Access) else Access.shared(access)
+        self.access.max_conns = max_clients
+        self.access.max_requests = max_requests
+        self.access.max_namespaces = max_namespaces
         self.host = host
         self.port = port
         self.transport = transport
@@ -106,21 +113,26 @@ class AgentServer:
         arena = self.arena()
         if arena is None or self.mover is None or not isinstance(self.store, SlotStore):
             return None
-        return Direct(self.store, arena, self.mover.agent, self.count)
+        return Direct(self.store, arena, self.mover.agent, self.mover.quarantine, self.count)
 
     # ---------------------------------------------------------------- connections
-    def admit(self) -> bool:
-        """A pending connection authenticated: True if it may stay (under `max_clients`)."""
+    def admit(self, host: str) -> str | None:
+        """A pending connection of `host` authenticated: None if it may stay (its tenant under
+        `max_clients`), else why not."""
         with self._lock:
             self._pending -= 1
-            if self._active >= self.max_clients:
-                return False
-            self._active += 1
-            return True
+        why = self.access.connect(host)
+        if why is None:
+            with self._lock:
+                self._active += 1
+        return why
 
-    def release(self, authenticated: bool) -> None:
+    def release(self, host: str | None) -> None:
+        """A connection ended: `host` if it was admitted, else None."""
+        if host is not None:
+            self.access.disconnect(host)
         with self._lock:
-            if authenticated:
+            if host is not None:
                 self._active -= 1
             else:
                 self._pending -= 1
@@ -180,7 +192,7 @@ class AgentServer:
                 self._sessions[conn_id] = t
             t.start()
         except (OSError, RuntimeError) as e:     # no thread or socket left: drop this one
-            self.release(False)
+            self.release(None)
             self.count("accept_errors")
             self.warn("spawn", "cannot serve %s: %s", peer, e)
             conn.close()

@@ -23,18 +23,21 @@ written into host memory after the host has given up on the request.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
+import os
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from offload.agent import nixl_util, protocol
+from offload.agent import protocol
 from offload.agent.access import AccessError
 from offload.agent.mover import direct_get, direct_put
+from offload.agent.staged import StagedPath
+from offload.keys import NS_BYTES
+from offload.store.base import durable
 
 if TYPE_CHECKING:
-    from offload.agent.mover import Staging
     from offload.agent.server import AgentServer
 
 log = logging.getLogger("offload.agent")
@@ -52,9 +55,11 @@ class Session:
         self.conn_id = conn_id
         self.host = "?"
         self.admitted = False
-        self.nixl_peer: str | None = None
-        self.staging: "Staging | None" = None
-        self._pool: ThreadPoolExecutor | None = None
+        self.nixl_peer: str | None = None      # loaded; used only once proven (`_peer`)
+        self.proof_tag = os.urandom(protocol.PROOF_TAG_BYTES)
+        self._challenge: tuple[str, bytes, bytes] | None = None    # (peer, nonce, metadata)
+        self._described: set[bytes] = set()    # namespaces described to the store
+        self.staged = StagedPath(server, conn_id)
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -63,12 +68,13 @@ class Session:
             ch, frame = protocol.accept_hello(self.sock, srv.access.secret, srv.io_timeout,
                                               srv.max_body)
             hello = frame.decode(protocol.Hello)
-            self.admitted = srv.admit()
-            if not self.admitted:
+            why = srv.admit(hello.host)
+            if why is not None:
                 srv.count("rejected_full")
-                srv.warn("full", "rejected %s (host %s): %d clients already (--max-clients)",
-                         self.peer, hello.host, srv.max_clients)
+                srv.warn("full", "rejected %s (host %s): %s (--max-clients)", self.peer,
+                         hello.host, why)
                 return
+            self.admitted = True
             self._hello(ch, hello, frame.req_id)
             while not srv.stopping:
                 try:
@@ -88,24 +94,27 @@ class Session:
             srv.warn("timeout" if self.admitted else "timeout-pre-auth",
                      "closed %s (host %s): timed out", self.peer, self.host)
         except (EOFError, OSError) as e:
-            log.info("connection %s (host %s) ended: %s", self.peer, self.host, e)
+            if not self.admitted and isinstance(e, (EOFError, ConnectionResetError,
+                                                    BrokenPipeError)):
+                # A reachability probe (`sglang-offload detect`) connects and closes at once.
+                log.debug("connection %s closed before authenticating: %s", self.peer, e)
+            else:
+                log.info("connection %s (host %s) ended: %s", self.peer, self.host, e)
         except Exception:  # noqa: BLE001 - one connection's bug must not stop the agent
             srv.count("internal_errors")
             log.exception("connection %s (host %s) failed", self.peer, self.host)
         finally:
             self.close()
-            srv.release(self.admitted)
+            srv.release(self.host if self.admitted else None)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
-        if self.nixl_peer is not None and self.server.mover is not None:
-            self.server.mover.drop_peer(self.nixl_peer, self.conn_id)
+        self.staged.close()
+        mover = self.server.mover
+        if self.nixl_peer is not None and mover is not None:
+            mover.drop_peer(self.nixl_peer, self.conn_id)
             self.nixl_peer = None
+        if mover is not None:
+            mover.quarantine.reap()
         try:
             self.sock.close()
         except OSError:
@@ -117,7 +126,7 @@ class Session:
         nixl_ok = False
         if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
             try:
-                self.nixl_peer = self.server.mover.add_peer(hello.nixl_md, self.conn_id, self.host)
+                self._load(hello.nixl_md)
                 nixl_ok = True
             except Exception as e:  # noqa: BLE001 - falls back to bytes on the connection
                 log.warning("host %s (%s): NIXL metadata unusable, bytes will travel on the "
@@ -126,7 +135,37 @@ class Session:
                  hello.transport, nixl_ok)
         ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
             agent=self.server.name, max_body=self.server.max_body, max_keys=protocol.MAX_KEYS,
-            max_block=self.server.max_block, nixl=nixl_ok))
+            max_block=self.server.max_block, nixl=nixl_ok, proof_tag=self.proof_tag))
+
+    def _load(self, md: bytes) -> None:
+        """Load this connection's NIXL metadata and challenge its endpoint (unproven until the
+        host echoes the nonce: PROVE). Raises on unusable metadata."""
+        mover = self.server.mover
+        assert mover is not None
+        self._challenge = None
+        if self.nixl_peer is None:
+            self.nixl_peer = mover.add_peer(md, self.conn_id, self.host)
+        else:
+            self.nixl_peer = mover.update_peer(self.nixl_peer, md, self.conn_id, self.host)
+        nonce, loaded = mover.challenge(self.nixl_peer, self.proof_tag)
+        self._challenge = (self.nixl_peer, nonce, loaded)
+
+    def _prove(self, msg: protocol.Prove) -> None:
+        """One try per challenge: the nonce sent to the endpoint must come back."""
+        c, self._challenge = self._challenge, None
+        mover = self.server.mover
+        if c is None or mover is None or not any(hmac.compare_digest(n, c[1]) for n in msg.nonces) \
+                or not mover.prove(c[0], c[2]):
+            self.server.count("proofs_failed")
+            raise RequestError("the NIXL endpoint of this connection is not proven (no pending "
+                               "challenge, a wrong nonce, or newer metadata meanwhile)")
+        self.server.count("proofs")
+        log.info("host %s (%s): NIXL endpoint %s proven", self.host, self.peer, c[0])
+
+    def _peer(self) -> str | None:
+        """The connection's NIXL peer, if proven (its metadata unchanged since)."""
+        mover = self.server.mover
+        return self.nixl_peer if mover is not None and mover.proven(self.nixl_peer) else None
 
     def _dispatch(self, ch: protocol.Channel, frame: protocol.Frame) -> None:
         op = frame.op
@@ -134,44 +173,16 @@ class Session:
         if typ is None or op == protocol.HELLO:
             raise protocol.ProtocolError(f"unknown op {op}")
         msg = frame.decode(typ)
-        store = self.server.store
-        payload: list[memoryview] = []
+        access = self.server.access
         try:
-            why = (self.server.access.refused(self.host, msg.keys)
-                   if isinstance(msg, (protocol.Blocks, protocol.KeyList)) else None)
-            if why is not None:
-                raise RequestError(why)
-            if op == protocol.PUT:
-                reply: protocol.Msg = protocol.Flags(self._put(msg, frame.payload))   # type: ignore[arg-type]
-            elif op == protocol.GET:
-                flags, payload = self._get(msg)                          # type: ignore[arg-type]
-                reply = protocol.Flags(flags)
-            elif op == protocol.EXISTS:
-                reply = protocol.Flags(store.exists_many(msg.keys))             # type: ignore[attr-defined]
-            elif op == protocol.DELETE:
-                reply = protocol.Count(store.delete_many(msg.keys))             # type: ignore[attr-defined]
-            elif op == protocol.STATS:
-                reply = protocol.StatsReply(self._stats())
-            elif op == protocol.REGISTER_NS:
-                try:
-                    ns = self.server.access.register(self.host, msg)     # type: ignore[arg-type]
-                except AccessError as e:
-                    raise RequestError(str(e)) from None
-                store.register_namespace(ns)
-                reply = protocol.Empty()
-            else:  # METADATA
-                if self.server.mover is None:
-                    raise RequestError("this agent runs without NIXL (--transport tcp)")
-                md = msg.nixl_md                                         # type: ignore[attr-defined]
-                try:
-                    if self.nixl_peer is None:
-                        self.nixl_peer = self.server.mover.add_peer(md, self.conn_id, self.host)
-                    else:
-                        self.nixl_peer = self.server.mover.update_peer(
-                            self.nixl_peer, md, self.conn_id, self.host)
-                except Exception as e:  # noqa: BLE001
-                    raise RequestError(f"NIXL metadata unusable: {e}") from None
-                reply = protocol.Empty()
+            busy = access.begin(self.host)
+            if busy is not None:
+                self.server.count("rejected_busy")
+                raise RequestError(busy)
+            try:
+                reply, payload = self._serve(op, msg, frame.payload)
+            finally:
+                access.end(self.host)
         except RequestError as e:
             self.server.count("bad_requests")
             log.warning("host %s (%s): %s request refused: %s", self.host, self.peer,
@@ -180,6 +191,53 @@ class Session:
             return
         self.server.count(protocol.OP_NAMES[op])
         ch.send(op | protocol.REPLY, frame.req_id, reply, payload)
+
+    def _serve(self, op: int, msg: protocol.Msg, data: memoryview
+               ) -> tuple[protocol.Msg, list[memoryview]]:
+        """One request's reply and payload. Raises RequestError."""
+        store = self.server.store
+        if isinstance(msg, (protocol.Blocks, protocol.KeyList)):
+            why = self.server.access.refused(self.host, msg.keys)
+            if why is not None:
+                raise RequestError(why)
+        if isinstance(msg, protocol.Blocks):
+            if op == protocol.PUT:
+                self._describe(msg.keys)
+                return protocol.Flags(self._put(msg, data)), []
+            flags, payload = self._get(msg)
+            return protocol.Flags(flags), payload
+        if isinstance(msg, protocol.KeyList):
+            if op == protocol.EXISTS:
+                return protocol.Flags(store.exists_many(msg.keys)), []
+            return protocol.Count(store.delete_many(msg.keys)), []
+        if isinstance(msg, protocol.RegisterNs):
+            try:
+                self.server.access.register(self.host, msg)
+            except AccessError as e:
+                raise RequestError(str(e)) from None
+        elif isinstance(msg, protocol.Metadata):
+            if self.server.mover is None:
+                raise RequestError("this agent runs without NIXL (--transport tcp)")
+            try:
+                self._load(msg.nixl_md)
+            except Exception as e:  # noqa: BLE001
+                raise RequestError(f"NIXL metadata unusable: {e}") from None
+        elif isinstance(msg, protocol.Prove):
+            self._prove(msg)
+        else:   # STATS
+            return protocol.StatsReply(self._stats()), []
+        return protocol.Empty(), []
+
+    def _describe(self, keys: Sequence[bytes]) -> None:
+        """Describe a namespace to the store once this connection stores a block of it (a
+        namespace with no block never reaches the store's own records)."""
+        for k in keys:
+            digest = bytes(k[:NS_BYTES])
+            if digest not in self._described:
+                ns = self.server.access.namespace(self.host, digest)
+                if ns is not None:
+                    self.server.store.register_namespace(ns)
+                    self._described.add(digest)
 
     def _stats(self) -> dict[str, int | float | str]:
         s = self.server.store.stats()
@@ -190,11 +248,15 @@ class Session:
                 out[f.name] = v if type(v) in (int, float) else (
                     int(v) if isinstance(v, int) else float(v))
         out.update({f"agent_{k}": v for k, v in self.server.counters().items()})
+        out.update({f"agent_quota_{k}": v for k, v in self.server.access.usage().items()})
         if self.server.mover is not None:
             out["agent_nixl_peers"] = self.server.mover.peers()
+            out["agent_quarantined_now"] = self.server.mover.quarantine.held()
         return out
 
-    def _check(self, req: protocol.Blocks) -> None:
+    def _check(self, req: protocol.Blocks) -> str | None:
+        """Bounds of a PUT / GET; with descriptors, the connection's proven NIXL peer, whose
+        registered memory they must lie in. Raises RequestError."""
         n = len(req.keys)
         if len(req.sizes) != n or (req.descs is not None and len(req.descs) != n):
             raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
@@ -211,29 +273,23 @@ class Session:
             for size, descs in zip(req.sizes, req.descs):
                 if sum(d[1] for d in descs) != size:
                     raise RequestError("descriptor lengths do not add up to the block size")
-            if self.nixl_peer is None:
-                raise RequestError("descriptors sent but this connection does not use NIXL")
-
-    def _groups(self, idx: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-        """Pack block indices into groups that fit one staging half, about four per request
-        (so that NIXL and the store overlap even when the whole request would fit one half)."""
-        assert self.staging is not None
-        idx = list(idx)
-        total = sum(sizes[i] for i in idx)
-        largest = max((sizes[i] for i in idx), default=0)
-        limit = min(self.staging.half_size, max(largest, total // 4))
-        return protocol.pack(idx, sizes, limit)
-
-    def _staging(self) -> "Staging":
-        if self.staging is None:
-            from offload.agent.mover import Staging
-
+            peer = self._peer()
+            if peer is None:
+                raise RequestError("descriptors sent but this connection does not use NIXL "
+                                   "(no NIXL metadata, or its endpoint is not proven: PROVE)")
             assert self.server.mover is not None
-            self.staging = Staging(self.server.mover, self.server.staging_size)
-        return self.staging
+            if not self.server.mover.covers(peer, [d for ds in req.descs for d in ds]):
+                raise RequestError(f"descriptors outside the memory NIXL agent {peer} "
+                                   "registered")
+            return peer
+        return None
 
     def _put(self, req: protocol.Blocks, payload: memoryview) -> list[bool]:
-        self._check(req)
+        """Acknowledged only once durable (the disk store commits in the background)."""
+        return durable(self.server.store, req.keys, self._put_written(req, payload))
+
+    def _put_written(self, req: protocol.Blocks, payload: memoryview) -> list[bool]:
+        peer = self._check(req)
         store = self.server.store
         if req.descs is None:
             if sum(req.sizes) != payload.nbytes:
@@ -245,71 +301,19 @@ class Session:
                 off += size
             self.server.count("bytes_inline_in", payload.nbytes)
             return store.put_many(req.keys, blocks)
+        assert peer is not None and self.server.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         present = store.exists_many(req.keys)
         ok = list(present)
         todo = [i for i, p in enumerate(present) if not p]
-        todo = direct_put(self.server.direct(), self.nixl_peer, req, todo, ok, deadline)
+        todo = direct_put(self.server.direct(), peer, req, todo, ok, deadline)
         if not todo:
             return ok
-        staging = self._staging()
-        writing: list[Future | None] = [None, None]     # store write in flight, per half
-        for g, group in enumerate(self._groups(todo, req.sizes)):
-            h = g % 2
-            self._collect(writing[h], ok)                # this half's previous group is stored
-            writing[h] = None
-            view, base = staging.half(h)
-            local, remote, off = self._pairs(req, group, base)
-            if time.monotonic() > deadline or not nixl_util.run_xfer(
-                    self.server.mover.agent, "READ", local, remote, self.nixl_peer, deadline):
-                break
-            self.server.count("bytes_nixl_in", off)
-            self.server.count("blocks_staged_in", len(group))
-            blocks, off = [], 0
-            for i in group:
-                blocks.append([view[off:off + req.sizes[i]]])
-                off += req.sizes[i]
-            # The store writes this group while NIXL reads the next one into the other half.
-            writing[h] = self._io().submit(self._store_put, [req.keys[i] for i in group],
-                                           blocks, group)
-        for fut in writing:
-            self._collect(fut, ok)
+        self.staged.put(req, todo, ok, peer, deadline)
         return ok
 
-    def _store_put(self, keys: list[bytes], blocks: list, group: list[int]
-                   ) -> list[tuple[int, bool]]:
-        return list(zip(group, self.server.store.put_many(keys, blocks)))
-
-    @staticmethod
-    def _collect(fut: "Future | None", ok: list[bool]) -> None:
-        if fut is None:
-            return
-        try:
-            for i, flag in fut.result():
-                ok[i] = flag
-        except Exception as e:  # noqa: BLE001 - the store never raises; be sure of it
-            log.warning("store call failed: %s", e)
-
-    def _pairs(self, req: protocol.Blocks, group: Sequence[int], base: int,
-               offs: Sequence[int] | None = None) -> tuple[list, list, int]:
-        """Matching (local staging, remote host) descriptor lists for a group of blocks."""
-        local, remote, off = [], [], 0
-        for k, i in enumerate(group):
-            o = offs[k] if offs is not None else off
-            for addr, n in req.descs[i]:           # type: ignore[index]
-                local.append((base + o, n))
-                remote.append((addr, n))
-                o += n
-            off += req.sizes[i]
-        return local, remote, off
-
-    def _io(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"agent-io-{self.conn_id}")
-        return self._pool
-
     def _get(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
-        self._check(req)
+        peer = self._check(req)
         store = self.server.store
         if req.descs is None:
             total = sum(req.sizes)
@@ -324,49 +328,11 @@ class Session:
             out = [d[0] for d, f in zip(dests, flags) if f]
             self.server.count("bytes_inline_out", sum(v.nbytes for v in out))
             return flags, out
+        assert peer is not None and self.server.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
-        rest = direct_get(self.server.direct(), self.nixl_peer, req, ok, deadline)
+        rest = direct_get(self.server.direct(), peer, req, ok, deadline)
         if not rest:
             return ok, []
-        staging = self._staging()
-        groups = self._groups(rest, req.sizes)
-        reading = self._io().submit(self._store_get, req, groups[0], 0) if groups else None
-        for g, group in enumerate(groups):
-            assert reading is not None
-            try:
-                flags, offs = reading.result()
-            except Exception as e:  # noqa: BLE001
-                log.warning("store read failed: %s", e)
-                break
-            # The store reads the next group into the other half while NIXL writes this one.
-            reading = (self._io().submit(self._store_get, req, groups[g + 1], (g + 1) % 2)
-                       if g + 1 < len(groups) and time.monotonic() < deadline else None)
-            hits = [i for i, f in zip(group, flags) if f]
-            if not hits or time.monotonic() > deadline:
-                continue
-            _, base = staging.half(g % 2)
-            local, remote, nbytes = self._pairs(req, hits, base,
-                                                [o for o, f in zip(offs, flags) if f])
-            if nixl_util.run_xfer(self.server.mover.agent, "WRITE", local, remote,
-                                  self.nixl_peer, deadline):
-                self.server.count("bytes_nixl_out", nbytes)
-                self.server.count("blocks_staged_out", len(hits))
-                for i in hits:
-                    ok[i] = True
-        if reading is not None:
-            try:
-                reading.result()     # never leave a read into staging running past this request
-            except Exception:  # noqa: BLE001 - already logged or irrelevant now
-                pass
+        self.staged.get(req, rest, ok, peer, deadline)
         return ok, []
-
-    def _store_get(self, req: protocol.Blocks, group: list[int], half: int
-                   ) -> tuple[list[bool], list[int]]:
-        view, _ = self.staging.half(half)   # type: ignore[union-attr]
-        dests, offs, off = [], [], 0
-        for i in group:
-            dests.append([view[off:off + req.sizes[i]]])
-            offs.append(off)
-            off += req.sizes[i]
-        return self.server.store.get_many([req.keys[i] for i in group], dests), offs

@@ -3,22 +3,32 @@
 Primitives:
 - `Option(flags, help, ...)`: one command-line option of a benchmark, declared as data; each
   benchmark module lists its own in `OPTIONS` and `offload.commands.bench` turns them into flags
-  (no benchmark imports argparse). `Args`: what `run` receives (one attribute per option).
+  (no benchmark imports argparse); its `type` is a check of `offload.commands.argtypes` (a bad
+  value is refused while parsing, before any work). `Args`: what `run` receives (one attribute
+  per option). `JSON`, `PLOT`, `DIR`: options several benchmarks share.
 - `Outcome(result, rc)`: what a benchmark's `run(args)` returns: the result it printed (drawn by
   `--plot`) and its exit code.
 - `timed(fn)` -> seconds; `timed_cpu(fn)` -> (seconds, CPU seconds of this process, fn's value).
 - `median_of(tries)`: the leaf-wise median of same-shaped results (dicts of numbers).
+- `scratch(parent, prefix)`: a private temporary directory (mode 0700) under `parent`, removed
+  with everything in it on exit, whatever the benchmark wrote there.
 - `drop_cache(directory, suffix)`: evict the files' pages from the page cache (a cold read on a
   buffered file system); `fsync_files(directory, suffix)`: fsync the files and the directory.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
+
+from offload.commands.argtypes import plot_file, work_dir
 
 T = TypeVar("T")
 
@@ -50,6 +60,30 @@ class Outcome:
 
 
 JSON = Option(("--json",), "print one JSON object", flag=True)
+PLOT = Option(("--plot",), "draw the result as an image: throughput per path beside the "
+              "baseline, against block size (bars when there is one size); the directory must "
+              "exist, the extension names the format", None, plot_file, metavar="OUT.png")
+log = logging.getLogger("offload.bench")
+
+
+def dir_option(what: str) -> Option:
+    """`--dir`: an existing writable directory on the disk to measure; the benchmark works in a
+    private directory it creates there and removes at the end."""
+    return Option(("--dir",), f"{what} (default: a temporary directory under $TMPDIR); the "
+                  "benchmark writes in a directory of its own there and removes it at the end",
+                  None, work_dir)
+
+
+@contextmanager
+def scratch(parent: str | None, prefix: str) -> Iterator[str]:
+    """A new directory under `parent` (default $TMPDIR), removed with its contents on exit."""
+    root = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    log.debug("working in %s", root)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        log.debug("removed %s", root)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -31,7 +31,9 @@ import time
 import uuid
 from typing import Any
 
+from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
+from offload.commands import argtypes
 
 TOKENS, LAYERS, HEADS, HEAD_DIM = 64, 32, 8, 128
 TARGETS = {"write_vs_stock": 3.0, "read_vs_stock": 1.8, "write_vs_raw": 0.85,
@@ -39,12 +41,11 @@ TARGETS = {"write_vs_stock": 3.0, "read_vs_stock": 1.8, "write_vs_raw": 0.85,
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
 OPTIONS = (
-    Option(("--dir",), "directory on the disk to measure (default: a temp dir under $TMPDIR); "
-           "everything written is removed at the end"),
-    Option(("--pages",), "pages of 8 MiB to move (default 256 = 2 GiB)", 256, int),
+    common.dir_option("directory on the disk to measure"),
+    Option(("--pages",), "pages of 8 MiB to move (default 256 = 2 GiB)", 256, argtypes.count),
     Option(("--layout",), "host pool layout (default page_first)", "page_first",
            choices=LAYOUTS),
-    Option(("--threads",), "I/O threads of our store", 8, int),
+    Option(("--threads",), "I/O threads of our store", 8, argtypes.count),
     Option(("--family",), "KV plus one model family's sidecar pool through the v2 interface, "
            "beside the stock file backend (offload.bench.families)", None,
            choices=("mha", "draft", "indexer", "mamba", "swa")),
@@ -233,10 +234,7 @@ def bench_stock(root: str, pool: Any, keys: list[str]) -> dict[str, float]:
 
 def run(args: Args) -> Outcome:
     from offload.bench.rawdisk import raw_bandwidth
-    from offload.errors import OffloadError
 
-    if args.pages < 1:
-        raise OffloadError(f"--pages {args.pages}: use at least 1")
     _quiet_sglang()
     if getattr(args, "family", None):
         return _run_family(args)

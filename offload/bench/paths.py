@@ -25,18 +25,20 @@ import time
 from typing import Any
 
 from offload.bench.common import JSON, Args, Option, Outcome, median_of, timed_cpu
+from offload.commands import argtypes
 from offload.config import Size, StoreConfig, format_size
 
 SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20)
 
 OPTIONS = (
     Option(("--dir",), "cache directory on the disk to measure (default: a temporary directory "
-           "under $TMPDIR)"),
-    Option(("--total",), "bytes moved per path and block size", "512MiB"),
-    Option(("--sizes",), "block sizes, comma separated", ",".join(format_size(s) for s in SIZES)),
-    Option(("--batch",), "blocks per put/get call", 8, int),
-    Option(("--paths",), "paths to measure", "cpu,dpu,gds"),
-    Option(("--repeat",), "alternating tries per block size (medians reported)", 3, int),
+           "under $TMPDIR)", None, argtypes.work_dir),
+    Option(("--total",), "bytes moved per path and block size", "512MiB", argtypes.size),
+    Option(("--sizes",), "block sizes, comma separated", ",".join(format_size(s) for s in SIZES),
+           argtypes.size_list),
+    Option(("--batch",), "blocks per put/get call", 8, argtypes.count),
+    Option(("--paths",), "paths to measure", "cpu,dpu,gds", argtypes.names("cpu", "dpu", "gds")),
+    Option(("--repeat",), "alternating tries per block size (medians reported)", 3, argtypes.count),
     JSON,
 )
 

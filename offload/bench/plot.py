@@ -6,8 +6,10 @@ Primitives:
 - `series(result)`: the lines of any bench result (`store`, `paths`, `hicache`, `redis`; the kind
   is recognised from its shape): `Series(name, op, xs, ys, baseline)` with block sizes in bytes
   and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are drawn dashed.
-- The drawing: two panels (read, write), log-2 block-size axis; matplotlib with the Agg backend
-  (headless), imported only here.
+- The drawing: two panels (read, write); lines over a log-2 block-size axis when the result has
+  several block sizes, one bar per series (baselines hatched, values written on the bars) when it
+  has one (`bench hicache`, a one-size run); matplotlib with the Agg backend (headless), imported
+  only here. `--plot` is checked before a benchmark runs (`offload.commands.argtypes.plot_file`).
 - `bench plot RESULT.json --plot out.png`: the same from a saved `--json` result.
 """
 
@@ -17,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.bench.common import Args, Option, Outcome
+from offload.bench.common import PLOT, Args, Option, Outcome
 from offload.config import Size, format_size
-from offload.errors import OffloadError
+from offload.errors import OffloadError, UsageError
 
 PATH_NAMES = {"cpu": "CPU staging", "gds": "GPUDirect Storage", "dpu": "DPU agent (memory)",
               "dpu_disk": "DPU agent (NVMe)", "raw_disk": "raw disk",
@@ -101,7 +103,17 @@ def series(result: dict[str, Any]) -> list[Series]:
 
 
 def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
-    """Write the plot of `result` to `out` (PNG); returns `out`."""
+    """Write the plot of `result` to `out` (the format named by its extension); returns `out`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result, title)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def figure(result: dict[str, Any], title: str | None = None) -> Any:
+    """The matplotlib Figure of `result`: two panels (read, write), lines or bars."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -116,30 +128,45 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
     colors: dict[str, Any] = {}
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, op in zip(axes, ("read", "write")):
-        for s in (s for s in lines if s.op == op):
-            color = colors.setdefault(s.name, cycle[len(colors) % len(cycle)])
-            ax.plot(s.xs, s.ys, "--" if s.baseline else "-", marker="o", color=color,
-                    label=s.name + (" (baseline)" if s.baseline else ""))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [format_size(x) for x in sizes])
+        mine = [s for s in lines if s.op == op]
+        for s in mine:
+            colors.setdefault(s.name, cycle[len(colors) % len(cycle)])
         if len(sizes) == 1:
-            ax.set_xlim(sizes[0] / 2, sizes[0] * 2)
-        ax.set_xlabel("block size")
+            _bars(ax, mine, colors)
+        else:
+            for s in mine:
+                ax.plot(s.xs, s.ys, "--" if s.baseline else "-", marker="o", color=colors[s.name],
+                        label=s.name + (" (baseline)" if s.baseline else ""))
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [format_size(x) for x in sizes])
+            ax.set_xlabel("block size")
+            ax.legend(fontsize="small")
         ax.set_ylabel("GB/s")
         ax.set_ylim(bottom=0)
         ax.set_title("read (get)" if op == "read" else "write (put)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(title or f"sglang-offload bench {kind}: throughput vs block size")
+        ax.grid(True, alpha=0.3, axis="y" if len(sizes) == 1 else "both")
+    what = (f"throughput at {format_size(sizes[0])} blocks" if len(sizes) == 1
+            else "throughput vs block size")
+    fig.suptitle(title or f"sglang-offload bench {kind}: {what}")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def _bars(ax: Any, lines: list[Series], colors: dict[str, Any]) -> None:
+    """One bar per series at the result's one block size, its GB/s written on it."""
+    names = [s.name + (" (baseline)" if s.baseline else "") for s in lines]
+    values = [s.ys[0] for s in lines]
+    bars = ax.bar(range(len(lines)), values, color=[colors[s.name] for s in lines],
+                  hatch=["//" if s.baseline else "" for s in lines], edgecolor="black")
+    ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], padding=2)
+    ax.margins(y=0.12)
+    ax.set_xticks(range(len(lines)), names, rotation=15, ha="right")
 
 
 OPTIONS = (
     Option(("result",), "a saved `sglang-offload bench TARGET --json` output"),
-    Option(("--plot",), "where to write the plot", required=True, metavar="OUT.png"),
+    Option(PLOT.flags, "where to write the plot (the extension names the format)", None,
+           PLOT.type, required=True, metavar="OUT.png"),
     Option(("--title",), "plot title"),
 )
 
@@ -149,6 +176,6 @@ def run(args: Args) -> Outcome:
         with open(args.result) as f:
             result = json.load(f)
     except (OSError, ValueError) as e:
-        raise OffloadError(f"{args.result}: cannot read a JSON bench result ({e})") from None
+        raise UsageError(f"{args.result}: cannot read a JSON bench result ({e})") from None
     print(draw(result, args.plot, args.title))
     return Outcome(None)

@@ -7,35 +7,47 @@ For each block size (default 1, 4 and 8 MiB) it writes and reads the same blocks
 It reports GB/s and ours/raw. With `redis-benchmark` installed it also prints that C client's
 SET/GET figures for the same server and size (a ceiling, not the baseline: it is not Python).
 With no `--url` it starts its own `redis-server` (no persistence) in a temporary directory.
+
+On a server given with `--url` it leaves nothing behind: its own keys (`sglo-bench:raw:*` and the
+tier's) are deleted after each size, and redis-benchmark's keys (`key:NNNNNNNNNNNN`, as many as
+blocks) are deleted after it ran; redis-benchmark is skipped when keys of those names already
+exist there (it would overwrite them). An unreachable server is one `error:` line (exit 1).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from offload import redact
 from offload.bench.common import Args, Option, Outcome, timed
+from offload.commands import argtypes
 from offload.config import Size, format_size, load_offload
-from offload.errors import OffloadError, StoreError
+from offload.errors import ConfigError, StoreError, UsageError
 
 OPTIONS = (
-    Option(("--url",), "Redis to measure (default: start a private redis-server)"),
-    Option(("--sizes",), "block sizes, comma-separated", "1MiB,4MiB,8MiB"),
-    Option(("--total",), "bytes written per size and round", "256MiB"),
-    Option(("--batch",), "blocks per pipelined batch", 8, int),
-    Option(("--rounds",), "rounds per size (best one is kept)", 3, int),
-    Option(("--min-ratio",), "exit 1 if ours/raw at 4MiB (set or get) is below this", None, float),
+    Option(("--url",), "Redis to measure, redis://HOST:PORT[/DB] (default: start a private "
+           "redis-server); what the benchmark writes there is deleted at the end"),
+    Option(("--sizes",), "block sizes, comma-separated", "1MiB,4MiB,8MiB", argtypes.size_list),
+    Option(("--total",), "bytes written per size and round", "256MiB", argtypes.size),
+    Option(("--batch",), "blocks per pipelined batch", 8, argtypes.count),
+    Option(("--rounds",), "rounds per size (best one is kept)", 3, argtypes.count),
+    Option(("--min-ratio",), "exit 1 if ours/raw at 4MiB (set or get) is below this (the "
+           "missed ratios are named)", None, argtypes.positive),
     Option(("--secret-file",), "measure authenticated values (GMAC) under this redis.secret_file "
            "(default: unauthenticated, key-bound XXH3 values)"),
     Option(("--json",), "print the results as JSON", flag=True),
 )
+log = logging.getLogger("offload.bench")
 
 
 def _free_port() -> int:
@@ -79,14 +91,12 @@ def _measure(url: str, size: int, count: int, batch: int, rounds: int,
              secret_file: str | None = None) -> dict[str, Any]:
     import numpy as np
 
-    from offload.store.redis import RedisStore
 
-    cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0,
-                                  **({"secret_file": secret_file} if secret_file else {})}}).redis
-    store = RedisStore(cfg)
+    store = _open(url, secret_file)
     client = store.link.run(lambda c: c, "bench")
     if client is None:
-        raise StoreError(f"cannot reach {url}: {store.link.last_error}")
+        store.close()
+        raise StoreError(f"cannot reach {redact.url(url)}: {store.link.last_error}")
     rng = np.random.default_rng(0)
     blocks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
     keys = [os.urandom(32) for _ in range(count)]
@@ -141,7 +151,43 @@ def _measure(url: str, size: int, count: int, batch: int, rounds: int,
                 get_ratio=round(best["ours_get"] / best["raw_get"], 3))
 
 
+def _open(url: str, secret_file: str | None) -> Any:
+    """The tier on `url`, checked with a PING: an unreachable server is one StoreError line."""
+    from offload.store.redis import RedisStore
+
+    try:
+        cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0,
+                                      **({"secret_file": secret_file} if secret_file else {})}})
+        store = RedisStore(cfg.redis)       # reads the secret file
+    except ConfigError as e:
+        names = (("offload.redis.url", "--url"), ("offload.redis.secret_file", "--secret-file"))
+        raise UsageError("\n".join(next((p.replace(k, flag, 1) for k, flag in names
+                                          if p.startswith(k)), p) for p in e.problems)) from None
+    quiet = logging.getLogger("offload.store.redis")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)       # the reason is in the error below, not in a warning too
+    try:
+        store.ping()
+    except StoreError as e:
+        store.close()
+        raise StoreError(f"bench redis --url {redact.url(url)}: {str(e).rstrip('.')}; start the server "
+                         "or fix --url") from None
+    finally:
+        quiet.setLevel(level)
+    log.debug("bench redis: %s answers", redact.url(url))
+    return store
+
+
+def benchmark_keys(count: int) -> list[bytes]:
+    """The keys `redis-benchmark -t set,get -r COUNT` writes: key:000000000000 ... (12 digits)."""
+    return [b"key:%012d" % i for i in range(count)]
+
+
 def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, float] | None:
+    """redis-benchmark's SET/GET GB/s on the same server, its keys deleted after; None when it is
+    not installed, the URL needs TLS/cluster/a password, or keys of its names already exist."""
+    import redis
+
     from offload.store.redis_link import parse_url
 
     exe = shutil.which("redis-benchmark")
@@ -149,12 +195,29 @@ def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, f
     if exe is None or t.cluster or t.tls or t.password:
         return None
     host, port = t.nodes[0]
+    names = benchmark_keys(count)
+    client = redis.Redis(host=host, port=port, db=t.db, socket_timeout=30)
     try:
-        out = subprocess.run([exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size),
-                              "-n", str(count), "-c", "1", "-P", str(batch), "-r", str(count),
-                              "--csv"], capture_output=True, text=True, timeout=120).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        held = sum(client.exists(*names[i:i + 1000]) for i in range(0, count, 1000))
+        if held:
+            log.warning("bench redis: redis-benchmark skipped: %s already holds %d keys named "
+                        "key:NNNNNNNNNNNN that it would overwrite", redact.url(url), held)
+            return None
+        try:
+            out = subprocess.run([exe, "-h", host, "-p", str(port), "--dbnum", str(t.db),
+                                  "-t", "set,get", "-d", str(size), "-n", str(count), "-c", "1",
+                                  "-P", str(batch), "-r", str(count), "--csv"],
+                                 capture_output=True, text=True, timeout=120).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        finally:
+            for i in range(0, count, 1000):
+                client.delete(*names[i:i + 1000])
+    except redis.exceptions.RedisError as e:
+        log.warning("bench redis: redis-benchmark skipped: %s", e)
         return None
+    finally:
+        client.close()
     res: dict[str, float] = {}
     for line in out.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
@@ -167,25 +230,21 @@ def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, f
 
 
 def run(args: Args) -> Outcome:
-    try:
-        sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
-        total = int(Size.parse(args.total))
-    except ValueError as e:
-        raise OffloadError(f"--sizes/--total: {e}") from None
-    if args.batch < 1 or args.rounds < 1 or not sizes:
-        raise OffloadError("--batch and --rounds must be >= 1 and --sizes not empty")
+    sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s.strip()]
+    total = int(args.total)
     with (private_redis() if args.url is None else _given(args.url)) as url:
         rows = []
         for size in sizes:
             count = max(args.batch, total // size)
+            log.debug("bench redis: %s blocks x %d", format_size(size), count)
             row = _measure(url, size, count, args.batch, args.rounds, args.secret_file)
             row["redis_benchmark"] = _redis_benchmark(url, size, count, args.batch)
             rows.append(row)
-    result = {"url": url, "authenticated": bool(args.secret_file), "rows": rows}
+    result = {"url": redact.url(url), "authenticated": bool(args.secret_file), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"Redis tier vs raw redis-py on the same server ({url}), best of {args.rounds}, "
+        print(f"Redis tier vs raw redis-py on the same server ({redact.url(url)}), best of {args.rounds}, "
               f"batch {args.batch}, values "
               + ("authenticated (GMAC)" if args.secret_file else "key-bound (XXH3, no secret)"))
         print(f"{'block':>7} {'raw set':>9} {'ours set':>9} {'ratio':>6} "
@@ -197,10 +256,22 @@ def run(args: Args) -> Outcome:
                   f"GB/s {r['set_ratio']:>6.2f} {r['raw_get']:>5.2f}GB/s {r['ours_get']:>5.2f}"
                   f"GB/s {r['get_ratio']:>6.2f}   {tool}")
     if args.min_ratio is not None:
-        low = [r for r in rows if r["block"] == 4 << 20
-               and min(r["set_ratio"], r["get_ratio"]) < args.min_ratio]
-        return Outcome(result, 1 if low else 0)
+        return Outcome(result, _check_min_ratio(rows, args.min_ratio))
     return Outcome(result)
+
+
+def _check_min_ratio(rows: list[dict[str, Any]], floor: float) -> int:
+    """1 (each missed ratio named on stderr) if ours/raw at 4 MiB is below `floor`, else 0."""
+    at4 = [r for r in rows if r["block"] == 4 << 20]
+    if not at4:
+        print(f"error: --min-ratio {floor:g} is checked at 4MiB blocks: add 4MiB to --sizes",
+              file=sys.stderr)
+        return 1
+    missed = [f"{op} ratio {r[f'{op}_ratio']:.2f} < {floor:g} at 4MiB" for r in at4
+              for op in ("set", "get") if r[f"{op}_ratio"] < floor]
+    for m in missed:
+        print(f"error: --min-ratio: {m} (ours/raw)", file=sys.stderr)
+    return 1 if missed else 0
 
 
 @contextmanager

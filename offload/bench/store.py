@@ -5,47 +5,80 @@ Measures, for block sizes 256 KiB ... 16 MiB: durable put (data fdatasync'ed and
 cache first) and warm get (the same blocks read again), each in GB/s and as a ratio to the raw
 O_DIRECT sequential bandwidth of the same directory, measured again beside each try (a shared or
 virtual disk drifts; `--repeat` alternating tries, medians reported), and to the disk kept busy by
-as many streams as store threads. Then
-the index at `--lookup-blocks` entries (default 1M, bookkeeping only: entries are bulk-inserted as a
-rebuild would, no data is written): `exists` and `locate` in microseconds per key in batches, and
+as many streams as store threads. Then the index at `--lookup-blocks` entries (default 100,000;
+1M in the full run; bookkeeping only: entries are bulk-inserted as a rebuild would, no data is
+written): `exists` and `locate` in microseconds per key in batches, and
 the time to reopen the store (lock, integrity check, reclaim, load of the key set).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import random
 import shutil
 import statistics
 import sys
-import tempfile
 import time
+from typing import Any
 
-from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, median_of, timed
+from offload.bench.common import (
+    JSON,
+    Args,
+    Option,
+    Outcome,
+    dir_option,
+    drop_cache,
+    median_of,
+    scratch,
+    timed,
+)
+from offload.commands import argtypes
 from offload.config import Size, StoreConfig, format_size
 
-SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
+# The defaults are a quick look (well under a minute on one NVMe); the figures in
+# docs/benchmarks.md come from the longer run written there (1GiB, every size, 1M index entries).
+SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+ALL_SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 
 OPTIONS = (
-    Option(("--dir",), "directory on the disk to measure (default: a temp dir under $TMPDIR)"),
-    Option(("--total",), "bytes written per block size (default 1GiB)", "1GiB"),
-    Option(("--sizes",), "comma-separated block sizes", ",".join(format_size(s) for s in SIZES)),
-    Option(("--batch",), "blocks per put/get call", 32, int),
-    Option(("--threads",), "store I/O threads", 8, int),
+    dir_option("directory on the disk to measure"),
+    Option(("--total",), "bytes written per block size and try", "256MiB", argtypes.size),
+    Option(("--sizes",), "comma-separated block sizes (the full run: "
+           + ",".join(format_size(s) for s in ALL_SIZES) + ")",
+           ",".join(format_size(s) for s in SIZES), argtypes.size_list),
+    Option(("--batch",), "blocks per put/get call", 32, argtypes.count),
+    Option(("--threads",), "store I/O threads", 8, argtypes.count),
     Option(("--repeat",), "tries per block size, alternating with the raw disk (medians reported)",
-           3, int),
-    Option(("--lookup-blocks",), "index entries for the lookup/reopen figures (0 to skip)",
-           1_000_000, int),
+           2, argtypes.count),
+    Option(("--lookup-blocks",), "index entries for the lookup/reopen figures (0 to skip; the "
+           "full run: 1000000)", 100_000, argtypes.natural),
     JSON,
 )
+log = logging.getLogger("offload.bench")
 
 
-def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
-    from tqdm import tqdm
+class Steps:
+    """A progress bar over the benchmark's steps that names the step under way (on stderr)."""
 
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+    def __init__(self, total: int, what: str) -> None:
+        from tqdm import tqdm
+
+        self.what = what
+        self.bar: Any = tqdm(total=total, desc=what, unit="step", file=sys.stderr, leave=False,
+                             bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}]")
+
+    def start(self, step: str) -> None:
+        log.debug("%s: %s", self.what, step)
+        self.bar.set_description_str(f"{self.what}: {step}")
+
+    def done(self) -> None:
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> dict[str, float]:
@@ -91,7 +124,7 @@ def bench_index(root: str, nblocks: int) -> dict[str, float]:
     from offload.store.index import Index
 
     d = os.path.join(root, "index")
-    os.makedirs(d, exist_ok=True)
+    os.mkdir(d, 0o700)             # private, as a cache directory must be (no chmod warning)
     DiskStore(StoreConfig(path=d, capacity=Size(1 << 50), min_free=Size(0))).close()
     keys = [random.randbytes(32) for _ in range(nblocks)]
     idx = Index(os.path.join(d, "index.db"))
@@ -119,52 +152,61 @@ def bench_index(root: str, nblocks: int) -> dict[str, float]:
 
 
 def run(args: Args) -> Outcome:
-    from offload.bench.rawdisk import raw_bandwidth
-
-    sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s]
-    total = int(Size.parse(args.total))
-    root = tempfile.mkdtemp(prefix="sglo-bench-", dir=args.dir)
-    out: dict[str, object] = {"dir": root}
-    try:
-        bar = _progress(len(sizes) + 2, "bench store")  # raw, each size, index
-        raw_w, raw_r = raw_bandwidth(root, total)
-        out["raw"] = {"write_gbps": raw_w, "read_gbps": raw_r, "chunk_bytes": 16 << 20,
-                      "what": "sequential O_DIRECT, one stream, fdatasync at the end"}
-        par_w, par_r = raw_bandwidth(root, total, streams=args.threads)
-        out["raw_parallel"] = {"write_gbps": par_w, "read_gbps": par_r, "streams": args.threads,
-                               "what": "O_DIRECT 16 MiB chunks, as many streams as store threads"}
-        bar.update()
-        rows = []
-        for size in sizes:
-            # A shared or virtual disk drifts: the raw disk is measured again next to each try
-            # (alternating), and each figure is the median of --repeat tries.
-            tries = []
-            for _ in range(args.repeat):
-                raw = raw_bandwidth(root, total)
-                tries.append((raw, bench_size(root, size, total, args.batch, args.threads)))
-            raw_w, raw_r = (statistics.median(t[0][i] for t in tries) for i in (0, 1))
-            r = median_of([t[1] for t in tries])
-            r["block_bytes"], r["blocks"] = int(r["block_bytes"]), int(r["blocks"])
-            r["raw_write_gbps"], r["raw_read_gbps"] = raw_w, raw_r
-            r["put_ratio"] = r["put_gbps"] / raw_w
-            r["cold_get_ratio"] = r["cold_get_gbps"] / raw_r
-            r["warm_get_ratio"] = r["warm_get_gbps"] / raw_r
-            r["put_ratio_parallel"] = r["put_gbps"] / par_w
-            r["cold_get_ratio_parallel"] = r["cold_get_gbps"] / par_r
-            rows.append(r)
-            bar.update()
-        out["sizes"] = rows
-        if args.lookup_blocks:
-            out["index"] = bench_index(root, args.lookup_blocks)
-        bar.update()
-        bar.close()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s.strip()]
+    total = int(args.total)
+    out: dict[str, object] = {}
+    with scratch(args.dir, "sglo-bench-") as root:
+        out["dir"] = root
+        bar = Steps(1 + len(sizes) * args.repeat + bool(args.lookup_blocks), "bench store")
+        try:
+            _measure(args, root, sizes, total, bar, out)
+        finally:
+            bar.close()
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         _table(out)
     return Outcome(out)
+
+
+def _measure(args: Args, root: str, sizes: list[int], total: int, bar: Steps,
+             out: dict[str, object]) -> None:
+    """Each step of the run, in `root`; fills `out`."""
+    from offload.bench.rawdisk import raw_bandwidth
+
+    bar.start(f"raw disk, 1 and {args.threads} streams")
+    raw_w, raw_r = raw_bandwidth(root, total)
+    out["raw"] = {"write_gbps": raw_w, "read_gbps": raw_r, "chunk_bytes": 16 << 20,
+                  "what": "sequential O_DIRECT, one stream, fdatasync at the end"}
+    par_w, par_r = raw_bandwidth(root, total, streams=args.threads)
+    out["raw_parallel"] = {"write_gbps": par_w, "read_gbps": par_r, "streams": args.threads,
+                           "what": "O_DIRECT 16 MiB chunks, as many streams as store threads"}
+    bar.done()
+    rows = []
+    for block in sizes:
+        # A shared or virtual disk drifts: the raw disk is measured again next to each try
+        # (alternating), and each figure is the median of --repeat tries.
+        tries = []
+        for t in range(args.repeat):
+            bar.start(f"{format_size(block)} blocks, try {t + 1}/{args.repeat}")
+            raw = raw_bandwidth(root, total)
+            tries.append((raw, bench_size(root, block, total, args.batch, args.threads)))
+            bar.done()
+        raw_w, raw_r = (statistics.median(t[0][i] for t in tries) for i in (0, 1))
+        r = median_of([t[1] for t in tries])
+        r["block_bytes"], r["blocks"] = int(r["block_bytes"]), int(r["blocks"])
+        r["raw_write_gbps"], r["raw_read_gbps"] = raw_w, raw_r
+        r["put_ratio"] = r["put_gbps"] / raw_w
+        r["cold_get_ratio"] = r["cold_get_gbps"] / raw_r
+        r["warm_get_ratio"] = r["warm_get_gbps"] / raw_r
+        r["put_ratio_parallel"] = r["put_gbps"] / par_w
+        r["cold_get_ratio_parallel"] = r["cold_get_gbps"] / par_r
+        rows.append(r)
+    out["sizes"] = rows
+    if args.lookup_blocks:
+        bar.start(f"index of {args.lookup_blocks:,} entries")
+        out["index"] = bench_index(root, args.lookup_blocks)
+        bar.done()
 
 
 def _table(out: dict) -> None:  # type: ignore[type-arg]

@@ -63,7 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-host credentials (TOML, mode 600; see docs/deploy/agent.md); "
                         "replaces the shared secret")
     p.add_argument("--max-clients", type=int, default=64,
-                   help="authenticated connections at once")
+                   help="authenticated connections at once, per host key of --keys-file (in all "
+                        "with a shared secret)")
+    p.add_argument("--max-requests", type=int, default=32,
+                   help="requests in progress at once, per host key (in all with a shared secret)")
+    p.add_argument("--max-namespaces", type=int, default=1024,
+                   help="namespaces registered at once, per host key (in all with a shared "
+                        "secret); a host's expire when its last connection closes")
     p.add_argument("--max-pending", type=int, default=16,
                    help="connections still authenticating at once (more are closed at accept)")
     p.add_argument("--max-frame", type=_size, default=Size(protocol.DEFAULT_MAX_BODY), metavar="SIZE",
@@ -103,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     agent_log = logging.getLogger("offload.agent")
     if agent_log.getEffectiveLevel() > logging.INFO:
         agent_log.setLevel(logging.INFO)       # connections and rejections are always logged
-    if args.max_clients < 1 or args.max_pending < 1 or args.io_timeout <= 0 or \
-            args.max_frame < (1 << 20):
-        raise ConfigError(["agent: --max-clients >= 1, --max-pending >= 1, --io-timeout > 0, "
-                           "--max-frame >= 1MiB"])
+    if min(args.max_clients, args.max_pending, args.max_requests, args.max_namespaces) < 1 or \
+            args.io_timeout <= 0 or args.max_frame < (1 << 20):
+        raise ConfigError(["agent: --max-clients, --max-pending, --max-requests and "
+                           "--max-namespaces >= 1, --io-timeout > 0, --max-frame >= 1MiB"])
     if args.keys_file and args.secret_file:
         raise ConfigError(["agent: --keys-file replaces --secret-file; name one of them"])
     access = (Access.per_host(load_keys(args.keys_file)) if args.keys_file
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     server = AgentServer(store, access, host, port, transport=args.transport,
                          max_clients=args.max_clients, max_pending=args.max_pending,
                          max_body=args.max_frame, staging_size=args.staging,
-                         io_timeout=args.io_timeout)
+                         io_timeout=args.io_timeout, max_requests=args.max_requests,
+                         max_namespaces=args.max_namespaces)
     try:
         server.start()
     except OSError as e:

@@ -1,87 +1,92 @@
 """`sglang-offload bench TARGET [options]`: dispatch to one benchmark module, imported on use.
 
 Each benchmark module declares its options as data (`OPTIONS`: `offload.bench.common.Option`s,
-turned into argparse flags here by `add_options`) and has `run(args) -> Outcome` (its result and
-exit code). `--plot OUT.png` (among the target's options) hands that result to
-`offload.bench.plot.draw`: throughput against block size per path, with the raw baseline.
-`bench plot RESULT.json --plot OUT.png` draws a result saved with `--json`.
+turned into argparse flags here by `add_options`, each value checked by its `type` while parsing,
+so a bad one is an `error:` line before any work) and has `run(args) -> Outcome` (its result and
+exit code). Every target but `plot` also takes `--plot OUT.png` (checked before the run: the
+directory exists and is writable, matplotlib writes the format), which hands the result to
+`offload.bench.plot.draw`. `bench plot RESULT.json --plot OUT.png` draws a result saved with `--json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import Any, Sequence
 
+from offload import redact
 from offload.bench import plot
-from offload.bench.common import Option
-from offload.errors import OffloadError
+from offload.bench.common import PLOT, Option
+from offload.commands.argtypes import arg
+from offload.errors import RunError
+
+log = logging.getLogger("offload.bench")
+# metavar shown by --help for each value check of offload.commands.argtypes
+METAVARS = {"count": "N", "natural": "N", "positive": "X", "size": "SIZE", "size_list": "LIST",
+            "names": "LIST", "work_dir": "DIR", "plot_file": "OUT.png"}
 
 BENCHES: dict[str, tuple[str, str]] = {
     "store": ("offload.bench.store", "block store vs raw O_DIRECT disk bandwidth"),
     "hicache": ("offload.bench.hicache", "our HiCache backend vs SGLang's stock file backend"),
     "redis": ("offload.bench.redis", "Redis tier vs raw Redis throughput"),
     "paths": ("offload.bench.paths", "each transfer path vs raw disk and NIXL loopback"),
+    "serve": ("offload.bench.serve", "time to first token of a real server: cold vs L1/L2 vs L3"),
     "plot": ("offload.bench.plot", "plot a saved --json result (--plot OUT.png)"),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "targets: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items())
+    p.description = ("targets: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items())
+                     + ". `bench TARGET --help` lists a target's options and defaults.")
     p.add_argument("target", choices=sorted(BENCHES), help="what to measure")
     p.add_argument("options", nargs=argparse.REMAINDER,
-                   help="options of that benchmark (--help), and --plot OUT.png to draw "
-                        "throughput vs block size with the raw baseline")
+                   help="options of that benchmark (bench TARGET --help), and --plot OUT.png to "
+                        "draw the result beside its baseline")
 
 
 def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
-    """A benchmark's declared options as argparse flags."""
+    """A benchmark's declared options as argparse flags, each shown with its default."""
     for o in options:
-        kw: dict[str, Any] = {"help": o.help}
+        help_text = o.help.replace("%", "%%")
+        kw: dict[str, Any] = {}
         if o.flag:
             kw["action"] = "store_true"
         else:
             kw["default"] = o.default
+            if o.default is not None and "default" not in o.help:
+                help_text += f" (default: {o.default})"
             if o.type is not None:
-                kw["type"] = o.type
+                kw["type"] = arg(o.type)
             if o.choices is not None:
                 kw["choices"] = list(o.choices)
-            if o.metavar is not None:
-                kw["metavar"] = o.metavar
+            metavar = o.metavar or METAVARS.get(getattr(o.type, "__name__", ""))
+            if metavar is not None and o.flags[0].startswith("-"):
+                kw["metavar"] = metavar
         if o.required:
             kw["required"] = True
-        p.add_argument(*o.flags, **kw)
+        p.add_argument(*o.flags, help=help_text, **kw)
 
 
-def split_plot(options: list[str]) -> tuple[str | None, list[str]]:
-    """`--plot OUT` / `--plot=OUT` taken out of a benchmark's own options."""
-    out: str | None = None
-    rest: list[str] = []
-    it = iter(options)
-    for a in it:
-        if a == "--plot":
-            out = next(it, None)
-            if out is None:
-                raise OffloadError("--plot needs a file name (OUT.png)")
-        elif a.startswith("--plot="):
-            out = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-    return out, rest
+def parser_of(target: str) -> argparse.ArgumentParser:
+    """The parser of `bench TARGET`'s own options (with `--plot` for every target but plot)."""
+    module = importlib.import_module(BENCHES[target][0])
+    bp = argparse.ArgumentParser(prog=f"sglang-offload bench {target}",
+                                 description=BENCHES[target][1])
+    add_options(bp, module.OPTIONS if target == "plot" else (*module.OPTIONS, PLOT))
+    return bp
 
 
 def run(args: argparse.Namespace) -> int:
+    opts = parser_of(args.target).parse_args(args.options)
+    log.debug("bench %s: %s", args.target, redact.text(str(vars(opts))))
     module = importlib.import_module(BENCHES[args.target][0])
-    bp = argparse.ArgumentParser(prog=f"sglang-offload bench {args.target}",
-                                 description=BENCHES[args.target][1])
-    add_options(bp, module.OPTIONS)
-    if args.target == "plot":
-        return int(module.run(bp.parse_args(args.options)).rc)
-    out, options = split_plot(args.options)
-    outcome = module.run(bp.parse_args(options))
+    outcome = module.run(opts)
+    out = getattr(opts, "plot", None) if args.target != "plot" else None
     if out:
         if outcome.result is None:
-            raise OffloadError(f"bench {args.target} produced no result to plot")
-        print(f"plot: {plot.draw(outcome.result, out)}", file=sys.stderr)
+            raise RunError(f"bench {args.target} produced no result to plot")
+        draw = getattr(module, "draw", plot.draw)      # a target with its own kind of plot
+        print(f"plot: {draw(outcome.result, out)}", file=sys.stderr)
     return int(outcome.rc)

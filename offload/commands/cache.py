@@ -3,7 +3,9 @@
 Actions: `stats` (blocks, bytes, namespaces with their descriptions: KV pages or the SGLang v2 pool
 they hold, e.g. `pool mamba`; oldest/newest, hit rates from
 a metrics endpoint), `verify` (re-read every block and check its checksum; bad ones are deleted;
-exit 1 if any), `evict --to SIZE` (least recently used first), `clear --namespace DIGEST | --all`.
+exit 1 if any), `evict --to SIZE` (least recently used first), `clear --namespace DIGEST | --all`
+(a digest the directory does not hold is an error listing those it holds; `--all` asks first on a
+terminal, and needs `--yes` otherwise).
 Every action goes through `DiskStore`, which several processes may open at once, so they are safe
 while a server uses the directory. The directory's capacity cap is read from its index and kept.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sqlite3
 import sys
@@ -23,10 +26,16 @@ import time
 import urllib.request
 from typing import Any
 
+from offload.commands.argtypes import arg
 from offload.config import Size, StoreConfig, format_size
-from offload.errors import OffloadError, StoreError
+from offload.errors import RunError, StoreError, UsageError
 
 INDEX = "index.db"
+log = logging.getLogger("offload.cache")
+
+
+def _keep_size(text: str) -> int:
+    return int(Size.parse(text))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,19 +51,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--json", action="store_true", help="print one JSON object")
     e = sub.add_parser("evict", help="evict least-recently-used blocks down to a size")
     e.add_argument("dir")
-    e.add_argument("--to", required=True, metavar="SIZE", help="bytes to keep, e.g. 500GiB")
+    e.add_argument("--to", required=True, metavar="SIZE", type=arg(_keep_size),
+                   help="bytes to keep, e.g. 500GiB")
     c = sub.add_parser("clear", help="delete the blocks of one namespace, or all")
     c.add_argument("dir")
     which = c.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", metavar="DIGEST", help="namespace digest (hex, see stats)")
-    which.add_argument("--all", action="store_true", help="every block of the directory")
+    which.add_argument("--all", action="store_true",
+                       help="every block of the directory (asks first; --yes skips the question)")
+    c.add_argument("--yes", action="store_true", help="do not ask before --all")
 
 
 def stored_capacity(directory: str) -> int:
     """The capacity cap recorded in the directory's index (kept when the command opens it)."""
     path = os.path.join(directory, INDEX)
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory}: not a cache directory (no such directory)")
     if not os.path.isfile(path):
-        raise StoreError(f"{directory}: not a cache directory (no {INDEX})")
+        raise UsageError(f"{directory}: not a cache directory (no {INDEX}; the directory named by "
+                         "offload.store.path)")
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
         try:
@@ -70,6 +85,7 @@ def open_store(directory: str) -> Any:
     from offload.store.disk import DiskStore
 
     cap = stored_capacity(directory)
+    log.debug("opening %s (capacity %s from its index)", directory, format_size(cap))
     return DiskStore(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
 
 
@@ -81,13 +97,21 @@ def hit_rates(url: str) -> dict[str, dict[str, float]]:
     """Per-tier hits, misses and hit rate from a Prometheus text endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--metrics-url {url!r}: give http://HOST:PORT/metrics of a running server")
+    log.debug("reading hit counters from %s", url)
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
-            text = r.read().decode()
+            text = r.read(64 << 20).decode("utf-8", "replace")
     except (OSError, ValueError) as e:
-        raise OffloadError(f"--metrics-url {url}: {e}") from None
+        raise RunError(f"--metrics-url {url}: {e}") from None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as e:
+        raise RunError(f"--metrics-url {url}: not Prometheus text ({str(e)[:80]}); give the "
+                       "/metrics page of SGLang (--enable-metrics) or of offload.metrics.port") from None
     counts: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families:
         if fam.name not in ("sglang_offload_hits", "sglang_offload_misses"):
             continue
         kind = fam.name.rsplit("_", 1)[1]
@@ -196,10 +220,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _evict(args: argparse.Namespace) -> int:
-    try:
-        target = int(Size.parse(args.to))
-    except ValueError as e:
-        raise OffloadError(f"--to {args.to!r}: {e}") from None
+    target = args.to
     store = open_store(args.dir)
     try:
         before = store.stats().bytes_used
@@ -220,15 +241,31 @@ def _clear(args: argparse.Namespace) -> int:
         except ValueError:
             digest = b""
         if len(digest) != 16:
-            raise OffloadError(f"--namespace {args.namespace!r}: expected a 32-digit hex digest "
-                               "as shown by `cache stats`")
+            raise UsageError(f"--namespace {args.namespace!r}: expected a 32-digit hex digest "
+                             "as shown by `cache stats`")
     store = open_store(args.dir)
     try:
+        held = {n["digest"]: n["blocks"] for n in store.summary()["namespaces"]}
+        if digest is not None and digest.hex() not in held:
+            raise UsageError(f"--namespace {args.namespace}: no such namespace in {args.dir}; it "
+                             "holds " + (", ".join(held) if held else "none") + " (cache stats)")
+        if digest is None and not args.yes and not _confirm(args.dir, store.stats().blocks):
+            raise UsageError("cache clear --all: not confirmed; nothing deleted (pass --yes to "
+                             "clear without the question)")
         n = store.clear(digest)
     finally:
         store.close()
     print(f"deleted {n:,} blocks" + (f" of namespace {args.namespace}" if digest else ""))
     return 0
+
+
+def _confirm(directory: str, blocks: int) -> bool:
+    """Ask on a terminal before deleting every block; without one, only --yes confirms."""
+    if not sys.stdin.isatty():
+        return False
+    print(f"delete all {blocks:,} blocks of {directory}? [y/N] ", end="", file=sys.stderr,
+          flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 
 Prints the hardware report and the transfer-path decision (or, with `--json`, one object that
 follows offload/hw/schema.json). Exit codes: 0 decided; 1 the config asks for a path that cannot
-work here (the report says which check failed); 2 bad input (missing/unreadable root, bad config).
+work here (the report says which check failed); 2 bad input (missing/unreadable root, bad config,
+or what would fail at start: `offload.hw.host_checks`, every problem one `error:` line). A Redis
+or agent that does not accept a connection is a `warning:` line naming its address.
 With `--root` other than `/`, every machine path (the cache directory too) is inside the root and
 the live probes (NVML, libcufile, mlxconfig, the agent connection, `--probe-io`) are not run. The
 Python side of each path is asked of `--python` (default this interpreter) under any root.
@@ -21,7 +23,9 @@ from offload.errors import DetectError
 from offload.hw.decide import PathRejectedError, decide
 from offload.hw.detect import detect
 from offload.hw.facts import IoProbe
-from offload.hw.live import NOT_CHECKED
+from offload.hw.fsroot import Root
+from offload.hw.host_checks import check_host
+from offload.hw.live import NOT_CHECKED, connect
 from offload.hw.report import render_text, to_json
 
 
@@ -46,7 +50,18 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_dir and not args.cache_dir.startswith("/") and args.root not in ("/", ""):
         raise DetectError(f"--cache-dir {args.cache_dir!r}: give an absolute path inside the root "
                           f"{args.root!r}")
+    root = Root(args.root)
+    found = check_host(cfg, root, args.cache_dir, connect=connect if root.live else None)
+    if found.errors:
+        for line in found.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     facts = detect(cfg, root=args.root, cache_dir=args.cache_dir, python=args.python)
+    warnings = list(found.warnings)
+    if facts.agent.reachable is False:
+        warnings.append(f"offload.agent.address: {facts.agent.reason}; the dpu path and the "
+                        "agent's tier are unavailable until it is (start `sglang-offload agent` "
+                        "there or fix the address)")
     if args.probe_io:
         if facts.live:
             from offload.hw.probe_io import probe_io
@@ -67,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(facts, decision, error))
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -1,9 +1,10 @@
 """`sglang-offload launch --config FILE [--dry-run] [--json] [--root DIR] [-- SGLANG FLAGS]`.
 
 The steps are `offload.launch.compose.prepare`; this module parses the command line, prints the
-dry run (secrets redacted, nothing written), or writes the settings file (`compose.write`: 0600,
-private runtime directory) and replaces this process with SGLang (`os.execvp`: signals reach
-SGLang directly).
+dry run (secrets redacted, nothing written), or prints its decision (`compose.summary`: path and
+why, store, tiers, device choices) to stderr, writes the settings file (`compose.write`: 0600,
+private runtime directory) and replaces this process with SGLang (`os.execvpe`, with the device's
+environment: signals reach SGLang directly).
 Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 """
 
@@ -14,8 +15,8 @@ import json
 import os
 import sys
 
-from offload.errors import OffloadError
-from offload.launch.compose import prepare, render, to_json, write
+from offload.errors import ConfigError, OffloadError
+from offload.launch.compose import prepare, render, summary, to_json, write
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from offload.hw import PathRejectedError
+    from offload.hw.host_checks import check_host
 
     if args.json and not args.dry_run:
         raise OffloadError("--json goes with --dry-run (without it, launch starts SGLang)")
@@ -47,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for w in p.sglang.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    host = check_host(p.config.offload, args.root, args.cache_dir)   # what would fail at start
+    if host.errors and not args.dry_run:
+        raise ConfigError(list(host.errors))
+    for w in host.errors:
+        print(f"warning: {w} (launch refuses to start without --dry-run)", file=sys.stderr)
     if args.dry_run:
         if args.json:
             json.dump(to_json(p), sys.stdout, indent=2)
@@ -54,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(render(p, args.config))
         return 0
+    sys.stderr.write(summary(p, args.config))   # the decision, before SGLang's own logs
     write(p)                      # the settings (with the secrets) go to a 0600 file, not argv
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvp(p.argv[0], p.argv)  # replaces this process: SGLang gets our PID and signals
+    # replaces this process: SGLang gets our PID and signals, and the device's environment
+    os.execvpe(p.argv[0], p.argv, {**os.environ, **p.device.env})
     return 0  # pragma: no cover - execvp does not return

@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from offload.commands.argtypes import arg, count, natural, positive
 from offload.config import Size
 from offload.errors import ConfigError
 from offload.plan.model import (
@@ -43,22 +44,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", default="bf16",
                    help="bf16, fp16, fp8, int8 or int4 (default %(default)s)")
     p.add_argument("--context", default="128K", help="tokens per user: 131072 or 128K (x1024)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--gpus", type=int, help="number of GPUs (default: --tp, one replica)")
+    p.add_argument("--tp", type=arg(count), default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--gpus", type=arg(count), help="number of GPUs (default: --tp, one replica)")
     p.add_argument("--active-fraction", type=float, default=DEFAULT_ACTIVE_FRACTION,
                    help="share of users whose KV must be resident at once (default %(default)s)")
     p.add_argument("--tier-capacity", help="NVMe / Redis capacity for the whole deployment "
                    "(e.g. 3.84TB); caps the users served with offload")
-    p.add_argument("--users", type=int, help="target users for sizing the tier "
+    p.add_argument("--users", type=arg(natural), help="target users for sizing the tier "
                    "(default: the users served with offload)")
     p.add_argument("--hit-rate", type=float, default=1.0,
                    help="share of returning users whose KV must be kept (default 1.0)")
     p.add_argument("--prefix-tokens", help="cached prefix length for load vs prefill "
                    "(default: --context)")
-    p.add_argument("--read-gbps", type=float, default=DEFAULT_READ_GBPS,
+    p.add_argument("--read-gbps", type=arg(positive), default=DEFAULT_READ_GBPS,
                    help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 "
                    "NVMe)")
-    p.add_argument("--prefill-tps", type=float, help="prefill tokens/s per GPU (default: derived "
+    p.add_argument("--prefill-tps", type=arg(positive), help="prefill tokens/s per GPU (default: derived "
                    f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU * 100:.0f}%% utilisation)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -78,7 +79,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     params = None if args.params is None else parse_count(args.params, "--params")
     arch, source = load_architecture(args.model, params)
     return PlanInputs(
-        arch=arch, gpu=gpu, context=parse_tokens(args.context),
+        arch=arch, gpu=gpu, context=parse_tokens(args.context, "--context"),
         kv_dtype=parse_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype"),
         weight_dtype=parse_dtype(args.weight_dtype, WEIGHT_DTYPES, "--weight-dtype"),
         tp=args.tp, gpus=args.gpus if args.gpus is not None else args.tp,
@@ -86,7 +87,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         active_fraction=args.active_fraction, tier_capacity=size("--tier-capacity",
                                                                  args.tier_capacity),
         target_users=args.users, hit_rate=args.hit_rate,
-        prefix_tokens=None if args.prefix_tokens is None else parse_tokens(args.prefix_tokens),
+        prefix_tokens=(None if args.prefix_tokens is None
+                       else parse_tokens(args.prefix_tokens, "--prefix-tokens")),
         read_gbps=args.read_gbps, prefill_tps=args.prefill_tps, model_source=source)
 
 

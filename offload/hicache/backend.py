@@ -44,11 +44,24 @@ from sglang.srt.mem_cache.hicache_storage import (
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
+from offload.hicache.keying import (
+    KeyPlan,
+    dp_attention,
+    group_ok,
+    kv_plan,
+    leading,
+    metrics_rank,
+    model_ranks,
+    namespace_for,
+    refuse_layout,
+    storage_writer,
+)
 from offload.hicache.layout import PageMap
+from offload.hicache.legacy import LegacyMixin
 from offload.hicache.page_io import page_starts, read_pages, write_pages
 from offload.hicache.pools import KV, Pool, PoolsMixin
 from offload.hicache.worth_it import WorthIt, cuda_gpu_name, from_config
-from offload.keys import Namespace, key_maker
+from offload.keys import Namespace
 from offload.metrics import (
     StoreWatch,
     TierMetrics,
@@ -58,7 +71,7 @@ from offload.metrics import (
     serve,
     tier_metrics,
 )
-from offload.store.base import BlockStore, Buffer, all_false, leading_hits, never_raises
+from offload.store.base import BlockStore, all_false, never_raises
 
 if TYPE_CHECKING:
     import torch
@@ -108,32 +121,19 @@ def _open_store(cfg: OffloadConfig) -> BlockStore:
     return make_tiered(open_path(cfg), cfg.redis)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def namespace_for(storage_config: HiCacheStorageConfig, host_pool: Any, page_bytes: int,
-                  salt: str) -> Namespace:
-    """The block namespace of one rank's host pool.
-
-    MLA KV is the same on every TP rank: all ranks share the namespace of rank 0 of a 1-rank
-    group. Everything else that changes a page's bytes goes into `extra`.
-    """
-    sc = storage_config
-    mla = bool(sc.is_mla_model)
-    extra = (f"pool={type(host_pool).__name__};layers={getattr(host_pool, 'layer_num', '')};"
-             f"page_bytes={page_bytes};cp={sc.attn_cp_rank}/{sc.attn_cp_size}")
-    if sc.dcp_size > 1:
-        extra += f";dcp={sc.dcp_rank}/{sc.dcp_size}"
-    return Namespace(
-        model=sc.model_name or "", dtype=_dtype_name(host_pool.dtype),
-        layout=str(host_pool.layout), page_size=int(host_pool.page_size),
-        tp_rank=0 if mla else sc.tp_rank, tp_size=1 if mla else sc.tp_size,
-        pp_rank=sc.pp_rank, pp_size=sc.pp_size, mla=mla, salt=salt, extra=extra)
-
-
-class OffloadStorage(PoolsMixin, HiCacheStorage):
+class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
+
+    # What SGLang may ask of this backend beyond the base interface; read from the class, before
+    # construction, by the capability gates of patches/0010-0015 (`hicache_capabilities`).
+    HICACHE_CAPABILITIES = frozenset({
+        "zero_copy_v1",            # batch_get_v1 / batch_set_v1 by host page index
+        "rank_sharded_draft",      # MHA draft pools of an MLA model, written by every TP rank
+        "dcp",                     # decode context parallel shards keyed by (dcp rank, size)
+        "l3_object_layout",        # describe_l3_object_layout (the L3 layout handshake)
+        "page_envelope",           # a whole host page stored as one object (page-envelope pools)
+        "storage_writer",          # decides its own writer ranks (attention-CP shards)
+    })
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = dict(storage_config.extra_config or {})
@@ -144,13 +144,12 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         if not self.zero_copy_interface:
             logger.warning("offload: interface_v1 is not set in the extra config; SGLang will use "
                            "the legacy copying interface")
-        self.is_writer = storage_config.is_storage_writer
+        self.is_writer = storage_writer(storage_config, dp_attention())
         self.store: BlockStore = _open_store(self.cfg)
         self.mem_pool_host: Any = None
         self.pages: PageMap | None = None
         self.namespace: Namespace | None = None
-        self._ns_digest = b""
-        self._make_keys: Callable[[Sequence[str]], list[bytes]] = key_maker(b"")
+        self.plan: KeyPlan | None = None
         self.pools: dict[str, Pool] = {}
         self.logical_anchor = False
         self._lock = threading.Lock()
@@ -163,18 +162,27 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         self.worth: WorthIt = from_config(self.cfg.worth_it, storage_config.model_name or "",
                                           storage_config.tp_size, cuda_gpu_name)
         self.tm: TierMetrics | None = None
+        self.metrics_port: int | None = None
         self._watch: StoreWatch | None = None
         if self.cfg.metrics.enabled:
             self.tm = tier_metrics()
             self.tm.set_path(self.transfer_path)
             self._watch = StoreWatch(self.store, self.tm).start()
-            serve(self.cfg.metrics, storage_config.pp_rank * storage_config.tp_size
-                  + storage_config.tp_rank)
+            self.metrics_port = serve(self.cfg.metrics,
+                                      metrics_rank(storage_config, model_ranks()))
 
     # ---------------------------------------------------------------- control path
 
+    @property
+    def storage_writer(self) -> bool:
+        """Whether SGLang's controller should back KV pages up on this rank (patches/0015)."""
+        return self.is_writer
+
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        refused = refuse_layout(mem_pool_host)
+        if refused is not None:
+            raise refused
         self.logical_anchor = getattr(mem_pool_host, "kv_buffer", True) is None
         if self.logical_anchor:  # DeepSeek-V4: the anchor owns indices, the v2 pools the bytes
             self.namespace = namespace_for(self.storage_config, mem_pool_host, 0,
@@ -183,18 +191,25 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
                         type(mem_pool_host).__name__)
             return
         self.pages = PageMap.for_pool(mem_pool_host)
-        self.namespace = namespace_for(self.storage_config, mem_pool_host, self.pages.page_bytes,
-                                       self.cfg.store.salt)
-        self._ns_digest = self.namespace.digest()
-        self._make_keys = key_maker(self._ns_digest)
-        self.store.register_namespace(self.namespace)
+        self.plan = kv_plan(self.storage_config, mem_pool_host, self.pages, self.cfg.store.salt)
+        self.namespace = self.plan.namespaces[0]
+        for ns in self.plan.namespaces:
+            self.store.register_namespace(ns)
         register_region = getattr(self.store, "register_region", None)
         if register_region is not None:  # dpu: the agent moves pages in and out of this memory
             register_region(mem_pool_host.kv_buffer)
         logger.info("offload: HiCache backend on %s, layout %s, %d-byte pages in %d buffer(s), "
-                    "zero copy %s, writer %s", self.cfg.store.path, self.pages.layout,
-                    self.pages.page_bytes, max(1, self.pages.buffers_per_page),
-                    self.pages.zero_copy, self.is_writer)
+                    "%d object(s) per page, zero copy %s, writer %s", self.cfg.store.path,
+                    self.pages.layout, self.pages.page_bytes, max(1, self.pages.buffers_per_page),
+                    self.plan.split, self.pages.zero_copy, self.is_writer)
+
+    def describe_l3_object_layout(self, *, sidecar_pool_specs: Sequence[Any] = (),
+                                  swa_trailing_pages: int | None = None,
+                                  page_size: int | None = None) -> dict:
+        """SGLang's L3 object-layout handshake (`offload.hicache.l3_layout`)."""
+        from offload.hicache.l3_layout import describe
+
+        return describe(self, sidecar_pool_specs, swa_trailing_pages, page_size)
 
     def close(self) -> None:
         if self._watch is not None:
@@ -205,18 +220,27 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
         except Exception:
             logger.exception("offload: closing the block store failed")
 
+    def namespace_digests(self) -> list[bytes]:
+        """Every namespace this rank's blocks live in: the KV objects and every sidecar pool."""
+        kv = self.plan.digests if self.plan is not None else []
+        return kv + [p.digest for p in self.pools.values()]
+
     def clear(self) -> bool:
-        """Delete every block of this rank's namespace (SGLang's clear-storage admin call)."""
-        if not self._ns_digest:
+        """Delete every block of this rank's namespaces, KV and every sidecar pool (SGLang's
+        clear-storage admin call). False if nothing is registered yet or a tier failed."""
+        digests = self.namespace_digests()
+        if not digests:
             logger.warning("offload: clear before the host pool was registered; nothing deleted")
             return False
-        try:
-            n = self.store.clear(namespace=self._ns_digest)
-            logger.info("offload: cleared %d blocks of namespace %s", n, self._ns_digest.hex())
-            return True
-        except Exception:
-            logger.exception("offload: clear failed")
-            return False
+        ok, total = True, 0
+        for digest in digests:
+            try:
+                total += self.store.clear(namespace=digest)
+            except Exception:
+                logger.exception("offload: clear of namespace %s failed", digest.hex())
+                ok = False
+        logger.info("offload: cleared %d blocks of %d namespace(s)", total, len(digests))
+        return ok
 
     def get_stats(self) -> Any:
         if not self._metrics:
@@ -233,7 +257,14 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
     # ---------------------------------------------------------------- keys and bookkeeping
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        return self._make_keys(keys)
+        return self.plan.keys(keys) if self.plan is not None else []
+
+    def _split(self) -> int:
+        return self.plan.split if self.plan is not None else 1
+
+    def _present(self, bkeys: Sequence[bytes], split: int = 1) -> list[bool]:
+        """Per page: all its objects are stored."""
+        return group_ok(self.store.exists_many(bkeys), split)
 
     def _record(self, kind: str, n: int, nbytes: int, t0: float, asked: int = 0,
                 pool: str = "kv") -> None:
@@ -267,14 +298,18 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if self.logical_anchor:
             return 0   # no bytes to verify without the pools (SGLang asks v2 for those)
-        return self._worth_loading(leading_hits(self.store, self._keys(keys)))
+        return self._worth_loading(self._kv_hits(keys))
+
+    def _kv_hits(self, keys: Sequence[str]) -> int:
+        """The leading run of KV pages all of whose objects are stored."""
+        return leading(self._present(self._keys(keys), self._split()))
 
     def _worth_loading(self, hits: int, page_bytes: int = 0) -> int:
         """The leading hits worth loading (the worth-it rule over pages of `page_bytes`, by default
         the KV page's), counted in the metrics."""
         if hits == 0 or self.pages is None:
             return hits
-        n = self.worth.pages_to_load(hits, self.pages.page_size, page_bytes or self.pages.page_bytes)
+        n = self.worth.pages_to_load(hits, self.pages.index_step, page_bytes or self.pages.page_bytes)
         if self.tm is not None:
             self.tm.accepted.inc(n)
             if n < hits:
@@ -286,20 +321,23 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # no KV bytes: SGLang writes the pools through v2
             return [True] * len(keys)
-        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True)
+        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
+                          split=self.plan)
 
     @never_raises("batch_get_v1", all_false)
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # zero bytes to read; the v2 pools decide the hit
             return [True] * len(keys)
-        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=False)
+        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices,
+                          write=False, split=self.plan)
 
     def _move(self, pool: str, pages: PageMap | None, make_keys: Callable[[Sequence[str]], list[bytes]],
-              writes: bool, keys: Sequence[str], host_indices: "torch.Tensor | None", write: bool
-              ) -> List[bool]:
+              writes: bool, keys: Sequence[str], host_indices: "torch.Tensor | None", write: bool,
+              split: KeyPlan | None = None) -> List[bool]:
         """Store (`write`) or load the pages of `pool` at `host_indices` under `keys`: the one data
-        path of the v1 and v2 calls. A rank that does not write the pool reports what is stored."""
+        path of the v1 and v2 calls. A rank that does not write the pool reports what is stored.
+        `split`: the KV key plan (objects per page)."""
         if not keys:
             return []
         starts = None if pages is None else page_starts(pages, pool, len(keys), host_indices)
@@ -307,66 +345,10 @@ class OffloadStorage(PoolsMixin, HiCacheStorage):
             return [False] * len(keys)
         bkeys = make_keys(keys)
         if write and not writes:   # MLA replica: the storage writer (rank 0) writes shared pools
-            return list(self.store.exists_many(bkeys))
+            return self._present(bkeys, split.split if split is not None else 1)
         t0 = time.perf_counter()
-        ok = (write_pages if write else read_pages)(self.store, pages, bkeys, starts)
+        ok = (write_pages if write else read_pages)(self.store, pages, bkeys, starts, split)
         n = sum(ok)
         self._record("backup" if write else "prefetch", n, n * pages.page_bytes, t0, len(keys),
                      pool=pool)
         return ok
-
-    # ---------------------------------------------------------------- legacy interface
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
-
-    def get(self, key: str, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> Any:
-        out = self.batch_get([key], [target_location] if target_location is not None else None)
-        return out[0]
-
-    @never_raises("batch_get", lambda _self, keys, *_a, **_k: [None] * len(keys))
-    def batch_get(self, keys: List[str], target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> List[Any]:
-        """Read flat pages into `target_locations` (contiguous tensors); None for a miss."""
-        import torch
-
-        if target_locations is None:
-            if self.mem_pool_host is None:
-                return [None] * len(keys)
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        dests: list[list[Buffer]] = []
-        for t in target_locations:
-            if not t.is_contiguous():
-                return [None] * len(keys)
-            dests.append([memoryview(t.reshape(-1).view(torch.uint8).numpy())])
-        t0 = time.perf_counter()
-        ok = self.store.get_many(self._keys(keys), dests)
-        n = sum(ok)
-        nbytes = sum(memoryview(d[0]).nbytes for d, g in zip(dests, ok) if g)
-        self._record("prefetch", n, nbytes, t0, len(keys))
-        return [t if g else None for t, g in zip(target_locations, ok)]
-
-    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> bool:
-        return self.batch_set([key], [value])
-
-    @never_raises("batch_set", lambda *_a, **_k: False)
-    def batch_set(self, keys: List[str], values: Any | None = None,
-                  target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> bool:
-        """Store flat page tensors; True only if every page is stored."""
-        import torch
-
-        if values is None or len(values) != len(keys):
-            return False
-        bkeys = self._keys(keys)
-        if not self.is_writer:
-            return all(self.store.exists_many(bkeys))
-        blocks: list[list[Buffer]] = [
-            [memoryview(v.contiguous().reshape(-1).view(torch.uint8).numpy())] for v in values]
-        t0 = time.perf_counter()
-        ok = self.store.put_many(bkeys, blocks)
-        n = sum(ok)
-        self._record("backup", n, n * (memoryview(blocks[0][0]).nbytes if blocks else 0), t0, len(ok))
-        return all(ok)

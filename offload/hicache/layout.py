@@ -9,6 +9,10 @@ written through the legacy flat-page path are the same bytes). No bytes are copi
   MLA: 1 buffer per page.
 - `layer_first`: one slice per layer (and per K/V for MHA): vectored I/O.
 
+Decode context parallel (`dcp_size` > 1): SGLang addresses the host pool in LOGICAL token indices
+(`dcp_size` logical slots share a physical row), so a page starts every `index_step` =
+page_size x dcp_size logical indices; this rank's share of it is the physical page.
+
 The map is computed once from `get_data_page(..., flat=False)` views (strides decomposed into
 contiguous runs), checked to be affine in the page number, then each call only adds a page offset.
 A pool whose pages are not views of one contiguous CPU tensor gets `zero_copy == False`; the backend
@@ -70,6 +74,7 @@ class PageMap:
     zero_copy: bool
     template: list[Chunk]   # chunks of page 0
     page_stride: int        # bytes between page p and page p+1 (same for every chunk)
+    dcp_size: int = 1       # logical host indices per physical token (decode context parallel)
     _base: memoryview | None = None
     _pool: Any = None
 
@@ -81,10 +86,12 @@ class PageMap:
         layout = str(host_pool.layout)
         size = int(host_pool.size)
         page_num = size // page_size
+        dcp = int(getattr(host_pool, "dcp_size", 1) or 1)
+        step = page_size * dcp
         base = getattr(host_pool, "kv_buffer", None)
         page0 = host_pool.get_data_page(0, flat=False)
         page_bytes = page0.numel() * page0.element_size()
-        plain = dict(layout=layout, page_size=page_size, page_num=page_num,
+        plain = dict(layout=layout, page_size=page_size, page_num=page_num, dcp_size=dcp,
                      page_bytes=page_bytes, template=[], page_stride=0, _pool=host_pool)
         if not (isinstance(base, torch.Tensor) and base.device.type == "cpu"
                 and base.is_contiguous()):
@@ -98,8 +105,8 @@ class PageMap:
         ok = page_num >= 2
         stride = 0
         if ok:
-            t1 = _contiguous_runs(host_pool.get_data_page(page_size, flat=False), base_ptr)
-            last = (page_num - 1) * page_size
+            t1 = _contiguous_runs(host_pool.get_data_page(step, flat=False), base_ptr)
+            last = (page_num - 1) * step
             tl = _contiguous_runs(host_pool.get_data_page(last, flat=False), base_ptr)
             stride = t1[0][0] - t0[0][0]
             ok = (len(t0) == len(t1) == len(tl)
@@ -120,11 +127,17 @@ class PageMap:
     def buffers_per_page(self) -> int:
         return len(self.template)
 
+    @property
+    def index_step(self) -> int:
+        """SGLang's host indices per page (page_size, x dcp_size under decode context parallel)."""
+        return self.page_size * self.dcp_size
+
     def page_no(self, token_index: int) -> int | None:
         """The page number of a page's first token index, or None if it is not one."""
-        if token_index % self.page_size or not 0 <= token_index < self.page_num * self.page_size:
+        step = self.index_step
+        if token_index % step or not 0 <= token_index < self.page_num * step:
             return None
-        return token_index // self.page_size
+        return token_index // step
 
     def buffers(self, token_index: int) -> list[memoryview]:
         """Writable views (zero copy) whose concatenation is the page starting at token_index.
@@ -132,7 +145,7 @@ class PageMap:
         Only valid when `zero_copy`; the index must be a page's first token (see `page_no`).
         """
         assert self._base is not None  # internal invariant: callers check zero_copy
-        shift = (token_index // self.page_size) * self.page_stride
+        shift = (token_index // self.index_step) * self.page_stride
         base = self._base
         return [base[o + shift:o + shift + n] for o, n in self.template]
 

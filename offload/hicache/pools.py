@@ -18,10 +18,13 @@ Primitives:
 
 Sharing: MAMBA state is per TP rank; every other pool follows KV's MLA sharing (one namespace
 for all ranks of an MLA model, written by the storage writer), except a pool of an MHA host class
-on an MLA model (its heads are sharded per rank): per rank too, refused at attach when TP > 1
-because SGLang 0.5.23 backs such a pool up only on the MLA writer rank. Non-writer MLA ranks
-really write their per-rank pools. Nothing is inferred: a pool's page is present only if its own
-block is, and `batch_get_v2` says True only for blocks fully read and checksum-verified.
+on an MLA model (an EAGLE3 draft on DeepSeek / Kimi: its heads are sharded per rank): per rank
+too, written by every rank (SGLang's controller asks every rank for it with patches/0011, as it
+does for Mooncake). Non-writer MLA ranks really write their per-rank pools. A refusal at attach
+fails the attach; a pool registered later (a sidecar added at run time) that cannot be stored is
+logged and every call for it is a miss, so nothing raises into SGLang. Nothing is inferred: a
+pool's page is present only if its own block is, and `batch_get_v2` says True only for blocks
+fully read and checksum-verified.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from offload.errors import ConfigError
+from offload.hicache.keying import SERVED_LAYOUTS
 from offload.hicache.layout import PageMap
 from offload.keys import Namespace, key_maker
-from offload.store.base import BlockStore, leading_hits, never_raises
+from offload.store.base import BlockStore, never_raises
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import (
@@ -119,11 +123,9 @@ def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageC
 
     mla = bool(sc.is_mla_model)
     per_rank = _per_rank(name, host_pool, mla)
-    if per_rank and name != MAMBA and sc.tp_size > 1:
-        raise refuse(f"its pages are sharded across the {sc.tp_size} TP ranks of an MLA model, "
-                     "and SGLang 0.5.23 backs such a pool up only on the MLA writer rank "
-                     "(HybridCacheController.should_backup), so other ranks could never restore "
-                     "it; run with TP 1 or without the L3 tier")
+    layout = str(getattr(host_pool, "layout", ""))
+    if layout not in SERVED_LAYOUTS:
+        raise refuse(f"host layout {layout!r}; allowed: {', '.join(SERVED_LAYOUTS)}")
     page_size = int(getattr(host_pool, "page_size", 0) or 0)
     if page_size <= 0:
         raise refuse(f"page size {page_size!r}")
@@ -199,7 +201,9 @@ class PoolsMixin:
     worth: "WorthIt"
     logical_anchor: bool
     pools: dict[str, Pool]
+    _pools_attached: bool = False
     _keys: Callable[[Sequence[str]], list[bytes]]
+    _kv_hits: Callable[[Sequence[str]], int]
     _move: Callable[..., list[bool]]
     _worth_loading: Callable[[int, int], int]
 
@@ -212,10 +216,17 @@ class PoolsMixin:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)  # type: ignore[misc]
         if name == KV or host_pool is getattr(self, "mem_pool_host", None):
             return   # the anchor: v1 pages (`register_mem_pool_host`)
-        if self.namespace is None:
-            raise ConfigError([f"offload: pool {name!r} registered before the KV host pool"])
-        pool, ns = build_pool(name, host_pool, self.namespace, self.storage_config,
-                              self.is_writer)
+        try:
+            if self.namespace is None:
+                raise ConfigError([f"offload: pool {name!r} registered before the KV host pool"])
+            pool, ns = build_pool(name, host_pool, self.namespace, self.storage_config,
+                                  self.is_writer)
+        except ConfigError as e:
+            if not self._pools_attached:
+                raise
+            logger.error("offload: pool %s registered at run time is not stored (every call "
+                         "for it is a miss): %s", name, e)
+            return
         self.store.register_namespace(ns)
         if pool.pages.zero_copy:
             register_region = getattr(self.store, "register_region", None)
@@ -228,6 +239,7 @@ class PoolsMixin:
                     "this rank" if pool.writes else "the MLA writer rank")
 
     def on_host_pools_registered(self) -> None:
+        self._pools_attached = True
         logger.info("offload: host pools registered: %s", ", ".join(self.pools) or "KV only")
 
     # ------------------------------------------------------------ data path
@@ -242,7 +254,7 @@ class PoolsMixin:
         if self.logical_anchor:
             kv_pages = len(keys) if transfers else 0   # the sidecars carry every byte
         else:
-            kv_pages = leading_hits(self.store, self._keys(keys))
+            kv_pages = self._kv_hits(keys)
         present: dict[str, list[bool]] = {}
         for t in transfers:
             pool = self.pools.get(pool_str(t.name))
@@ -285,7 +297,8 @@ class PoolsMixin:
         if name == KV:
             if self.logical_anchor:
                 return [True] * len(keys)
-            return self._move(KV, self.pages, self._keys, self.is_writer, keys, t.host_indices, write)
+            return self._move(KV, self.pages, self._keys, self.is_writer, keys, t.host_indices, write,
+                              split=getattr(self, "plan", None))
         pool = self.pools.get(name)
         if pool is None:
             if keys:

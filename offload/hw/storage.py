@@ -144,7 +144,9 @@ def probe_cache_dir(root: Root, path: str) -> CacheDir:
     where = f"{m.fs_type} on {m.source} mounted at {m.mount_point}"
     if block:
         where += f", block device {block}" + (f" (disks {', '.join(disks)})" if disks else "")
-    if not exists:
+    if not exists and root.exists(path):
+        where += "; it exists and is not a directory (the cache needs a directory)"
+    elif not exists:
         where += f"; the directory does not exist yet (nearest: {real})"
     return CacheDir(path=path, exists=exists, mount_point=m.mount_point, fs_type=m.fs_type,
                     mount_source=m.source, mount_options=m.options, device=m.device,

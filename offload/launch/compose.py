@@ -5,17 +5,23 @@ Config -> SGLang server arguments -> process. Steps, in order:
    `sglang:` section and the extra flags against SGLang's own parser and refuses combinations that
    cannot work with the tier;
 2. detection decides the transfer path (`offload.hw.detect_and_decide`, `--root` for a fixture);
-   an explicit gds/dpu that cannot work stops here (exit 1, the failed check named);
-3. `compose` builds the command: `python -m sglang.launch_server`, the section's flags (SGLang's
+   an explicit gds/dpu that cannot work stops here (exit 1, the failed check named); then the
+   interpreter that will run SGLang (`--python`) must import sglang and sglang-offload at the
+   pinned versions (`offload.launch.interpreter`; exit 1 naming what it lacks);
+3. `offload.launch.device.choose` picks what works on SGLang's device (on cpu: torch_native
+   attention, no CUDA graphs, the io backend, wait_complete prefetch, SGLANG_USE_CPU_ENGINE=1),
+   never overriding a key the user set;
+4. `compose` builds the command: `python -m sglang.launch_server`, the section's flags (SGLang's
    own `--config` conversion), `--enable-hierarchical-cache`, `--hicache-mem-layout page_first`
    (unless set), the `dynamic` storage backend `offload.hicache.OffloadStorage` with
    `interface_v1` and `config_file`: the path of the effective offload tree (transfer.path = the
-   decided path), never the tree itself, which holds secrets (`offload.launch.secrets`); then
-   the extra flags last (they win, as on SGLang's own command line);
-4. `--dry-run` prints the decision, the effective config (secrets redacted) and the shell-quoted
-   command and exits 0, writing nothing; otherwise `write` puts the settings file in place (0600,
-   in a private 0700 runtime directory) and `os.execvp` replaces this process with SGLang
-   (signals reach SGLang directly; SGLang's pid is the one in the file's name).
+   decided path), never the tree itself, which holds secrets (`offload.launch.secrets`); the
+   device's flags; then the extra flags last (they win, as on SGLang's own command line);
+5. `--dry-run` prints the decision, the effective config (secrets redacted) and the shell-quoted
+   command and exits 0, writing nothing; otherwise `summary` (path and why, store, tiers, device
+   choices) goes to stderr, `write` puts the settings file in place (0600, in a private 0700
+   runtime directory) and `os.execvpe` replaces this process with SGLang, its environment plus
+   the device's (signals reach SGLang directly; SGLang's pid is the one in the file's name).
 Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 """
 
@@ -30,8 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from offload import redact as _redact
 from offload.config import DeploymentConfig, load_file, to_dict
+from offload.errors import RunError
 from offload.hicache.contract import BACKEND_EXTRA
+from offload.launch.device import DeviceChoice, choose
+from offload.launch.interpreter import Interpreter, check_interpreter
 from offload.launch.secrets import REDACTED, redact, runtime_dir, settings_path, write_settings
 from offload.launch.sglang_args import SglangArgs, check_sglang
 
@@ -50,14 +60,18 @@ class LaunchCommand:
     offload_tree: dict[str, Any]        # effective offload: tree, transfer.path decided
     argv: list[str]
     settings_file: str                  # where `write` puts offload_tree (argv names it)
+    device: DeviceChoice                # the device's flags (in argv) and environment
+    interpreter: Interpreter            # what --python imports
 
     @property
     def command(self) -> str:
-        return shlex.join(self.argv)
+        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.device.env.items())]
+        return " ".join([*env, shlex.join(_redact.argv(self.argv))])   # secrets masked
 
 
 def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str,
-            python: str = sys.executable) -> tuple[dict[str, Any], list[str]]:
+            python: str = sys.executable, device: DeviceChoice | None = None
+            ) -> tuple[dict[str, Any], list[str]]:
     """(effective offload tree, SGLang argv) for the decided transfer path.
 
     The argv names `settings_file` (where the tree must be written) and carries none of the
@@ -72,7 +86,7 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str
         argv += ["--hicache-mem-layout", "page_first"]
     argv += ["--hicache-storage-backend", "dynamic",
              "--hicache-storage-backend-extra-config", json.dumps(extra, separators=(",", ":"))]
-    return tree, argv + sg.extra_argv
+    return tree, argv + (device.argv if device else []) + sg.extra_argv
 
 
 def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
@@ -89,10 +103,14 @@ def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "
     extra_argv = list(extra_argv or [])
     sg = check_sglang(dep.sglang, extra_argv, dep.offload)
     _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir, python=python)
+    interp = check_interpreter(python)
+    if interp.problem:
+        raise RunError(interp.problem)
+    device = choose(sg.values, sg.set_by_user)
     settings = str(settings_path(runtime_dir()))
-    tree, argv = compose(dep, sg, decision.path, settings, python)
+    tree, argv = compose(dep, sg, decision.path, settings, python, device)
     sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
-    return LaunchCommand(dep, sg, decision, tree, argv, settings)
+    return LaunchCommand(dep, sg, decision, tree, argv, settings, device, interp)
 
 
 def write(p: LaunchCommand) -> None:
@@ -109,11 +127,13 @@ def render(p: LaunchCommand, config_file: str) -> str:
         lines.append("  rejected:")
         for r in d.rejected:
             lines += [f"    - {r.path}: {r.check}", f"        fix: {r.fix}"]
+    lines += ["", f"Device: {p.device.device}"] + [f"  - {r}" for r in p.device.reasons]
     if p.sglang.warnings:
         lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
-    lines += ["", "Notes", f"  - sglang: checked with {p.sglang.parser_source}"]
+    lines += ["", "Notes", f"  - sglang arguments: checked with {p.sglang.parser_source}",
+              f"  - {p.interpreter.note}"]
     lines += [f"  - {n}" for n in p.sglang.notes]
-    eff = {"sglang": dict(p.config.sglang), "offload": redact(p.offload_tree)}
+    eff = {"sglang": _redact.tree("sglang", p.config.sglang), "offload": redact(p.offload_tree)}
     lines += ["", f"Effective config (offload.transfer.path is the decided path; secrets "
               f"{REDACTED}; launch writes the offload: section to {p.settings_file}, mode 600)",
               *("  " + ln for ln in yaml.safe_dump(eff, sort_keys=False).splitlines()),
@@ -127,7 +147,32 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
                          "reasons": list(d.reasons),
                          "rejected": [{"path": r.path, "check": r.check, "fix": r.fix}
                                       for r in d.rejected]},
+            "device": {"device": p.device.device, "argv": p.device.argv, "env": p.device.env,
+                       "reasons": p.device.reasons},
+            "interpreter": {"executable": p.interpreter.executable, "sglang": p.interpreter.sglang,
+                            "offload": p.interpreter.offload},
             "warnings": p.sglang.warnings, "notes": p.sglang.notes,
             "sglang_parser": p.sglang.parser_source,
-            "config": {"sglang": dict(p.config.sglang), "offload": redact(p.offload_tree)},
-            "settings_file": p.settings_file, "argv": p.argv, "command": p.command}
+            "config": {"sglang": _redact.tree("sglang", p.config.sglang), "offload": redact(p.offload_tree)},
+            "settings_file": p.settings_file, "argv": _redact.argv(p.argv),
+            "command": p.command}
+
+
+def summary(p: LaunchCommand, config_file: str) -> str:
+    """What a real launch says before it execs SGLang: path and why, store, tiers, device."""
+    d, off = p.decision, p.offload_tree
+    store = off["store"]
+    tiers = [f"L1 {p.device.device} KV pool (SGLang)", "L2 host pool (HiCache)",
+             f"L3 store {store['path']}"]
+    if d.path == "dpu":
+        tiers[-1] = f"L3 agent {off['agent']['address']} ({off['agent']['transport']})"
+    if (off.get("redis") or {}).get("url"):
+        tiers.append(f"shared Redis {redact(off)['redis']['url']}")
+    lines = [f"sglang-offload launch: {config_file}",
+             f"  path: {d.path} (requested {d.requested}): {d.reasons[0] if d.reasons else ''}",
+             f"  store: {store['path']} (capacity {store['capacity']}, namespace salt "
+             f"{'set' if store.get('salt') else 'unset'})",
+             "  tiers: " + " -> ".join(tiers),
+             f"  device {p.device.device}: " + "; ".join(p.device.reasons),
+             f"  settings: {p.settings_file} (mode 600)", f"  exec: {p.command}"]
+    return "\n".join(lines) + "\n"

@@ -15,12 +15,12 @@ Primitives:
 - `write_settings(path, tree)`: the file, mode 0600, created with O_EXCL | O_NOFOLLOW under a
   temporary name and renamed into place; files left by launches whose process is gone are
   removed first.
-- `redact(tree)`: a copy for display with the salt and URL passwords replaced by `REDACTED`.
+- `redact(tree)`: a copy for display with the salt and URL passwords replaced by `***`
+  (`offload.redact`, the one redaction path).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import stat
@@ -30,11 +30,11 @@ from typing import Any, Mapping
 
 import yaml
 
+from offload import redact as _redact
 from offload.errors import ConfigError
 
 RUNTIME_ENV = "XDG_RUNTIME_DIR"     # the per-user runtime directory (systemd/pam); optional
-REDACTED = "REDACTED"
-_URL_PASSWORD = re.compile(r"^([a-z+]+://[^:@/]*:)[^/]*@")
+REDACTED = _redact.MASK
 
 
 def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -104,15 +104,10 @@ def write_settings(path: Path, tree: Mapping[str, Any]) -> None:
 
 
 def redact_url(url: str | None) -> str | None:
-    return _URL_PASSWORD.sub(rf"\1{REDACTED}@", url) if url else url
+    return _redact.url(url) if url else url
 
 
 def redact(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of an `offload:` tree fit to print: salt and URL passwords replaced."""
-    out = copy.deepcopy(dict(tree))
-    store, redis = out.get("store") or {}, out.get("redis") or {}
-    if store.get("salt"):
-        store["salt"] = REDACTED
-    if redis.get("url"):
-        redis["url"] = redact_url(redis["url"])
-    return out
+    """A copy of an `offload:` tree fit to print: salt and URL passwords replaced (the one
+    redaction path, `offload.redact`)."""
+    return _redact.tree("offload", tree)

@@ -29,6 +29,7 @@ DEFAULT_MFU = 0.4               # share of dense BF16 peak a long prefill sustai
 DEFAULT_READ_GBPS = 7.0         # one PCIe Gen4 NVMe drive, sequential read
 DEFAULT_ACTIVE_FRACTION = 0.8   # share of users whose KV must be in HBM at the same time
 DEFAULT_MEM_FRACTION = 0.9      # SGLang --mem-fraction-static: (weights + KV pool) / HBM
+MAX_TOKENS = 1 << 24            # 16M tokens: above any model's context window
 
 
 def kv_heads_per_rank(arch: Architecture, tp: int) -> int:
@@ -73,14 +74,18 @@ def worth_loading(prefix_tokens: int, bytes_per_token: float, read_gbps: float,
     return load_s < prefill_s
 
 
-def parse_tokens(text: str) -> int:
-    """`131072`, `128K` / `128k` (x1024), `1M` (x2**20)."""
+def parse_tokens(text: str, what: str = "token count") -> int:
+    """`131072`, `128K` / `128k` (x1024), `1M` (x2**20). `what` names the option in errors."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
     if not m:
-        raise ConfigError([f"token count '{text}': expected an integer or e.g. 128K, 1M"])
+        raise ConfigError([f"{what} '{text}': expected a token count: an integer or e.g. 128K, "
+                           "1M"])
     n = float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
     if n < 1 or n != int(n):
-        raise ConfigError([f"token count '{text}': must be a whole number of at least 1"])
+        raise ConfigError([f"{what} '{text}': must be a whole number of at least 1"])
+    if n > MAX_TOKENS:
+        raise ConfigError([f"{what} '{text}': more than {MAX_TOKENS:,} (16M) tokens, longer "
+                           "than any model's context window"])
     return int(n)
 
 
@@ -173,6 +178,12 @@ def _check(inp: PlanInputs) -> None:
         problems.append("--read-gbps and --prefill-tps must be positive")
     if inp.target_users is not None and inp.target_users < 0:
         problems.append(f"--users {inp.target_users}: cannot be negative")
+    if inp.prefix_tokens is not None and inp.prefix_tokens > inp.context:
+        problems.append(f"--prefix-tokens {inp.prefix_tokens}: longer than a user's context "
+                        f"(--context {inp.context}); a cached prefix is part of that context")
+    for flag, size in (("--gpu-mem", inp.gpu_mem), ("--tier-capacity", inp.tier_capacity)):
+        if size is not None and size <= 0:
+            problems.append(f"{flag} {size}: must be more than 0 bytes")
     if problems:
         raise ConfigError(problems)
 
@@ -202,7 +213,9 @@ def make_plan(inp: PlanInputs) -> Plan:
         rows.append(Users(dtype, kv_bytes_per_token(arch, DTYPE_BYTES[dtype]) * inp.context,
                           per_rank, resident, resident * replicas, served, uncapped, tier_user))
     chosen = rows[0]
-    target = chosen.with_offload_uncapped if inp.target_users is None else inp.target_users
+    # The users the tier is sized for: those served with offload (capped by --tier-capacity, as
+    # the table's column shows), unless --users names a target.
+    target = chosen.with_offload if inp.target_users is None else inp.target_users
     tier_needed = math.ceil(target * inp.hit_rate) * chosen.tier_bytes_per_user
     prefix = inp.prefix_tokens or inp.context
     bpt_rank = kv_bytes_per_token(arch, DTYPE_BYTES[inp.kv_dtype], tp)
@@ -264,6 +277,24 @@ def _size(n: float) -> str:
     return f"{n / GiB:,.2f} GiB" if abs(n) < (1 << 40) else f"{n / (1 << 40):,.2f} TiB"
 
 
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _cap_note(plan: Plan) -> str:
+    """What --tier-capacity does to the 'with offload' column, in the column's own numbers."""
+    held, u = plan.tier_users_capacity, plan.users[0]
+    if held is None:
+        return "not capped (no --tier-capacity)"
+    if u.with_offload >= u.with_offload_uncapped:
+        return f"the tier holds {held} users: not a limit"
+    if u.with_offload <= u.resident:
+        return (f"the tier holds {held} users, fewer than the {u.resident} in HBM: offload adds "
+                f"none (uncapped: {u.with_offload_uncapped})")
+    return (f"the tier holds {held} users: caps those served with offload at {u.with_offload} "
+            f"(uncapped: {u.with_offload_uncapped})")
+
+
 def format_table(plan: Plan, arch: Architecture) -> str:
     i = plan.inputs
     tp, rep = i["tp"], plan.replicas
@@ -295,8 +326,7 @@ def format_table(plan: Plan, arch: Architecture) -> str:
         lines.append(f"  {u.kv_dtype:<9}{_gib(u.kv_bytes_per_user):>12}"
                      f"{_gib(u.kv_bytes_per_user_per_rank):>12}{u.resident:>14}"
                      f"{u.with_offload:>14}")
-    cap = ("not capped (no --tier-capacity)" if plan.tier_users_capacity is None
-           else f"tier holds {plan.tier_users_capacity} users")
+    cap = _cap_note(plan)
     verdict = "worth loading" if plan.worth_loading else "NOT worth loading (recompute instead)"
     lines += [
         f"  (with offload: active fraction {i['active_fraction']:g}; {cap})",
@@ -307,7 +337,7 @@ def format_table(plan: Plan, arch: Architecture) -> str:
         f"  prefix           {plan.prefix_tokens} tokens = {_gib(plan.prefix_load_bytes)}: load "
         f"{plan.prefix_load_s:.2f} s at {i['read_gbps']:g} GB/s vs prefill "
         f"{plan.prefix_prefill_s:.2f} s -> {verdict}",
-        f"  prefill rate     {plan.prefill_tps_per_gpu:,.0f} tokens/s per GPU: "
+        f"  prefill rate     {_rate(plan.prefill_tps_per_gpu)} tokens/s per GPU: "
         f"{plan.prefill_tps_source}",
         "",
         "assumptions:",

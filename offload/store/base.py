@@ -12,6 +12,10 @@ each `Slot` -> `commit_slots` (visible) or `abort_slots` (freed); `pin_slots` ->
 -> `unpin_slots`. A `Slot` is memory (`view`) or a byte range of a file (`path`, `offset`), as
 the store's `slot_medium` says.
 
+A put's True means "written, and stored unless its commit fails" for a store that commits in the
+background (the disk store); `durable(store, keys, ok)` narrows such flags to what is durable now
+(a server's acknowledgement to its client).
+
 `never_raises(what, miss)` is the one way a data-path method keeps that promise: an exception
 becomes `miss(*args)` (e.g. all False), logged with its traceback the first time at each site and
 then counted, with a summary line at most once a minute.
@@ -173,6 +177,16 @@ def leading_hits(store: BlockStore, keys: Sequence[bytes]) -> int:
             break
         n += 1
     return n
+
+
+def durable(store: BlockStore, keys: Sequence[bytes], ok: Sequence[bool]) -> list[bool]:
+    """A put's flags narrowed to the blocks that are durable now: a store that commits in the
+    background (`DiskStore`'s group commit: `durable(keys)`) is waited for; any other store's put
+    is as durable as that store gets when it returns."""
+    wait = getattr(store, "durable", None)
+    if wait is None:
+        return list(ok)
+    return [bool(o and d) for o, d in zip(ok, wait(keys))]
 
 
 def total_len(buffers: Sequence[Buffer]) -> int:

@@ -5,10 +5,15 @@ directory is checked (owned by that user, writable by nobody else), no other loc
 rename or replace an entry in it, and its mode 0700 keeps them from reading any block.
 
 Primitives:
-- `prepare(path)`: create the directory 0700 (its new name fsync'ed into its parent), or check an
-  existing one as ssh checks `~/.ssh`: not owned by the service user, or writable by group/others
-  -> `StoreError` naming the path and the fix (`chown` / `chmod 700`); readable by others -> tightened
-  to 0700 (logged); an ancestor writable by others without the sticky bit -> refused.
+- `prepare(path)`: walk the path from `/` one component at a time, each opened with O_NOFOLLOW
+  relative to its parent's fd and checked on that fd: every ancestor owned by root or the service
+  user and writable by nobody else, or sticky (like /tmp) with the next component owned by root or
+  the service user; a symlink followed only where nobody else could have planted it. Create the
+  directory 0700 (its new name fsync'ed into its parent), or check an existing one as ssh checks
+  `~/.ssh`: not owned by the service user, or writable by group/others -> `StoreError` naming the
+  path and the fix (`chown` / `chmod 700`); readable by others -> tightened to 0700 through its fd.
+  Returns the path with its links resolved; since nobody else can rename or replace any component
+  of it, opening names under it later reaches the directory that was checked.
 - `open_file(path, flags, create=)`: O_NOFOLLOW | O_CLOEXEC (and O_CREAT | O_EXCL, mode 0600, when
   creating): a symlink is refused, never followed; anything but a regular file of the service user
   is refused (`UnsafeFile`, an OSError); a file readable by others is tightened to 0600.
@@ -60,67 +65,144 @@ def fsync_dir(path: str) -> None:
 
 
 def prepare(path: str, what: str = "store.path") -> str:
-    """The absolute path of a cache directory that is safe to use (created if missing)."""
-    path = os.path.abspath(path)
+    """The path of a cache directory that is safe to use (created if missing), with every link
+    in it resolved: later opens by that path cannot be redirected by another local user."""
+    fd, real = _open_dir(os.path.abspath(path), what)
     try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        st = _create(path, what)
-    except OSError as e:
-        raise StoreError(f"{what} {path!r}: {e.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise StoreError(f"{what} {path!r} is not a directory")
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid != me:
+            raise StoreError(
+                f"{what} {path!r} is owned by {user_name(st.st_uid)}, not by {user_name(me)} (the "
+                f"user this service runs as): its owner could read every cached block or plant "
+                f"links in it. Fix: `chown -R {user_name(me)} {path}` if it is yours, or choose "
+                f"another directory")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            raise StoreError(
+                f"{what} {path!r} is writable by group/others (mode {mode:04o}): another local "
+                f"user could plant files or links in it. Fix: `chmod 700 {path}`")
+        if mode & 0o077:
+            os.fchmod(fd, DIR_MODE)   # through the fd: never through a link
+            log.warning("%s %s was readable by others (mode %04o): now 0700", what, path, mode)
+    finally:
+        os.close(fd)
+    return real
+
+
+_PATH = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_LINKS = 40
+
+
+def _open_dir(path: str, what: str) -> tuple[int, str]:
+    """An fd of the directory `path` (created 0700 if missing) and its path with links resolved.
+
+    Walked one component at a time from `/` with O_NOFOLLOW, each opened relative to its parent's
+    fd and checked on that fd (`_check_parent`), so what is checked is what is used. A symbolic
+    link is followed only if nobody but root and the service user could have planted it (it lies
+    in a directory writable by nobody else, or is owned by root or the service user); its target
+    is walked the same way.
+    """
     me = os.geteuid()
-    if st.st_uid != me:
-        raise StoreError(
-            f"{what} {path!r} is owned by {user_name(st.st_uid)}, not by {user_name(me)} (the user "
-            f"this service runs as): its owner could read every cached block or plant links in it. "
-            f"Fix: `chown -R {user_name(me)} {path}` if it is yours, or choose another directory")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
-        raise StoreError(
-            f"{what} {path!r} is writable by group/others (mode {mode:04o}): another local user "
-            f"could plant files or links in it. Fix: `chmod 700 {path}`")
-    if mode & 0o077:
-        os.chmod(path, DIR_MODE)
-        log.warning("%s %s was readable by others (mode %04o): now 0700", what, path, mode)
-    _check_ancestors(path, what)
-    return path
-
-
-def _create(path: str, what: str) -> os.stat_result:
-    parent = os.path.dirname(path)
-    try:
-        os.makedirs(parent, exist_ok=True)
+    links = 0
+    while True:
+        todo = [p for p in path.split("/") if p and p != "."]
+        fd = os.open("/", _PATH)
+        real = "/"
         try:
-            os.mkdir(path, DIR_MODE)
-        except FileExistsError:  # another process created it meanwhile: checked like any other
-            return os.stat(path)
-        os.chmod(path, DIR_MODE)  # exactly 0700 whatever the umask
-        fsync_dir(parent)
-        return os.stat(path)
+            while todo:
+                name = todo.pop(0)
+                last = not todo
+                shared = _check_parent(fd, real, path, what, me)
+                try:
+                    nfd = os.open(name, _PATH, dir_fd=fd)
+                except FileNotFoundError:
+                    _mkdir(fd, name, last, path, what)
+                    nfd = os.open(name, _PATH, dir_fd=fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise StoreError(f"{what} {path!r}: {os.path.join(real, name)}: "
+                                         f"{e.strerror}") from None
+                    lst = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    here = os.path.join(real, name)
+                    if not stat.S_ISLNK(lst.st_mode):
+                        raise StoreError(f"{what} {path!r}: {here} is not a directory") from None
+                    if shared and lst.st_uid not in (0, me):
+                        raise StoreError(
+                            f"{what} {path!r}: {here} is a symbolic link planted by "
+                            f"{user_name(lst.st_uid)} in a directory every user may write: never "
+                            f"followed. Fix: remove it after checking who put it there, or "
+                            f"choose a directory that is not in a shared one") from None
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise StoreError(f"{what} {path!r}: too many symbolic links") from None
+                    target = os.readlink(name, dir_fd=fd)
+                    path = os.path.normpath(os.path.join(real, target, *todo))
+                    break
+                owner = os.fstat(nfd).st_uid
+                if shared and not last and owner not in (0, me):
+                    os.close(nfd)
+                    raise StoreError(
+                        f"{what} {path!r}: {os.path.join(real, name)} is owned by "
+                        f"{user_name(owner)} inside a directory every user may "
+                        f"write, so that user could swap what lies below it. Fix: choose a "
+                        f"directory of your own")
+                os.close(fd)
+                fd, real = nfd, os.path.join(real, name)
+            else:
+                out = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                return out, real
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)   # a link was found: walk its target from the top
+
+
+def _check_parent(fd: int, real: str, path: str, what: str, me: int) -> bool:
+    """Refuse an ancestor another user could rename entries in (owned by another user, or
+    writable by group/others without the sticky bit). Returns whether it is shared (sticky and
+    writable by others: entries of root and the service user in it cannot be moved by others)."""
+    st = os.fstat(fd)
+    if st.st_uid not in (0, me):
+        raise StoreError(
+            f"{what} {path!r}: its parent {real!r} is owned by {user_name(st.st_uid)}, who could "
+            f"replace the cache directory. Fix: choose a directory whose parents belong to root "
+            f"or {user_name(me)}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        who, fix = ("every user", "o-w") if mode & 0o002 else ("its group", "g-w")
+        raise StoreError(
+            f"{what} {path!r}: its parent {real!r} is writable by {who} without the sticky "
+            f"bit (mode {mode:04o}), so they could replace the cache directory. Fix: "
+            f"`chmod {fix} {real}` (or `chmod +t {real}`), or choose another directory")
+    return bool(mode & 0o022)
+
+
+def _mkdir(parent: int, name: str, last: bool, path: str, what: str) -> None:
+    """Create a missing component: 0755 on the way, exactly 0700 for the cache directory (its
+    name fsync'ed into its parent)."""
+    try:
+        os.mkdir(name, DIR_MODE if last else 0o755, dir_fd=parent)
+    except FileExistsError:   # another process created it meanwhile: checked like any other
+        return
     except OSError as e:
         raise StoreError(f"{what} {path!r}: cannot create the directory: {e.strerror}") from None
-
-
-def _check_ancestors(path: str, what: str) -> None:
-    """An ancestor others may write without the sticky bit lets them rename our directory away."""
-    cur = os.path.dirname(os.path.realpath(path))
-    while True:
+    if last:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent)
         try:
-            st = os.stat(cur)
-        except OSError:
-            return
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o002 and not mode & stat.S_ISVTX:
-            raise StoreError(
-                f"{what} {path!r}: its parent {cur!r} is writable by every user without the sticky "
-                f"bit (mode {mode:04o}), so anyone could replace the cache directory. Fix: "
-                f"`chmod o-w {cur}` (or `chmod +t {cur}`), or choose another directory")
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            return
-        cur = parent
+            os.fchmod(fd, DIR_MODE)   # exactly 0700 whatever the umask
+        finally:
+            os.close(fd)
+    try:
+        pfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:   # a parent we may not read: its owner makes names durable
+        return
+    try:
+        os.fsync(pfd)
+    finally:
+        os.close(pfd)
 
 
 def _unsafe(path: str, why: str) -> UnsafeFile:

@@ -9,9 +9,10 @@ aligned and every block fills its slot exactly (no padding, no bounce); anything
 by block through `SlabFiles.write_block` / `read_block`.
 
 Primitives: `write_batch` (checksum + write every block on the I/O threads, then one fdatasync
-per touched slab) and `read_batch` (read + verify): one result per block, never raising; built on
-`plan_runs(locations)` -> lists of locations to move together and `write_run` / `read_run`. A
-batch that is a single run runs in the caller's thread (no hand-off).
+per touched slab, or none: the group committer syncs), `sync_segments`, and `read_batch` (read +
+verify): one result per block, never raising; built on `plan_runs(locations)` -> lists of
+locations to move together and `write_run` / `read_run`. A batch that is a single run runs in the
+caller's thread (no hand-off).
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
 
 def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                 bufs: Sequence[Sequence[Buffer]], created_ns: int,
-                threads: int) -> list[tuple[str, int]]:
+                threads: int, sync: bool = True) -> list[tuple[str, int]]:
     """Checksum and write every block (header and data in one vectored call per run), then
-    fdatasync each touched slab once. Per block: ('' if durable, else why not; its checksum)."""
+    (`sync`) fdatasync each touched slab once. Per block: ('' if written, and durable when
+    `sync`; else why not; its checksum)."""
 
     def write(run: list[int]) -> list[tuple[str, int]]:
         ls = [locs[i] for i in run]
@@ -92,10 +94,19 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
     for run, res in zip(plan, _map(pool, write, plan)):
         for i, r in zip(run, res):
             out[i] = r
-    segs = sorted({(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(locs, out) if not err})
-    synced = dict(zip(segs, _map(pool, lambda sg: slabs.sync(*sg), segs)))
+    if not sync:
+        return out
+    synced = sync_segments(slabs, pool,
+                           [(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(locs, out) if not err])
     return [(err or ("" if synced[(loc.seg, loc.slot_bytes)] else "fdatasync failed"), csum)
             for loc, (err, csum) in zip(locs, out)]
+
+
+def sync_segments(slabs: slab.SlabFiles, pool: Executor,
+                  segs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], bool]:
+    """fdatasync each (seg, slot_bytes) once, on the I/O threads: whether it is durable."""
+    todo = sorted(set(segs))
+    return dict(zip(todo, _map(pool, lambda sg: slabs.sync(*sg), todo)))
 
 
 def read_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],

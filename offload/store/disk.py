@@ -5,11 +5,17 @@ same directory at once (tensor-parallel ranks, replicas on one node): the index 
 bookkeeping, slots are owned by exactly one block, and the capacity cap lives in the index, so it
 holds for all of them together.
 
-Put: skip keys already stored -> reserve slots in one transaction (evicting least-recently-used blocks
-past the high watermark, down to the low one; skipping blocks when the cap or the file system is full)
--> the I/O threads checksum and write each block (header + data, O_DIRECT, vectored) -> fdatasync of
-each touched slab -> one transaction makes the blocks visible. A crash at any point leaves at most
-pending slots of a dead process, reclaimed on the next open or under pressure.
+Put: skip keys already stored or in flight -> reserve slots in one unsynced transaction (evicting
+least-recently-used blocks past the high watermark, down to the low one; skipping blocks when the
+cap or the file system is full) -> the I/O threads checksum and write each block (header + data,
+O_DIRECT, vectored) -> `put_many` returns (the caller's buffers are free again). The group
+committer (`commit.py`) then fdatasyncs every touched slab and makes all the blocks written since
+its last round visible in one synced transaction: other processes, and a restart after a crash,
+see a block only once it is durable. This process counts its blocks in flight as stored (exists
+says yes, a put skips them) and a get of one waits for its commit (then reads it as any other).
+`flush()` waits for all; `close()` flushes. A crash at any point leaves at most pending slots of a
+dead process, reclaimed on the next open or under pressure; a failed commit frees its slots (or
+the next reservation does, if the index could not be written then).
 Get: locate in the index -> the I/O threads read header + data straight into the caller's buffers ->
 the header must match the index and the data its checksum, else the block is deleted and it is a miss.
 Open (`recovery.open_index`): the directory is checked or created 0700 (`cachedir.prepare`: owned by
@@ -19,8 +25,9 @@ slab headers; segments whose slab file is missing are dropped; dead processes' s
 A slab found missing later (a read, a write, a sync) is dropped the same way.
 
 The data path (put/get/exists/delete) never raises (`never_raises`): it returns per-block flags and
-logs why. Where it must reopen the index (another process rebuilt it) it waits for the lock at most
-`DATA_LOCK_TIMEOUT_S`, else misses.
+logs why. It never waits on the index longer than `DATA_LOCK_TIMEOUT_S` (`index_access.py`: reads
+and writes go through separate connections, so gets go on while a write waits); past that a read
+is a miss and a write is skipped, counted in `stats().extra["index_busy"]`.
 """
 
 from __future__ import annotations
@@ -35,19 +42,23 @@ from typing import Any, Callable, Sequence
 
 from offload.config import StoreConfig
 from offload.errors import StoreError
-from offload.keys import KEY_BYTES, NS_BYTES, Namespace
-from offload.store import cachedir, coalesce, fdcache, scrub, slab, slot_format
+from offload.keys import KEY_BYTES
+from offload.store import cachedir, coalesce, fdcache, slab, slot_format
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
-from offload.store.disk_slots import SlotAccess, SlotBooks
+from offload.store.commit import BUSY as COMMIT_BUSY
+from offload.store.commit import Batch, Committer
+from offload.store.disk_admin import DiskAdmin
+from offload.store.disk_slots import SlotAccess
 from offload.store.index import Allocation, Freed, Index, Location
+from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
 from offload.store.owner import owner_token
-from offload.store.recovery import INDEX_NAME, open_index
+from offload.store.recovery import open_index
 
 log = logging.getLogger(__name__)
 
 TOUCH_FLUSH_S = 1.0
-LOCK_TIMEOUT_S = 60.0       # opening: long enough for another process's index rebuild
-DATA_LOCK_TIMEOUT_S = 0.5   # a reopen on the data path: misses rather than a stalled server
+PENDING_BYTES = 256 << 20   # written but not yet visible (the group committer's bound)
+INFLIGHT_WAIT_S = 1.0       # a get of a block this process put waits this long for its commit
 
 
 def _skipped(self: "DiskStore", keys: Sequence[bytes], *_: Any) -> list[bool]:
@@ -73,9 +84,10 @@ def fs_free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class DiskStore(SlotAccess):
+class DiskStore(SlotAccess, DiskAdmin):
     def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes,
-                 lock_timeout_s: float = LOCK_TIMEOUT_S, max_open_slabs: int = slab.MAX_OPEN):
+                 lock_timeout_s: float = LOCK_TIMEOUT_S, max_open_slabs: int = slab.MAX_OPEN,
+                 pending_bytes: int = PENDING_BYTES):
         self.cfg = cfg
         self.directory = cachedir.prepare(cfg.path)
         self._free_bytes = free_bytes
@@ -84,17 +96,28 @@ class DiskStore(SlotAccess):
         self.o_direct = fdcache.probe_o_direct(self.directory, cfg.o_direct)
         self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off",
                                      max_open_slabs)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()   # in-memory state and the reader connection
         self._owner = owner_token()
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
         self._stats = StoreStats(capacity=cfg.capacity)
         self._touched: set[bytes] = set()
         self._last_touch_flush = time.monotonic()
+        self._orphans: list[Location] = []  # pending slots of failed commits (under wlock)
         self.rebuilt_from: str | None = None
-        self._index = self._open_index(lock_timeout_s)
-        self._seq, keys = self._index.committed_keys()
+        self._ix = IndexAccess(self._open_index, lock_timeout_s)
+        self._seq, keys = self._ix.reader.committed_keys()
         self._keys: set[bytes] = set(keys)
+        self._commits = Committer(
+            lambda segs: coalesce.sync_segments(self._slabs, self._pool, segs),
+            self._commit, self._committed, pending_bytes)
         self._closed = False
+
+    @property
+    def _index(self) -> Index:
+        """The writer connection, once what was put so far is committed (for tests and `bench
+        store`, which peek at the index; the store itself goes through `_ix`)."""
+        self._commits.flush(LOCK_TIMEOUT_S)
+        return self._ix.writer
 
     # ---- opening ------------------------------------------------------------------------------
 
@@ -108,36 +131,34 @@ class DiskStore(SlotAccess):
     def _free_slot(self, f: Freed) -> None:
         self._slabs.free(f.seg, f.slot_bytes, f.slot)
 
-    def _refresh_keys(self) -> None:
-        """Bring the in-memory key set up to date with commits/deletes of every process."""
-        try:
-            ino = os.stat(os.path.join(self.directory, INDEX_NAME)).st_ino
-        except OSError:
-            ino = -1
-        if ino != self._index.ino:  # another process set the index aside and rebuilt it
-            fresh = self._open_index(DATA_LOCK_TIMEOUT_S)  # StoreError -> the caller's misses
-            self._index.close()
-            self._index, self._seq = fresh, -1
-        self._drop_missing()
-        got = self._index.changes_since(self._seq) if self._seq >= 0 else None
+    def _refresh_keys(self) -> bool:
+        """Bring the in-memory key set up to date with commits/deletes of every process (caller
+        holds the lock). False if the index stayed busy (the caller misses)."""
+        if self._ix.replaced():   # another process set the index aside and rebuilt it
+            self._seq = -1
+            if not self._ix.reopen(self._lock):
+                return False
+        got = self._ix.reader.changes_since(self._seq) if self._seq >= 0 else None
         if got is None:
-            self._seq, keys = self._index.committed_keys()
+            self._seq, keys = self._ix.reader.committed_keys()
             self._keys = set(keys)
-            return
+            return True
         self._seq, changes = got
         for key, op in changes:
             if op == 1:
                 self._keys.add(key)
             else:
                 self._keys.discard(key)
+        return True
 
-    def _drop_missing(self) -> None:
-        """Drop segments whose slab file was found missing (caller holds the lock): their blocks
-        stop existing and their slots are never reused (else every put of that size would fail)."""
+    def _drop_missing(self, index: Index) -> None:
+        """Drop segments whose slab file was found missing (caller holds the write lock): their
+        blocks stop existing and their slots are never reused (else every put of that size fails)."""
         for seg, sb in self._slabs.take_missing():
-            gone = self._index.drop_segment(seg)
+            gone = index.drop_segment(seg)
             self._slabs.forget(seg, sb)
-            self._keys.difference_update(gone)
+            with self._lock:
+                self._keys.difference_update(gone)
             log.error("slab %s is missing: its %d blocks are dropped", self._slabs.path(seg, sb),
                       len(gone))
 
@@ -146,12 +167,14 @@ class DiskStore(SlotAccess):
     @never_raises("disk exists", _absent)
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            self._refresh_keys()
-            ks = self._keys
-            return [k in ks for k in keys]
+            if not self._refresh_keys():
+                return [False] * len(keys)
+            ks, flying = self._keys, self._commits.in_flight
+            return [k in ks or flying(k) for k in keys]
 
     @never_raises("disk put", _skipped)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Write the blocks; True once written (visible once durable: see the module docstring)."""
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
@@ -160,12 +183,13 @@ class DiskStore(SlotAccess):
         where: dict[bytes, list[int]] = {}
         bufs_of: dict[bytes, Sequence[Buffer]] = {}
         with self._lock:
-            self._refresh_keys()
+            if not self._refresh_keys():
+                return _skipped(self, keys)
             for i, (k, bufs) in enumerate(zip(keys, blocks)):
                 if len(k) != KEY_BYTES:
                     log.error("put: key of %d bytes (want %d) skipped", len(k), KEY_BYTES)
                     continue
-                if k in self._keys:
+                if k in self._keys or self._commits.in_flight(k):
                     result[i] = True
                     continue
                 if k not in where:
@@ -173,9 +197,18 @@ class DiskStore(SlotAccess):
                     items.append((k, n, slot_format.slot_bytes_for(n), 0))
                     bufs_of[k] = bufs
                 where.setdefault(k, []).append(i)
-            if not items:
-                return result
-            alloc = self._allocate(items)
+        if not items:
+            return result
+        if not self._commits.room(sum(n for _, n, _, _ in items), DATA_LOCK_TIMEOUT_S):
+            log.warning("put: %d blocks skipped: the index commits fall behind", len(items))
+            self._stats.put_skipped += len(items)
+            return result
+        alloc = self._ix.write(self._allocate(items))
+        if alloc is BUSY:
+            log.warning("put: %d blocks skipped: the index is busy", len(items))
+            self._stats.put_skipped += len(items)
+            return result
+        assert isinstance(alloc, Allocation)
         for k in alloc.present:
             for i in where[k]:
                 result[i] = True
@@ -184,45 +217,100 @@ class DiskStore(SlotAccess):
             self._stats.put_skipped += 1
         outcomes = coalesce.write_batch(self._slabs, self._pool, alloc.new,
                                         [bufs_of[loc.key] for loc in alloc.new], time.time_ns(),
-                                        self.cfg.io_threads)
-        good: list[tuple[bytes, int]] = []
-        failed: list[Location] = []
+                                        self.cfg.io_threads, sync=False)
+        batch = Batch([], [])
         for loc, (err, csum) in zip(alloc.new, outcomes):
             if err:
                 log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
                 self._stats.put_skipped += 1
-                failed.append(loc)
+                batch.failed.append(loc)
             else:
-                good.append((loc.key, csum))
-        with self._lock:
-            touched, self._touched = list(self._touched), set()
-            self._index.finish(good, failed, touched, self._free_slot)
-            self._drop_missing()
-            for k, _ in good:
-                self._keys.add(k)
-                for i in where[k]:
+                batch.locs.append(loc)
+                batch.csums.append(csum)
+                batch.nbytes += loc.length
+                for i in where[loc.key]:
                     result[i] = True
-            self._stats.puts += len(good)
-            self._stats.bytes_written += sum(total_len(bufs_of[k]) for k, _ in good)
+        if batch.locs or batch.failed:
+            self._commits.submit(batch)
         return result
 
-    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Allocation:
-        """Reserve slots (caller holds the lock and has refreshed the key set)."""
-        alloc = self._index.allocate(
-            items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
-            free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
-            segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
-            free_slot=self._free_slot)
-        self._stats.evictions += alloc.evicted
-        return alloc
+    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
+        """Reserve slots (under the write lock; the key set refreshed)."""
+        def run(index: Index) -> Allocation:
+            alloc = index.allocate(
+                items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
+                free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
+                segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
+                free_slot=self._free_slot, release=self._orphans)
+            self._orphans = []
+            self._stats.evictions += alloc.evicted
+            self._drop_missing(index)
+            return alloc
+        return run
+
+    def _commit(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
+        """The committer's transaction: '' done, COMMIT_BUSY (retried), else why it failed (the
+        slots are then freed, now or by the next reservation)."""
+        def run(index: Index) -> None:
+            index.finish([(loc.key, c) for loc, c in good], free, [], self._free_slot)
+            self._drop_missing(index)
+
+        try:
+            if self._ix.write(run) is BUSY:
+                return COMMIT_BUSY
+            return ""
+        except (sqlite3.Error, OSError) as e:
+            why = f"index commit failed: {e}"
+        mine = [loc for loc, _ in good] + free
+        try:
+            if self._ix.write(lambda index: index.release(mine, self._free_slot)) is not BUSY:
+                return why
+        except (sqlite3.Error, OSError) as e:
+            log.warning("%d pending slots not released yet (%s): the next put frees them",
+                        len(mine), e)
+        with self._ix.wlock:
+            self._orphans += mine
+        return why
+
+    def _committed(self, done: list[Location], lost: list[Location], why: str) -> None:
+        with self._lock:
+            self._keys.update(loc.key for loc in done)
+            self._stats.puts += len(done)
+            self._stats.bytes_written += sum(loc.length for loc in done)
+            self._stats.put_skipped += len(lost)
+        if lost:
+            log.error("%d blocks written but never made visible (%s): they are not stored",
+                      len(lost), why)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block put so far is durable and visible (or failed, counted). True if
+        all are; False if `timeout` passed first or a block was lost since the last flush."""
+        return self._commits.flush(timeout)
+
+    @never_raises("disk durable", _absent)
+    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Wait until this process's puts of `keys` are committed or lost: per key, whether it is
+        stored durably now (what a server acknowledges to its client: `base.durable`)."""
+        self._commits.wait_for(keys, LOCK_TIMEOUT_S)
+        with self._lock:
+            if not self._refresh_keys():
+                return [False] * len(keys)
+            return [k in self._keys for k in keys]
 
     @never_raises("disk get", _missed)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         if len(keys) != len(dests):
             log.error("get: %d keys but %d destinations", len(keys), len(dests))
             return [False] * len(keys)
+        if any(self._commits.in_flight(k) for k in keys):   # put by this process: durable soon
+            self._commits.wait_for(keys, INFLIGHT_WAIT_S)
         with self._lock:
-            locs = self._index.locate(list(keys))
+            try:
+                locs = self._ix.reader.locate(list(keys))
+            except sqlite3.OperationalError as e:
+                log.warning("get: %d blocks missed: %s", len(keys), e)
+                self._ix.busy += 1
+                return _missed(self, keys)
         jobs = []
         bad_sizes: list[Location] = []
         unknown: list[bytes] = []
@@ -260,138 +348,89 @@ class DiskStore(SlotAccess):
             self._stats.checksum_failures += len(corrupt)
             self._stats.bytes_read += nbytes
             self._keys.difference_update(unknown)
-            if corrupt:
-                self._index.drop_corrupt(corrupt, self._free_slot)
-                for loc in corrupt:
-                    self._keys.discard(loc.key)
-            self._drop_missing()
             self._touched.update(k for k, ok in zip(keys, result) if ok)
-            if time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S:
-                self._flush_touches()
+            due = time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S
+        if corrupt or due or self._slabs.fds.has_missing():
+            self._write_after_get(corrupt, due)
         return result
+
+    def _write_after_get(self, corrupt: list[Location], touch: bool) -> None:
+        """Drop corrupt blocks, missing slabs and record last use: never waited for (a busy
+        index leaves them for the next get)."""
+        def run(index: Index) -> None:
+            if corrupt:
+                index.drop_corrupt(corrupt, self._free_slot)
+                with self._lock:
+                    self._keys.difference_update(loc.key for loc in corrupt)
+            self._drop_missing(index)
+            if touch:
+                self._flush_touches(index)
+
+        self._ix.write(run, wait=0.0 if not corrupt else DATA_LOCK_TIMEOUT_S)
 
     def _index_lies(self, loc: Location) -> bool:
         """A size mismatch: is the index row damaged (slot header disagrees) or the caller wrong?"""
         h = self._slabs.read_header(loc.seg, loc.slot_bytes, loc.slot)
         return h is None or h.key != loc.key or h.length != loc.length or h.csum != loc.csum
 
-    def _flush_touches(self) -> None:
-        touched, self._touched = list(self._touched), set()
-        self._last_touch_flush = time.monotonic()
+    def _flush_touches(self, index: Index | None = None) -> None:
+        """Record last use times (under the write lock; without `index`: takes it)."""
+        if index is None:
+            self._ix.write(self._flush_touches, control=True)
+            return
+        with self._lock:
+            touched, self._touched = list(self._touched), set()
+            self._last_touch_flush = time.monotonic()
         if touched:
-            self._index.touch(touched)
+            index.touch(touched)
 
     @never_raises("disk delete", _nothing)
     def delete_many(self, keys: Sequence[bytes]) -> int:
+        if any(self._commits.in_flight(k) for k in keys):   # else they would appear afterwards
+            self._commits.wait_for(keys, INFLIGHT_WAIT_S)
+        n = self._ix.write(lambda index: index.delete(list(keys), self._free_slot))
+        if n is BUSY:
+            log.warning("delete: the index is busy; %d blocks not deleted", len(keys))
+            return 0
         with self._lock:
-            n = self._index.delete(list(keys), self._free_slot)
             self._keys.difference_update(keys)
-            return n
+        return int(n)  # type: ignore[arg-type]
 
-    # ---- what the slot API (disk_slots.SlotAccess, for the GDS path) may use ---------------------
-
-    def slot_books(self) -> SlotBooks:
-        return SlotBooks(self._slabs, self._stats, self._slot_allocate, self._slot_finish,
-                         self._slot_locate)
-
-    def _slot_allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
-        with self._lock:
-            self._refresh_keys()
-            todo = [(k, n, slot_format.slot_bytes_for(n), 0) for k, n in items if k not in self._keys]
-            return self._allocate(todo).new if todo else []
-
-    def _slot_finish(self, good: list[tuple[bytes, int]], failed: list[Location]) -> None:
-        with self._lock:
-            self._index.finish(good, failed, [], self._free_slot)
-            self._keys.update(k for k, _ in good)
-
-    def _slot_locate(self, keys: list[bytes]) -> dict[bytes, Location]:
-        with self._lock:
-            return self._index.locate(keys)
-
-    # ---- control path -------------------------------------------------------------------------
-
-    def register_namespace(self, ns: Namespace) -> None:
-        with self._lock:
-            self._index.record_namespace(ns.digest(), ns.describe())
-
-    def clear(self, namespace: bytes | None = None) -> int:
-        """Delete every block, or every block of one namespace digest (16 bytes)."""
-        if namespace is not None and len(namespace) != NS_BYTES:
-            raise StoreError(f"namespace digest must be {NS_BYTES} bytes")
-        with self._lock:
-            self._refresh_keys()
-            keys = [k for k in self._keys if namespace is None or k[:NS_BYTES] == namespace]
-        return self.delete_many(keys)
-
-    def evict_to(self, used_bytes: int) -> int:
-        """Evict least-recently-used blocks until at most `used_bytes` are used."""
-        with self._lock:
-            n = self._index.evict_to(used_bytes, self._free_slot)
-            self._seq = -1  # reload the key set on next use
-            self._refresh_keys()
-            return n
+    # ---- control path (the rest: disk_admin.DiskAdmin) ---------------------------------------
 
     def tier_stats(self) -> dict[str, StoreStats]:
         return {"local": self.stats()}
 
     def stats(self) -> StoreStats:
+        self._commits.flush(DATA_LOCK_TIMEOUT_S)   # what was put so far, when it can be seen
         with self._lock:
-            blocks, used, cap = self._index.usage()
-        s = StoreStats(**vars(self._stats))
+            blocks, used, cap = self._ix.reader.usage()
+            s = StoreStats(**vars(self._stats))
         s.blocks, s.bytes_used, s.capacity = blocks, used, cap
         s.extra = {"o_direct": self.o_direct, "directory": self.directory,
-                   "rebuilt_from": self.rebuilt_from}
+                   "rebuilt_from": self.rebuilt_from, "index_busy": self._ix.busy}
         return s
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            try:
-                self._flush_touches()
-            except sqlite3.Error as e:
-                log.warning("could not record last use times: %s", e)
-            self._pool.shutdown(wait=True)
-            self._slabs.close()
-            self._index.close()
+        if not self._commits.close(LOCK_TIMEOUT_S):
+            log.error("closing: blocks written but not yet committed are dropped (reclaimed "
+                      "as a dead process's slots)")
+        try:
+            self._ix.write(self._flush_touches, control=True)
+        except (sqlite3.Error, StoreError) as e:
+            log.warning("could not record last use times: %s", e)
+        self._pool.shutdown(wait=True)
+        self._slabs.close()
+        self._ix.close()
 
     def __enter__(self) -> "DiskStore":
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
-
-    # ---- maintenance (`sglang-offload cache`) ----------------------------------------------------
-
-    def summary(self) -> dict[str, object]:
-        """Blocks, bytes and age per namespace (with descriptions): `cache stats`."""
-        with self._lock:
-            return self._index.summary()
-
-    def verify(self, progress: Callable[[int], None] | None = None,
-               batch: int = 64) -> tuple[int, list[tuple[bytes, str]]]:
-        """Re-read every committed block and check header and checksum; corrupt ones are deleted.
-
-        Safe while other processes use the directory: a block deleted or evicted meanwhile is
-        not counted as bad. `progress(n)` is called after each batch of n blocks.
-        Returns (blocks checked, [(key, why)] of the bad ones).
-        """
-        def drop(loc: Location, corrupt: bool) -> bool:
-            with self._lock:
-                if corrupt:
-                    still = self._index.drop_corrupt([loc], self._free_slot)
-                    self._keys.discard(loc.key)
-                    self._stats.checksum_failures += still
-                    return bool(still)
-                return bool(self._index.locate([loc.key]))
-
-        def page(after: bytes) -> list[Location]:
-            with self._lock:
-                return self._index.committed_after(after, batch)
-
-        return scrub.scan(self._slabs, self._pool, page, drop, progress)
 
 
 __all__ = ["DiskStore", "fs_free_bytes"]

@@ -3,9 +3,9 @@
 
 Primitives:
 - `SlotBooks`: what the disk store lends its slot access — its slab files, its stats, and three
-  bookkeeping calls that take the store's lock themselves (`allocate`, `finish`, `locate`).
+  bookkeeping calls that take the store's locks themselves (`allocate`, `finish`, `locate`).
 - `SlotAccess`: the `SlotStore` methods, mixed into `DiskStore`; they reach the store only
-  through `slot_books()`.
+  through `slot_books()` (built here from the store's index access and committer).
 Lifecycle: a path reserves slots (`reserve_slots`: 4 KiB-aligned data areas inside slab files,
 counted against the cap like any put), writes the data with its own engine, then `commit_slots`
 writes each slot's header with the checksum the path computed (kind WSUM64, verified on the CPU by
@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from offload.store import slab, slot_format
 from offload.store.base import Slot, SlotMedium, StoreStats, never_raises
-from offload.store.index import Location
+from offload.store.commit import BUSY as COMMIT_BUSY
+from offload.store.commit import Committer
+from offload.store.index import Allocation, Index, Location
+from offload.store.index_access import BUSY, IndexAccess
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +39,8 @@ class SlotBooks:
     stats: StoreStats
     # [(key, length)] of keys not stored yet -> the new slots' locations (cap, eviction)
     allocate: Callable[[list[tuple[bytes, int]]], list[Location]]
-    # (committed [(key, checksum)], failed locations): make visible / free
-    finish: Callable[[list[tuple[bytes, int]], list[Location]], None]
+    # (committed [(slot, checksum)], failed slots): make visible / free; False if not committed
+    finish: Callable[[list[tuple[Location, int]], list[Location]], bool]
     locate: Callable[[list[bytes]], dict[bytes, Location]]
 
 
@@ -73,10 +77,54 @@ def _file_wsum64(s: Slot) -> int:
 
 class SlotAccess:
     slot_medium: SlotMedium = "file"
+    # provided by DiskStore
+    _slabs: slab.SlabFiles
+    _stats: StoreStats
+    _lock: threading.RLock
+    _keys: set[bytes]
+    _ix: IndexAccess
+    _commits: Committer
+    _orphans: list[Location]
+
+    def _refresh_keys(self) -> bool:
+        raise NotImplementedError
+
+    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
+        raise NotImplementedError
+
+    def _commit(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
+        raise NotImplementedError
 
     def slot_books(self) -> SlotBooks:
-        """What the store lends (implemented by the store)."""
-        raise NotImplementedError
+        """What the store lends: its bookkeeping under its own locks and deadlines."""
+        return SlotBooks(self._slabs, self._stats, self._slot_allocate, self._slot_finish,
+                         self._slot_locate)
+
+    def _slot_allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
+        with self._lock:
+            if not self._refresh_keys():
+                return []
+            todo = [(k, n, slot_format.slot_bytes_for(n), 0) for k, n in items
+                    if k not in self._keys and not self._commits.in_flight(k)]
+        alloc = self._ix.write(self._allocate(todo)) if todo else BUSY
+        return alloc.new if isinstance(alloc, Allocation) else []
+
+    def _slot_finish(self, good: list[tuple[Location, int]], failed: list[Location]) -> bool:
+        """Commit / free slots written (and synced) by another path: False if not committed
+        (the slots are then freed, at the latest by the next reservation)."""
+        why = self._commit(good, failed)
+        if why == COMMIT_BUSY:
+            with self._ix.wlock:
+                self._orphans += [loc for loc, _ in good] + failed
+            return False
+        if not why:
+            with self._lock:
+                self._keys.update(loc.key for loc, _ in good)
+        return not why
+
+    def _slot_locate(self, keys: list[bytes]) -> dict[bytes, Location]:
+        with self._lock:
+            return self._ix.reader.locate(keys)
 
     def arena_region(self) -> tuple[int, int] | None:
         return None      # file slots: nothing to register in memory
@@ -122,11 +170,12 @@ class SlotAccess:
             if e or not synced[(loc.seg, loc.slot_bytes)]:
                 bad.append(loc)
             else:
-                good.append((loc.key, c))
-        books.finish(good, bad)
+                good.append((loc, c))
+        if not books.finish(good, bad):
+            return [False] * len(slots)
         books.stats.puts += len(good)
-        books.stats.bytes_written += sum(loc.length for loc in locs) if not bad else 0
-        ok = {k for k, _ in good}
+        books.stats.bytes_written += sum(loc.length for loc, _ in good)
+        ok = {loc.key for loc, _ in good}
         return [s.key in ok for s in slots]
 
     @never_raises("abort_slots (the slots are reclaimed when this process ends)", lambda *_: None)

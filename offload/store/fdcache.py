@@ -7,8 +7,8 @@ allows it (in `auto` mode a refusal switches to buffered I/O, logged once). A fi
 remembered (`take_missing`) so the store drops its segment from the index.
 
 Primitives: `probe_o_direct(directory, mode)`; `FdCache(directory, o_direct, max_open)` with
-`use(seg, slot_bytes)` (a context holding the fd open), `forget`, `take_missing`, `mark_missing`,
-`open_count`, `close`; `SlabMissing`.
+`use(seg, slot_bytes)` (a context holding the fd open), `forget`, `has_missing`, `take_missing`,
+`mark_missing`, `open_count`, `close`; `SlabMissing`.
 """
 
 from __future__ import annotations
@@ -141,6 +141,10 @@ class FdCache:
         """Remember a segment whose file was found gone (the store drops it)."""
         with self._lock:
             self._missing.add((seg, slot_bytes))
+
+    def has_missing(self) -> bool:
+        """Whether a segment was found missing since the last `take_missing` (no lock: a hint)."""
+        return bool(self._missing)
 
     def take_missing(self) -> set[tuple[int, int]]:
         """Segments found missing since the last call."""

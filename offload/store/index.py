@@ -16,6 +16,7 @@ under pressure. Every call costs a few statements per batch, not per block.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -25,6 +26,7 @@ from offload.store import cachedir
 from offload.store.index_schema import (
     CHANGES_KEPT,
     COMMITTED,
+    MAX_OFFSET,
     MAX_VARS,
     OP_COMMIT,
     OP_DELETE,
@@ -36,10 +38,15 @@ from offload.store.index_schema import (
     Freed,
     Location,
     Txn,
+    row_problem,
     signed,
     unsigned,
 )
 from offload.store.owner import owner_alive
+
+log = logging.getLogger(__name__)
+
+_ROW = "key, seg, slot, slot_bytes, length, csum, created"
 
 
 class Index:
@@ -66,6 +73,8 @@ class Index:
         if created:
             cachedir.fsync_dir(os.path.dirname(os.path.abspath(path)))
         self.ino = os.stat(path).st_ino
+        self.tombstones_pending = True   # slots whose hole punch failed: retried on the next free
+        self.dropped: list[tuple[bytes, str]] = []   # rows that failed the range checks
 
     # ---- open-time checks (called under the directory's open lock) ----------------------------
 
@@ -87,6 +96,11 @@ class Index:
         with self.txn():
             self.db.execute("UPDATE meta SET value=? WHERE name='capacity'", (capacity,))
 
+    def set_busy_timeout(self, seconds: float) -> None:
+        """How long a statement waits for another connection's lock before `database is locked`
+        (the data path: `DATA_LOCK_TIMEOUT_S`, then a miss or a skipped write)."""
+        self.db.execute(f"PRAGMA busy_timeout={max(0, int(seconds * 1000))}")
+
     def close(self) -> None:
         self.db.close()
 
@@ -106,14 +120,45 @@ class Index:
     # ---- reads --------------------------------------------------------------------------------
 
     def locate(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
+        """Where the committed blocks among `keys` are. A row that fails the range checks is a
+        miss for that block only, and is dropped."""
         out: dict[bytes, Location] = {}
+        bad: list[tuple[tuple[object, ...], str]] = []
         for i in range(0, len(keys), MAX_VARS):
             chunk = keys[i:i + MAX_VARS]
-            q = ("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks WHERE +state=1 AND "
+            q = (f"SELECT {_ROW} FROM blocks WHERE +state=1 AND "
                  f"key IN ({','.join('?' * len(chunk))})")
-            for k, seg, slot, sb, length, csum in self.db.execute(q, chunk):
-                out[k] = Location(k, seg, slot, sb, length, unsigned(csum))
+            for row in self.db.execute(q, chunk):
+                loc = _checked(row, bad)
+                if loc is not None:
+                    out[loc.key] = loc
+        if bad:
+            self._drop_bad(bad)
         return out
+
+    def _drop_bad(self, bad: Sequence[tuple[tuple[object, ...], str]]) -> None:
+        """Delete rows that failed the range checks, each exactly as it was read. Their slots are
+        left alone (where the block really is cannot be known from a damaged row); a rebuild finds
+        them again from the slab headers. The used-bytes count is recomputed."""
+        for row, why in bad:
+            log.error("index row of block %s is damaged (%s): a miss, row dropped",
+                      row[0].hex()[:16] if isinstance(row[0], bytes) else repr(row[0])[:40], why)
+        try:
+            with self.txn():
+                for row, _ in bad:
+                    cur = self.db.execute(
+                        "DELETE FROM blocks WHERE key IS ? AND seg IS ? AND slot IS ? AND "
+                        "slot_bytes IS ? AND length IS ? AND csum IS ? AND created IS ?", row)
+                    if cur.rowcount and isinstance(row[0], bytes):
+                        self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)",
+                                        (row[0], OP_DELETE))
+                self.db.execute(
+                    "UPDATE meta SET value=(SELECT coalesce(sum(slot_bytes), 0) FROM blocks WHERE "
+                    "typeof(slot_bytes)='integer' AND slot_bytes BETWEEN 0 AND ?) "
+                    "WHERE name='used'", (MAX_OFFSET,))
+        except sqlite3.Error as e:  # busy or damaged: still a miss, dropped next time
+            log.warning("could not drop %d damaged index rows: %s", len(bad), e)
+        self.dropped += [(r[0] if isinstance(r[0], bytes) else b"", why) for r, why in bad]
 
     def committed_keys(self) -> tuple[int, list[bytes]]:
         """(last change seq, every committed key): one consistent snapshot."""
@@ -142,16 +187,21 @@ class Index:
     def allocate(self, items: Sequence[tuple[bytes, int, int, int]], owner: str, *,
                  high: float, low: float, free_bytes: Callable[[], int], min_free: int,
                  segment_size: int, create_segment: Callable[[int, int, int], None],
-                 free_slot: Callable[[Freed], None]) -> Allocation:
+                 free_slot: Callable[[Freed], None],
+                 release: Sequence[Location] = ()) -> Allocation:
         """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed.
 
         One transaction, with a handful of statements per batch (not per block), and not synced:
         a reservation lost in a power cut only leaves free slots (its blocks were never
-        acknowledged); the `finish` that acknowledges them syncs the log, reservation included.
+        visible); the `finish` that makes them visible syncs the log, reservation included.
+        `release`: this process's pending slots whose commit failed and whose release failed too
+        (e.g. disk full): freed first, in the same transaction, so their keys are storable again.
         """
         res = Allocation([], [], {}, [], 0)
         now = time.time()
         with self.txn(durable=False):
+            if release:
+                self._release(release, free_slot)
             states = self._states([k for k, *_ in items])
             todo = []
             for item in items:
@@ -232,21 +282,56 @@ class Index:
 
     def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
                    free_slot: Callable[[Freed], None]) -> list[Freed]:
-        """Delete rows (key, seg, slot, slot_bytes, state): slots freed, used bytes returned."""
+        """Delete rows (key, seg, slot, slot_bytes, state): slots freed, used bytes returned.
+
+        `free_slot` punches the slot (its header stops naming the block) or raises OSError; a
+        slot it could not punch becomes a tombstone, never handed out, retried on a later free."""
         rows = list(rows)
-        freed = []
+        if self.tombstones_pending:
+            self._retry_tombstones(free_slot)
+        freed, stuck = [], []
         for _, seg, slot, sb, _ in rows:
             f = Freed(seg, slot, sb)
-            free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
+            try:
+                free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
+            except OSError as e:
+                stuck.append((sb, seg, slot))
+                if len(stuck) == 1:
+                    log.error("could not punch or zero freed slots (%s): kept as tombstones, "
+                              "retried later", e)
             freed.append(f)
         if rows:
             self.db.executemany("DELETE FROM blocks WHERE key=?", ((r[0],) for r in rows))
+            gone = set(stuck)
             self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)",
-                                ((sb, seg, slot) for _, seg, slot, sb, _ in rows))
+                                (r for r in ((sb, seg, slot) for _, seg, slot, sb, _ in rows)
+                                 if r not in gone))
+            if stuck:
+                self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", stuck)
+                self.tombstones_pending = True
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
             self._add_used(-sum(r[3] for r in rows))
         return freed
+
+    def _retry_tombstones(self, free_slot: Callable[[Freed], None], limit: int = 256) -> None:
+        """Punch slots kept as tombstones again; those that succeed become free slots."""
+        rows = self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones LIMIT ?",
+                               (limit,)).fetchall()
+        self.tombstones_pending = len(rows) == limit
+        for sb, seg, slot in rows:
+            try:
+                free_slot(Freed(seg, slot, sb))
+            except OSError:
+                self.tombstones_pending = True
+                return
+            self.db.execute("DELETE FROM tombstones WHERE slot_bytes=? AND seg=? AND slot=?",
+                            (sb, seg, slot))
+            self.db.execute("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", (sb, seg, slot))
+
+    def tombstoned(self) -> list[tuple[int, int, int]]:
+        """(slot_bytes, seg, slot) of freed slots whose hole punch has not succeeded yet."""
+        return self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
 
     def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
         freed: list[Freed] = []
@@ -294,6 +379,19 @@ class Index:
             self._touch(touched, now)
             self._trim_changes()
 
+    def _release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        rows = []
+        for loc in locs:
+            rows += self.db.execute(
+                "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
+                "AND slot=? AND +state=0", (loc.key, loc.seg, loc.slot)).fetchall()
+        return len(self._free_rows(rows, free_slot))
+
+    def release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        """Free pending slots (a failed commit): only rows still pending at that exact slot."""
+        with self.txn(durable=False):
+            return self._release(locs, free_slot)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         with self.txn():
             self._touch(keys, time.time())
@@ -313,14 +411,21 @@ class Index:
             return len(self._free_rows(rows, free_slot))
 
     def drop_corrupt(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
-        """Delete blocks found corrupt, only if the index still points at the slot that was read."""
+        """Delete blocks found corrupt, only if the index still holds the very row that was read:
+        the same slot, checksum and generation (`created`). A block deleted and put again into
+        the same slot meanwhile is another row, and stays."""
         with self.txn():
             rows = []
             for loc in locs:
                 rows += self.db.execute(
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
-                    "AND slot=? AND +state=1", (loc.key, loc.seg, loc.slot)).fetchall()
+                    "AND slot=? AND csum=? AND created=? AND +state=1",
+                    (loc.key, loc.seg, loc.slot, signed(loc.csum), loc.created)).fetchall()
             return len(self._free_rows(rows, free_slot))
+
+    def segment_names(self) -> set[tuple[int, int]]:
+        """(seg, slot_bytes) of every segment the index names, dropped ones included."""
+        return set(self.db.execute("SELECT seg, slot_bytes FROM segments").fetchall())
 
     def live_segments(self) -> list[tuple[int, int]]:
         """(seg, slot_bytes) of every segment not dropped."""
@@ -335,6 +440,7 @@ class Index:
                                    (seg,)).fetchall()
             self.db.execute("DELETE FROM blocks WHERE seg=?", (seg,))
             self.db.execute("DELETE FROM free_slots WHERE seg=?", (seg,))
+            self.db.execute("DELETE FROM tombstones WHERE seg=?", (seg,))
             self.db.execute("UPDATE segments SET nslots=0, next_slot=0 WHERE seg=?", (seg,))
             gone = [k for k, _, state in rows if state == COMMITTED]
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
@@ -359,11 +465,14 @@ class Index:
 
     def insert_recovered(self, rows: Sequence[tuple[bytes, int, int, int, int, int, float]],
                          segments: Sequence[tuple[int, int, int, int]],
-                         free: Sequence[tuple[int, int, int]]) -> None:
-        """Rebuild: (key, seg, slot, slot_bytes, length, csum, created) rows found in the slabs."""
+                         free: Sequence[tuple[int, int, int]],
+                         tombstones: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Rebuild: (key, seg, slot, slot_bytes, length, csum, created) rows found in the slabs;
+        (slot_bytes, seg, slot) of free slots and of tombstones (freed, not punched yet)."""
         with self.txn():
             self.db.executemany("INSERT OR REPLACE INTO segments VALUES(?,?,?,?)", segments)
             self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", free)
+            self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", tombstones)
             self.db.executemany(
                 "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
                 ((k, seg, slot, length, sb, signed(csum), created, created)
@@ -376,12 +485,18 @@ class Index:
     # ---- maintenance (`sglang-offload cache`) --------------------------------------------------
 
     def committed_after(self, key: bytes, limit: int) -> list[Location]:
-        """Up to `limit` committed blocks with keys after `key`, in key order (a paged scan)."""
-        rows = self.db.execute("SELECT key, seg, slot, slot_bytes, length, csum FROM blocks "
-                               "WHERE key > ? AND +state=1 ORDER BY key LIMIT ?",
-                               (key, limit)).fetchall()
-        return [Location(k, seg, slot, sb, length, unsigned(c)) for k, seg, slot, sb, length, c
-                in rows]
+        """Up to `limit` committed blocks with keys after `key`, in key order (a paged scan);
+        rows failing the range checks are dropped (listed in `dropped`), never returned."""
+        while True:
+            rows = self.db.execute(f"SELECT {_ROW} FROM blocks WHERE key > ? AND +state=1 "
+                                   "ORDER BY key LIMIT ?", (key, limit)).fetchall()
+            bad: list[tuple[tuple[object, ...], str]] = []
+            out = [loc for loc in (_checked(r, bad) for r in rows) if loc is not None]
+            if bad:
+                self._drop_bad(bad)
+            if out or len(rows) < limit:
+                return out
+            key = rows[-1][0]   # a whole page of damaged rows: go on after it
 
     def summary(self) -> dict[str, object]:
         """Blocks, bytes and age per namespace digest (with its description), in one snapshot."""
@@ -402,6 +517,17 @@ class Index:
                 "last_use": row[6], "description": json.loads(desc) if desc else None})
         return {"used_bytes": used, "capacity": cap, "pending": pending,
                 "namespaces": namespaces}
+
+
+def _checked(row: tuple[object, ...], bad: list[tuple[tuple[object, ...], str]]) -> Location | None:
+    """The Location of a (key, seg, slot, slot_bytes, length, csum, created) row read back, or
+    None (the row and why added to `bad`) if it fails the range checks."""
+    why = row_problem(*row)
+    if why:
+        bad.append((row, why))
+        return None
+    k, seg, slot, sb, length, csum, created = row
+    return Location(k, seg, slot, sb, length, unsigned(csum), created)  # type: ignore[arg-type]
 
 
 __all__ = ["Allocation", "Freed", "Index", "Location", "SIDE_FILES"]

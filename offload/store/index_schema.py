@@ -6,14 +6,24 @@ fill of each slab file), `free_slots`, `changes` (an append-only log of commits 
 value stored as SQLite's signed integer (`signed` / `unsigned`).
 
 Primitives: `SCHEMA`, the states `PENDING` / `COMMITTED`, the change ops, `Location` (where a block
-is), `Freed` (a slot given back), `Allocation` (what `Index.allocate` did), `Txn` (BEGIN IMMEDIATE
-.. COMMIT, or ROLLBACK on an exception; `durable=False` commits without syncing the log).
+is; `created` is the row's generation, so a cleanup deletes only the row it read), `Freed` (a slot
+given back), `Allocation` (what `Index.allocate` did), `Txn` (BEGIN IMMEDIATE .. COMMIT, or ROLLBACK
+on an exception; `durable=False` commits without syncing the log), `row_problem` (the range checks
+every row read back passes before it addresses a slab).
+
+`tombstones` holds freed slots whose hole punch (or header zeroing) failed: their header may still
+name the deleted block, so they are never handed out and a rebuild does not bring them back; the
+punch is retried.
 """
 
 from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
+from typing import TypeGuard
+
+from offload.keys import KEY_BYTES
+from offload.store.slot_format import HEADER_BYTES, slot_bytes_for
 
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
@@ -21,6 +31,9 @@ OP_COMMIT, OP_DELETE = 1, 2
 CHANGES_KEPT = 200_000
 MAX_VARS = 900
 SIDE_FILES = ("-wal", "-shm")
+MAX_SEG = 1 << 40          # segment ids, slot numbers and lengths beyond these are damage
+MAX_LENGTH = 1 << 40
+MAX_OFFSET = 1 << 62       # a slot's end must stay a valid file offset
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -36,6 +49,8 @@ CREATE TABLE IF NOT EXISTS free_slots(slot_bytes INTEGER NOT NULL, seg INTEGER N
   slot INTEGER NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL,
   op INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tombstones(slot_bytes INTEGER NOT NULL, seg INTEGER NOT NULL,
+  slot INTEGER NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT NOT NULL)
   WITHOUT ROWID;
 """
@@ -57,6 +72,33 @@ class Location:
     slot_bytes: int
     length: int
     csum: int
+    created: float = 0.0   # the row's generation (allocation time): cleanup matches it
+
+
+def _is_int(v: object, lo: int, hi: int) -> TypeGuard[int]:
+    return type(v) is int and lo <= v <= hi
+
+
+def row_problem(key: object, seg: object, slot: object, slot_bytes: object, length: object,
+                csum: object, created: object = 0.0) -> str:
+    """'' if a row read back from the index can address a slot, else what is wrong with it.
+
+    SQLite stores any type in any column: every field is checked for its type and range, the
+    slot size against the length (its size class) and the slot's end against the largest offset.
+    """
+    if type(key) is not bytes or len(key) != KEY_BYTES:
+        return "bad key"
+    if not _is_int(length, 0, MAX_LENGTH):
+        return f"length {length!r} out of range"
+    if not _is_int(slot_bytes, HEADER_BYTES, MAX_OFFSET) or slot_bytes != slot_bytes_for(length):
+        return f"slot size {slot_bytes!r} is not the size class of length {length}"
+    if not _is_int(seg, 0, MAX_SEG) or not _is_int(slot, 0, MAX_SEG):
+        return f"segment {seg!r} / slot {slot!r} out of range"
+    if (slot + 1) * slot_bytes > MAX_OFFSET:
+        return f"slot {slot} ends past the largest file offset"
+    if not _is_int(csum, -(1 << 63), (1 << 63) - 1) or type(created) not in (int, float):
+        return "bad checksum or creation time"
+    return ""
 
 
 @dataclass(frozen=True)

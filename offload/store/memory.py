@@ -14,6 +14,11 @@ address space that a background thread keeps faulted in `reserve` bytes ahead of
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
+Every block carries the store's per-block checksum (xxh3-64, `slot_format.checksum`), taken when
+it is stored (after the copy, or from the slot at `commit_slots`) and verified before it is served
+(`get_many`, `pin_slots`): a mismatch is a miss, counted (`checksum_failures`), and the block is
+dropped with its slot (never reused: whatever wrote into it may not be done).
+
 `SlotStore` (medium "memory", for zero-copy movers such as the agent's NIXL path):
 `reserve_slots(keys, sizes)` hands out slots for new blocks, invisible until `commit_slots` (or
 freed by `abort_slots`); `pin_slots(keys)` hands out stored blocks' slots, which eviction skips
@@ -31,6 +36,7 @@ from typing import Sequence
 from offload.keys import Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
 from offload.store.reserve import ReservedArena, pages
+from offload.store.slot_format import checksum
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class MemoryStore:
     def __init__(self, capacity: int = 1 << 30, reserve: int = 0):
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._sums: dict[bytes, int] = {}   # key -> checksum of its block (taken when stored)
         self._used = 0                      # bytes of stored blocks (what the cap counts)
         self._free: dict[int, list[memoryview]] = {}   # reusable slots by block size
         self._free_bytes = 0                # memory held by those slots
@@ -145,9 +152,25 @@ class MemoryStore:
 
     def _evict(self, key: bytes) -> None:
         old = self._blocks.pop(key)
+        self._sums.pop(key, None)
         self._used -= old.nbytes
         self._release(old)
         self._stats.evictions += 1
+
+    def _intact(self, key: bytes, slot: memoryview) -> bool:
+        """Whether a stored block still has its checksum; if not it is dropped (and counted),
+        its slot given up rather than reused."""
+        if checksum([slot]) == self._sums.get(key):
+            return True
+        log.warning("memory store: block %s fails its checksum; dropped", key.hex()[:16])
+        self._stats.checksum_failures += 1
+        if self._blocks.get(key) is slot:
+            del self._blocks[key]
+            self._sums.pop(key, None)
+            self._used -= slot.nbytes
+            if key not in self._pins:
+                self._forget(slot)
+        return False
 
     # ---------------------------------------------------------------- slot API
     def arena_region(self) -> tuple[int, int] | None:
@@ -176,24 +199,28 @@ class MemoryStore:
 
     def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int] | None = None
                      ) -> list[bool]:
-        """Publish reserved blocks (memory keeps no checksum)."""
-        return self._finish(slots, True)
+        """Publish reserved blocks, each with the checksum of its slot's bytes now (the mover's
+        `checksums`, another kind, are not used)."""
+        sums = [checksum([s.view]) if s.view is not None else None for s in slots]
+        return self._finish(slots, sums)
 
     def abort_slots(self, slots: Sequence[Slot]) -> None:
-        self._finish(slots, False)
+        self._finish(slots, None)
 
-    def _finish(self, slots: Sequence[Slot], good: bool) -> list[bool]:
-        """Publish the reserved blocks (good) or free their slots."""
+    def _finish(self, slots: Sequence[Slot], sums: Sequence[int | None] | None) -> list[bool]:
+        """Publish the reserved blocks with their checksums, or (None) free their slots."""
+        good = sums is not None
         out = []
         with self._lock:
-            for s in slots:
+            for n, s in enumerate(slots):
                 key = s.key
                 slot = self._reserved.pop(key, None)
                 if slot is None:
                     out.append(False)
                     continue
-                if good and key not in self._blocks:
+                if sums is not None and sums[n] is not None and key not in self._blocks:
                     self._blocks[key] = slot
+                    self._sums[key] = sums[n]       # type: ignore[assignment]
                     self._stats.puts += 1
                     self._stats.bytes_written += slot.nbytes
                     out.append(True)
@@ -206,25 +233,38 @@ class MemoryStore:
         return out
 
     def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
-        """Stored blocks' slots, kept from eviction and reuse until unpinned; None on a miss."""
+        """Stored blocks' slots, kept from eviction and reuse until unpinned, each checked
+        against its checksum first (outside the lock: a pinned slot stays put); None on a
+        miss."""
         out: list[Slot | None] = []
+        sums: list[int | None] = []
         with self._lock:
             self._busy()
             for key in keys:
                 slot = self._blocks.get(key)
-                if slot is None or key in self.fail_reads:
-                    self._stats.misses += 1
-                    out.append(None)
-                    continue
                 pin = self._pins.get(key)
-                if pin is not None and pin[1] is not slot:   # its deleted copy is still pinned
-                    out.append(None)
+                if slot is None or key in self.fail_reads or (pin is not None and pin[1] is not slot):
+                    self._stats.misses += slot is None or key in self.fail_reads
+                    out.append(None)       # (a pinned slot not this block's: its deleted copy)
+                    sums.append(None)
                     continue
                 self._blocks.move_to_end(key)
                 if pin is None:
                     pin = self._pins[key] = [0, slot]
                 pin[0] += 1
                 out.append(Slot(key, slot.nbytes, slot))
+                sums.append(self._sums.get(key))
+        bad = [n for n, s in enumerate(out)
+               if s is not None and s.view is not None and checksum([s.view]) != sums[n]]
+        if bad:
+            self.unpin_slots([out[n] for n in bad], [False] * len(bad))   # type: ignore[misc]
+            with self._lock:
+                for n in bad:
+                    s = out[n]
+                    assert s is not None and s.view is not None
+                    self._stats.misses += 1
+                    self._intact(s.key, s.view)      # fails again: dropped and counted
+                    out[n] = None
         return out
 
     def unpin_slots(self, slots: Sequence[Slot], ok: Sequence[bool] | None = None) -> None:
@@ -280,6 +320,7 @@ class MemoryStore:
                     _copy(slot[pos:pos + v.nbytes], v)
                     pos += v.nbytes
                 self._blocks[key] = slot
+                self._sums[key] = checksum([slot])
                 self._used += size
                 self._stats.puts += 1
                 self._stats.bytes_written += size
@@ -292,7 +333,8 @@ class MemoryStore:
             self._busy()
             for key, bufs in zip(keys, dests):
                 slot = self._blocks.get(key)
-                if slot is None or key in self.fail_reads or total_len(bufs) != slot.nbytes:
+                if slot is None or key in self.fail_reads or total_len(bufs) != slot.nbytes \
+                        or not self._intact(key, slot):
                     self._stats.misses += 1
                     out.append(False)
                     continue
@@ -316,6 +358,7 @@ class MemoryStore:
         with self._lock:
             for k in keys:
                 slot = self._blocks.pop(k, None)
+                self._sums.pop(k, None)
                 if slot is not None:
                     self._used -= slot.nbytes
                     pin = self._pins.get(k)

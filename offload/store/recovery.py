@@ -1,12 +1,29 @@
 """Opening a cache directory's index, with recovery: what `DiskStore` does under the directory lock.
 
-`open_index(directory, slabs, ...)`: under the lock file (taken with a deadline), open the index and
-`PRAGMA quick_check` it; a missing index beside slab files is rebuilt from their headers; a
-damaged index is set aside (`index.db.damaged-<time>`, renames fsync'ed)
-and rebuilt from the slab headers (a freed slot's header never names a block, so nothing deleted
-comes back); a segment whose slab file is missing or is not a regular file is dropped (its blocks
-stop existing, its slots are never handed out again); dead processes' pending slots are reclaimed.
-Returns the index and where a damaged one was set aside (None if it was sound).
+`open_index(directory, slabs, ...)`: under the lock file (taken with a deadline), list the slab
+files, open the index and `PRAGMA quick_check` it. The index is trusted only if it is sound and
+complete: it must name every slab file that holds data. A missing, zero-length, damaged (SQLite
+errors, quick_check, unknown schema) or incomplete index (e.g. left empty by a rebuild killed
+halfway by an older version) beside slab files is rebuilt from the slab headers.
+
+A rebuild is a transaction: the new index is built aside (`index.db.rebuild`), checkpointed and
+fsync'ed; only then is the old one set aside (`index.db.<why>-<time>`, with its -wal/-shm) and the
+new one renamed into place, the directory fsync'ed. A kill at any point leaves the old index
+(rebuilt again on the next open) or no index (rebuilt) or the complete new one, never an empty one
+that looks valid; a leftover `index.db.rebuild` is simply built again. A freed slot's header never
+names a block (hole punched or zeroed), and slots the old index still held as tombstones are freed
+again (read from the set-aside copy where it can be read), so nothing deleted comes back.
+
+Everything found on disk is hostile: a slab name must be canonical (`segment_name` of its own
+numbers) with a segment id, slot size and slot count in range; a header must name a key once, with
+a length of its slot's size class. Anything else is skipped and counted (`Scan`), never raised.
+
+After that: a segment whose slab file is missing or is not a regular file is dropped (its blocks
+stop existing, its slots are never handed out again); dead processes' pending slots are reclaimed
+and tombstoned slots punched again. Returns the index and where an old one was set aside (None if
+it was sound or missing).
+
+`step(name)` is called at each step of a rebuild (a fault-injection point for the tests).
 """
 
 from __future__ import annotations
@@ -16,15 +33,70 @@ import os
 import sqlite3
 import stat
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from offload.store import cachedir, slab, slot_format
 from offload.store.index import SIDE_FILES, Freed, Index
+from offload.store.index_schema import MAX_LENGTH, MAX_SEG
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.db"
 LOCK_NAME = "lock"
+REBUILD_SUFFIX = ".rebuild"
+MAX_SLAB_SLOTS = 1 << 22   # more slots than any segment has: a hostile or damaged file
+
+
+def step(name: str) -> None:
+    """A rebuild step is about to run (tests replace this to kill or fail there)."""
+
+
+@dataclass
+class Scan:
+    """The slab files of a directory: (seg, slot_bytes, size) of each usable one, and how many
+    names or files were skipped (each logged)."""
+    slabs: list[tuple[int, int, int]] = field(default_factory=list)
+    skipped: int = 0
+
+    def with_data(self) -> set[tuple[int, int]]:
+        return {(seg, sb) for seg, sb, size in self.slabs if size > 0}
+
+
+def parse_slab_name(name: str) -> tuple[int, int] | None:
+    """(seg, slot_bytes) of a canonical slab name with numbers in range, else None."""
+    parsed = slot_format.parse_segment_name(name)
+    if parsed is None:
+        return None
+    seg, sb = parsed
+    if (seg > MAX_SEG or sb < slot_format.HEADER_BYTES or sb % slot_format.ALIGN
+            or sb > slot_format.slot_bytes_for(MAX_LENGTH) or slot_format.segment_name(seg, sb) != name):
+        return None
+    return seg, sb
+
+
+def scan_slabs(directory: str) -> Scan:
+    out = Scan()
+    for name in sorted(os.listdir(directory)):
+        parsed = parse_slab_name(name)
+        if parsed is None:
+            if name.endswith(".slab"):
+                log.error("%s: not a slab name this store writes (numbers out of range or not "
+                          "canonical): skipped", name)
+                out.skipped += 1
+            continue
+        seg, sb = parsed
+        try:
+            st = os.lstat(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or -(-st.st_size // sb) > MAX_SLAB_SLOTS:
+            log.error("%s is not a regular file or holds more slots than any segment: skipped",
+                      name)
+            out.skipped += 1
+            continue
+        out.slabs.append((seg, sb, st.st_size))
+    return out
 
 
 def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_size: int,
@@ -33,23 +105,32 @@ def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_
     file) on the control path; the data path turns that into misses."""
     path = os.path.join(directory, INDEX_NAME)
     with cachedir.locked(os.path.join(directory, LOCK_NAME), timeout_s):
-        rebuilt_from = None
+        aside = None
         index: Index | None = None
         try:
-            try:
-                if not os.path.lexists(path) and _has_slabs(directory):
-                    log.error("index %s is missing beside slab files: rebuilding it from the slab "
-                              "headers", path)
-                    index = _rebuild(directory, slabs, path, segment_size)
-                else:
+            found = scan_slabs(directory)
+            why = _untrusted_file(path)
+            if why and found.with_data():
+                aside = _rebuild(directory, slabs, path, segment_size, found, why)
+            else:
+                why = ""
+                try:
                     index = Index(path)
                     index.check_and_init()
-            except sqlite3.DatabaseError as e:
-                if index is not None:
-                    index.close()
-                rebuilt_from = f"{path}.damaged-{int(time.time())}"
-                index = _set_aside_and_rebuild(directory, slabs, path, rebuilt_from, str(e),
-                                               segment_size)
+                    unnamed = found.with_data() - index.segment_names()
+                    if unnamed:
+                        why = (f"incomplete: {len(unnamed)} slab files with data are not in it "
+                               f"(e.g. {slabs.path(*min(unnamed))})")
+                except sqlite3.DatabaseError as e:
+                    why = f"damaged: {e}"
+                if why:
+                    if index is not None:
+                        index.close()
+                        index = None
+                    aside = _rebuild(directory, slabs, path, segment_size, found, why)
+            if index is None:
+                index = Index(path)
+                index.check_and_init()
             drop_missing_segments(index, slabs)
             index.reclaim_dead(free_slot)
             index.set_capacity(capacity)
@@ -57,7 +138,16 @@ def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_
             if index is not None:
                 index.close()
             raise cachedir.control_error(e, "index file") from None
-        return index, rebuilt_from
+        return index, aside
+
+
+def _untrusted_file(path: str) -> str:
+    """Why the index file cannot be the directory's index whatever it holds ('' if it may be)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    return "empty (0 bytes)" if stat.S_ISREG(st.st_mode) and st.st_size == 0 else ""
 
 
 def drop_missing_segments(index: Index, slabs: slab.SlabFiles) -> int:
@@ -79,55 +169,116 @@ def drop_missing_segments(index: Index, slabs: slab.SlabFiles) -> int:
     return dropped
 
 
-def _set_aside_and_rebuild(directory: str, slabs: slab.SlabFiles, path: str, aside: str, why: str,
-                           segment_size: int) -> Index:
-    log.error("index %s is damaged (%s): set aside as %s, rebuilding from the slab headers",
-              path, why, aside)
+def _remove(path: str) -> None:
     for suffix in ("", *SIDE_FILES):
-        if os.path.lexists(path + suffix):
-            os.replace(path + suffix, aside + suffix)
-    cachedir.fsync_dir(directory)
-    return _rebuild(directory, slabs, path, segment_size)
-
-
-def _has_slabs(directory: str) -> bool:
-    return any(slot_format.parse_segment_name(n) is not None for n in os.listdir(directory))
-
-
-def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int) -> Index:
-    """A new index at `path` holding every block whose slab header names it."""
-    for suffix in SIDE_FILES:            # a WAL left without its database belongs to no index
-        if os.path.lexists(path + suffix):
+        try:
             os.unlink(path + suffix)
-    index = Index(path)
-    index.check_and_init()
-    rows, segments, free = [], [], []
+        except FileNotFoundError:
+            pass
+
+
+def _old_tombstones(path: str) -> set[tuple[int, int, int]]:
+    """(slot_bytes, seg, slot) the old index kept as tombstones, where it can still be read."""
+    if not os.path.exists(path):
+        return set()
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.1)
+        try:
+            rows = db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return set()
+    return {r for r in rows if all(type(v) is int for v in r)}
+
+
+def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int, found: Scan,
+             why: str) -> str | None:
+    """Build a complete index from the slab headers aside, then rename it into place. Returns
+    where the old index was set aside (None if there was none)."""
+    log.error("index %s is %s: rebuilding it from the slab headers", path, why)
+    tmp = path + REBUILD_SUFFIX
+    step("start")
+    _remove(tmp)                      # a killed rebuild's leftovers: built again from scratch
+    index = Index(tmp)
+    try:
+        index.check_and_init()
+        step("created")
+        rows, segments, free, tombs = _recover(slabs, found, segment_size,
+                                               _old_tombstones(path))
+        index.insert_recovered(rows, segments, free, tombs)
+        step("filled")
+        index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        index.close()
+    fd = cachedir.open_file(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    step("synced")
+    aside = None
+    if os.path.lexists(path):
+        aside = f"{path}.{why.split(':')[0].split(' ')[0]}-{time.time_ns()}"
+        for suffix in ("", *SIDE_FILES):
+            if os.path.lexists(path + suffix):
+                os.replace(path + suffix, aside + suffix)
+        log.error("the old index is set aside as %s", aside)
+    else:
+        _remove(path)                 # a WAL left without its database belongs to no index
+    step("set aside")
+    for suffix in SIDE_FILES:
+        if os.path.lexists(tmp + suffix):
+            os.unlink(tmp + suffix)
+    os.replace(tmp, path)
+    step("renamed")
+    cachedir.fsync_dir(directory)
+    log.warning("rebuilt the index of %s: %d blocks recovered (each verified on read), %d slab "
+                "files and names skipped", directory, len(rows), found.skipped)
+    return aside
+
+
+Row = tuple[bytes, int, int, int, int, int, float]
+Slot = tuple[int, int, int]
+
+
+def _recover(slabs: slab.SlabFiles, found: Scan, segment_size: int, tombstoned: set[Slot]
+             ) -> tuple[list[Row], list[tuple[int, int, int, int]], list[Slot], list[Slot]]:
+    """Rows, segments, free slots and tombstones of a new index, from the slab headers."""
+    rows: list[Row] = []
+    segments, free, tombs = [], [], []
     seen: set[bytes] = set()
-    for name in sorted(os.listdir(directory)):
-        parsed = slot_format.parse_segment_name(name)
-        if parsed is None:
+    skipped = 0
+    for seg, sb, size in found.slabs:
+        used = -(-size // sb)
+        try:
+            allocated = slabs.allocated_slots(seg, sb, used)
+        except OSError as e:
+            log.error("%s: %s: skipped", slabs.path(seg, sb), e)
+            found.skipped += 1
             continue
-        seg, sb = parsed
-        st = os.lstat(os.path.join(directory, name))
-        if not stat.S_ISREG(st.st_mode):
-            log.error("%s is not a regular file: not rebuilt", name)
-            continue
-        used = -(-st.st_size // sb)
         segments.append((seg, sb, max(used, segment_size // sb), used))
-        allocated = slabs.allocated_slots(seg, sb, used)
         free += [(sb, seg, s) for s in range(used) if s not in allocated]
         for s in sorted(allocated):
             h = slabs.read_header(seg, sb, s)
-            if h is None or h.key in seen or slot_format.slot_bytes_for(h.length) != sb:
-                free.append((sb, seg, s))
-                slabs.free(seg, sb, s)
+            ok = (h is not None and h.key not in seen and h.length <= MAX_LENGTH
+                  and slot_format.slot_bytes_for(h.length) == sb and (sb, seg, s) not in tombstoned)
+            if h is None or not ok:
+                skipped += h is not None
+                try:
+                    slabs.free(seg, sb, s)
+                    free.append((sb, seg, s))
+                except OSError:
+                    tombs.append((sb, seg, s))
                 continue
             seen.add(h.key)
             rows.append((h.key, seg, s, sb, h.length, h.csum, h.created_ns / 1e9))
-    index.insert_recovered(rows, segments, free)
-    log.warning("rebuilt the index of %s: %d blocks recovered (each verified on read)",
-                directory, len(rows))
-    return index
+    if skipped:
+        log.error("%d slot headers named a block twice, a deleted block or a length outside "
+                  "their slot: not recovered", skipped)
+    found.skipped += skipped
+    return rows, segments, free, tombs
 
 
-__all__ = ["INDEX_NAME", "LOCK_NAME", "drop_missing_segments", "open_index"]
+__all__ = ["INDEX_NAME", "LOCK_NAME", "REBUILD_SUFFIX", "Scan", "drop_missing_segments",
+           "open_index", "parse_slab_name", "scan_slabs", "step"]

@@ -88,6 +88,19 @@ return 0
 """
 
 
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(what: str, msg: str, *args: object) -> None:
+    """Log a start-up warning once per process for `what` (not once per store or bench size)."""
+    with _warned_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    log.warning(msg, *args)
+
+
 def _chunks(n: int, sizes: Sequence[int]) -> list[range]:
     """Index ranges whose byte total stays under PIPELINE_BYTES (at least one item each)."""
     out, start, acc = [], 0, 0
@@ -110,9 +123,10 @@ class RedisStore:
         self.codec = ValueCodec(secret)
         self.link = link or RedisLink(cfg)
         if secret is None:
-            log.warning("Redis tier %s: offload.redis.secret_file is unset; values are bound to "
-                        "their keys, but anyone who can write to this Redis can forge blocks",
-                        self.link.target.display())
+            _warn_once(f"{self.link.target.display()} {cfg.key_prefix}",
+                       "Redis tier %s (prefix %s): offload.redis.secret_file is unset; values are "
+                       "bound to their keys, but anyone who can write to this Redis can forge "
+                       "blocks", self.link.target.display(), cfg.key_prefix)
         self.prefix = cfg.key_prefix.encode() + FORMAT
         self.ns_prefix = self.prefix + b"ns:"
         # Budget index: one hash tag, so the three keys live on one node of a cluster.

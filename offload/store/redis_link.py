@@ -19,13 +19,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar, cast
 from urllib.parse import unquote
 
+from offload import redact
 from offload.config import RedisConfig
 from offload.errors import ConfigError, StoreError
 from offload.store.base import Buffer
+from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
 T = TypeVar("T")
@@ -50,16 +51,25 @@ class RedisTarget:
         return f"{scheme}://{hosts}" + (f"/{self.db}" if self.db else "")
 
 
+def _part(part: str, url: str, what: str) -> str:
+    """A piece of the URL to quote, or `what` it is when the URL has userinfo (a password
+    holding `/` or `,` would put part of it in the piece)."""
+    return repr(part) if "@" not in url else what
+
+
 def parse_url(url: str) -> RedisTarget:
-    """`redis[s][+cluster]://[[user]:password@]host[:port][,host:port...][/db]`."""
+    """`redis[s][+cluster]://[[user]:password@]host[:port][,host:port...][/db]`.
+
+    Raises ConfigError; its lines show the URL with the password masked (`redact.url`)."""
+    shown = redact.value("offload.redis.url", url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in _SCHEMES:
-        raise ConfigError([f"offload.redis.url: {url!r} is not a redis://, rediss://, "
+        raise ConfigError([f"offload.redis.url: {shown} is not a redis://, rediss://, "
                            "redis+cluster:// or rediss+cluster:// URL"])
     tls, cluster = _SCHEMES[scheme]
     if "?" in rest or "#" in rest:
         raise ConfigError([f"offload.redis.url: query options are not read; set TLS and "
-                           f"password in offload.redis instead (got {url!r})"])
+                           f"password in offload.redis instead (got {shown})"])
     netloc, _, path = rest.partition("/")
     username = password = None
     if "@" in netloc:
@@ -76,14 +86,15 @@ def parse_url(url: str) -> RedisTarget:
         elif ":" in hp:
             host, _, port = hp.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError([f"offload.redis.url: {hp!r} in {url!r} is not HOST[:PORT]"])
+            raise ConfigError([f"offload.redis.url: {_part(hp, url, 'a host')} in {shown} is not "
+                               "HOST[:PORT] (port 1..65535)"])
         nodes.append((host, int(port)))
     if len(nodes) > 1 and not cluster:
-        raise ConfigError([f"offload.redis.url: several hosts need redis+cluster:// ({url!r})"])
+        raise ConfigError([f"offload.redis.url: several hosts need redis+cluster:// ({shown})"])
     db = 0
     if path:
         if not path.isdigit() or (cluster and int(path) != 0):
-            raise ConfigError([f"offload.redis.url: database {path!r} is not a number"
+            raise ConfigError([f"offload.redis.url: database {_part(path, url, 'path')} is not a number"
                                + (" (a cluster has only database 0)" if cluster else "")])
         db = int(path)
     return RedisTarget(tls, cluster, nodes, db, username, password)
@@ -141,11 +152,12 @@ def _connection_class(tls: bool) -> type:
 
 
 def read_password_file(path: str) -> str:
+    """The Redis AUTH password: a file private to its owner (`secret.read_secret_file`)."""
+    raw = read_secret_file(path, "offload.redis.password_file", min_bytes=1)
     try:
-        return Path(path).read_text().strip()
-    except OSError as e:
-        raise ConfigError([f"offload.redis.password_file: cannot read {path!r}: "
-                           f"{e.strerror or e}"]) from None
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ConfigError([f"offload.redis.password_file: {path} is not UTF-8 text"]) from None
 
 
 def _DOWN_ERRORS() -> tuple[type, ...]:

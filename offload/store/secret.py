@@ -19,17 +19,18 @@ from offload.errors import ConfigError
 MIN_SECRET_BYTES = 16
 
 
-def read_secret_file(path: str, setting: str) -> bytes:
+def read_secret_file(path: str, setting: str, min_bytes: int = MIN_SECRET_BYTES) -> bytes:
     """The secret in `path`, stripped of surrounding whitespace.
 
     Args:
         path: the file.
         setting: the configuration key that named it (for the error message), e.g.
             `offload.redis.secret_file`.
+        min_bytes: the shortest secret accepted (a password may be shorter than a key).
 
     Raises:
         ConfigError: unreadable, not a regular file, readable or writable by group/others, or
-            shorter than MIN_SECRET_BYTES.
+            shorter than min_bytes.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
@@ -48,7 +49,7 @@ def read_secret_file(path: str, setting: str) -> bytes:
         raise ConfigError([f"{setting}: cannot read {path}: {e.strerror or e}"]) from None
     finally:
         os.close(fd)
-    if len(secret) < MIN_SECRET_BYTES:
+    if len(secret) < min_bytes:
         raise ConfigError([f"{setting}: {path} holds {len(secret)} bytes; use at least "
-                           f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > {path}`)"])
+                           f"{min_bytes} (e.g. `openssl rand -hex 32 > {path}`)"])
     return secret

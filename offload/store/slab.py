@@ -24,7 +24,9 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
+import time
 from typing import ContextManager, Sequence
 
 from offload.store import cachedir
@@ -46,7 +48,13 @@ IOV_MAX = 1024
 
 
 def address(buf: Buffer) -> int:
-    import numpy as np
+    """Where a buffer's bytes start (ctypes: no numpy import on the first put)."""
+    if isinstance(buf, bytes):
+        return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0
+    mv = memoryview(buf)
+    if not mv.readonly and mv.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv if mv.format == "B" else mv.cast("B")))
+    import numpy as np  # a read-only view of some other object (rare)
 
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
@@ -155,9 +163,18 @@ class SlabFiles:
         path = self.path(seg, slot_bytes)
         try:
             fd = cachedir.open_file(path, os.O_RDWR, create=True)
-        except FileExistsError:  # an orphan of a rolled-back allocation (no index row names it)
-            log.warning("%s exists but no segment names it: replaced", path)
-            os.unlink(path)
+        except FileExistsError:
+            # An orphan of a rolled-back allocation (no index row names it) is empty: removed.
+            # One holding data is never deleted on the word of an index that does not name it
+            # (the open-time check rebuilds an index that misses a slab with data): kept aside.
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_size > 0:
+                aside = f"{path}.orphan-{time.time_ns()}"
+                log.error("%s holds data but no segment names it: kept as %s", path, aside)
+                os.replace(path, aside)
+            else:
+                log.warning("%s exists but no segment names it: replaced", path)
+                os.unlink(path)
             fd = cachedir.open_file(path, os.O_RDWR, create=True)
         os.close(fd)
         cachedir.fsync_dir(self.directory)
@@ -177,13 +194,22 @@ class SlabFiles:
     def free(self, seg: int, slot_bytes: int, slot: int) -> None:
         """Release a slot's disk space; its header no longer names a block either way (a punched
         hole reads as zeros; without hole punching the header is zeroed), so no index rebuild
-        brings a deleted block back."""
-        try:
-            with self.use(seg, slot_bytes) as fd:
-                if not punch_hole(fd, slot * slot_bytes, slot_bytes):
-                    os.pwrite(fd, _zeros(), slot * slot_bytes)
-        except OSError as e:
-            log.debug("freeing slot %d of segment %d: %s", slot, seg, e)
+        brings a deleted block back. Out of fds (EMFILE/ENFILE), the idle cached fds are closed
+        and it is tried once more. Raises OSError if the header may still name the block (the
+        index keeps the slot as a tombstone); a slab that is gone holds nothing to free."""
+        for attempt in (1, 2):
+            try:
+                with self.use(seg, slot_bytes) as fd:
+                    if not punch_hole(fd, slot * slot_bytes, slot_bytes):
+                        os.pwrite(fd, _zeros(), slot * slot_bytes)
+                return
+            except SlabMissing:
+                return
+            except OSError as e:
+                if attempt == 1 and e.errno in (errno.EMFILE, errno.ENFILE):
+                    self.fds.close()   # drops idle cached fds (reopened on next use)
+                    continue
+                raise
 
     def write_block(self, seg: int, slot_bytes: int, slot: int, key: bytes,
                     bufs: Sequence[Buffer], length: int, csum: int, created_ns: int) -> str:
@@ -244,6 +270,8 @@ class SlabFiles:
                     data = [copy_from]
         except OSError as e:
             return reason(e, "io error ")
+        except (OverflowError, ValueError) as e:  # an offset no file has: a damaged location
+            return f"corrupt: bad location ({e})"
         err = verify(hdr, key, length, csum, data)
         if err:
             return err

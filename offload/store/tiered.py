@@ -192,10 +192,13 @@ class TieredStore:
     def _upload(self, key: bytes, data: bytes) -> bool:
         return bool(self.shared.put_many([key], [[data]])[0])
 
-    def flush(self) -> None:
-        """Wait until every queued upload has been tried (tests, shutdown)."""
+    def flush(self) -> bool:
+        """Wait until every queued upload has been tried and the local tier's puts are durable
+        (tests, shutdown). False if the local tier lost a block since its last flush."""
         if self._thread is not None:
             self._queue.join()
+        local_flush = getattr(self.local, "flush", None)
+        return local_flush() is not False if local_flush is not None else True
 
     # -- control path -----------------------------------------------------------------------
     def clear(self, namespace: bytes | None = None) -> int:

@@ -95,7 +95,9 @@ class GdsPath(StoreBookkeeping):
         try:
             return cls(store)
         except ImportError as e:
-            raise PathUnavailableError(f"gds needs kvikio: pip install 'sglang-offload[gds]' "
+            raise PathUnavailableError(f"gds needs kvikio: install the gds extra for torch's CUDA "
+                                       f"from the checkout, `.venv/bin/pip install -e "
+                                       f"'.[gds-cu13]'` or `'.[gds-cu12]'` (docs/install.md) "
                                        f"({e})") from None
 
     def _file(self, path: str) -> Any | None:

@@ -81,3 +81,23 @@ def test_pool_namespaces_are_granted_like_their_kv(tmp_path: Path) -> None:
     unsalted = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, pool="mamba")
     assert Access.shared(b"s" * 32).register("h", register_msg(unsalted)).digest() \
         == unsalted.digest()
+
+
+def test_quotas_are_per_host_key_and_shared_secret_holders_are_one_tenant(tmp_path: Path) -> None:
+    keys = tmp_path / "k.toml"
+    keys.write_text('[hosts.a]\nsecret = "' + "a" * 32 + '"\nnamespaces = ["*"]\n'
+                    '[hosts.b]\nsecret = "' + "b" * 32 + '"\nnamespaces = ["*"]\n')
+    keys.chmod(0o600)
+    acc = Access.per_host(load_keys(str(keys)), max_conns=2, max_requests=1)
+    assert acc.connect("a") is None and acc.connect("a") is None
+    assert "2 connections of host 'a'" in (acc.connect("a") or "")
+    assert acc.connect("b") is None                     # a full tenant never refuses another
+    assert acc.begin("a") is None and "in progress" in (acc.begin("a") or "")
+    assert acc.begin("b") is None
+    acc.end("a")
+    assert acc.begin("a") is None
+    shared = Access.shared(b"s" * 32, max_conns=2)
+    assert shared.connect("x") is None and shared.connect("y") is None
+    assert "shared secret's hosts" in (shared.connect("z") or "")
+    shared.disconnect("x")
+    assert shared.connect("z") is None

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from offload.agent.client import AgentStore
+from offload.agent.conn import Refused
 from offload.keys import Namespace
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
 
@@ -242,10 +243,9 @@ def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> Non
     try:
         assert store.exists_many([b"x" * 32]) == [False]          # connected, NIXL on
         addr = outside.ctypes.data
-        with store._use() as conn:
-            reply, _ = conn.request(protocol.PUT, protocol.Blocks(keys=[b"x" * 32], sizes=[4096],
-                                                    descs=[[(addr, 4096)]]))
-        assert reply.ok == [False]
+        with store._use() as conn, pytest.raises(Refused, match="outside the memory"):
+            conn.request(protocol.PUT, protocol.Blocks(keys=[b"x" * 32], sizes=[4096],
+                                                       descs=[[(addr, 4096)]]))
         assert store.exists_many([b"x" * 32]) == [False]
         # The same connection keeps working for memory that is registered.
         assert store.put_many([b"y" * 32], [[region[:4096]]]) == [True]

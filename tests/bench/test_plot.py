@@ -91,3 +91,25 @@ def test_plot_errors_are_clean(tmp_path, capsys):
     assert "not a bench result" in capsys.readouterr().err
     assert main(["bench", "plot", str(tmp_path / "missing.json"), "--plot", "o.png"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_one_block_size_is_a_bar_chart_and_several_are_lines():
+    import matplotlib.pyplot as plt
+
+    fig = plot.figure(HICACHE)                      # one page size: bars, not lone dots
+    try:
+        assert fig.get_suptitle() == "sglang-offload bench hicache: throughput at 8MiB blocks"
+        for ax in fig.axes:
+            assert len(ax.patches) == 3 and not ax.lines
+            labels = [t.get_text() for t in ax.get_xticklabels()]
+            assert labels == ["offload backend", "SGLang file backend", "raw disk (baseline)"]
+        read = fig.axes[0]
+        assert sorted(p.get_height() for p in read.patches) == [1.0, 2.7, 3.0]
+    finally:
+        plt.close(fig)
+    fig = plot.figure(STORE)                        # two sizes: one line per series
+    try:
+        assert "throughput vs block size" in fig.get_suptitle()
+        assert all(ax.lines and not ax.patches for ax in fig.axes)
+    finally:
+        plt.close(fig)

@@ -80,3 +80,15 @@ def make_backend(sc: Any, pool: Any) -> Any:
     backend = StorageBackendFactory.create_backend("dynamic", sc, pool)
     backend.register_mem_pool_host(pool)
     return backend
+
+
+def durable(backend: Any) -> None:
+    """Wait until what `backend` wrote is visible to other store instances (the disk store's
+    group commit makes blocks visible to other processes once durable)."""
+    store = backend.store
+    while store is not None:
+        flush = getattr(store, "flush", None)
+        if callable(flush):
+            flush()
+            return
+        store = getattr(store, "store", None)

@@ -193,6 +193,7 @@ def test_mla_ranks_share_one_namespace_and_one_writer(tmp_path):
     hp.fill(hw, 7)
     want = [hp.page_bytes(hw, i * P) for i in range(2)]
     assert all(w.batch_set_v1(KEYS[:2], _idx(0, 2)))
+    hp.durable(w)
     assert r.batch_set_v1(KEYS[:2], _idx(0, 2)) == [True, True]     # stored by the writer
     assert r.batch_get_v1(KEYS[:2], _idx(4, 2)) == [True, True]
     assert [hp.page_bytes(hr, i * P) for i in (4, 5)] == want

@@ -41,6 +41,7 @@ def run(opts: dict) -> dict:
         idx = torch.arange(first * P, (first + n) * P)
         out["written"].append(sum(backend.batch_set_v1(prompt_keys(seed, n), idx)))
     if opts.get("done"):
+        hp.durable(backend)   # finished writing: visible to the other process
         open(opts["done"], "w").close()
     deadline = time.monotonic() + 60
     for path in opts.get("wait_for", []):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from offload.config import load_file
 from offload.errors import ConfigError
@@ -33,8 +34,8 @@ def one_error(capsys: pytest.CaptureFixture[str], path: Path, *extra: str) -> st
 
 def test_unknown_key_names_it_and_the_close_match(capsys, tmp_path) -> None:
     line = one_error(capsys, write(tmp_path, BASE + "  context-lenght: 131072\n"))
-    assert line == ("error: sglang.context-lenght: not a server argument of SGLang 0.5.23 "
-                    "(did you mean 'context-length'?)")
+    assert line == ("error: sglang.context-lenght: not a server argument of SGLang "
+                    f"{launch_argspec.sglang_version()} (did you mean 'context-length'?)")
 
 
 def test_wrong_type(capsys, tmp_path) -> None:
@@ -117,7 +118,8 @@ def test_config_validate_covers_both_sections(capsys, tmp_path) -> None:
     rc, _, _ = run_cli(capsys, "config", "validate", "--offload-only", str(cfg))
     assert rc == 0
     rc, out, _ = run_cli(capsys, "config", "validate", str(CONFIGS / "cpu-dev.yaml"))
-    assert rc == 0 and "model-path: Qwen/Qwen2.5-0.5B-Instruct" in out
+    model = yaml.safe_load((CONFIGS / "cpu-dev.yaml").read_text())["sglang"]["model-path"]
+    assert rc == 0 and f"model-path: {model}" in out
 
 
 def test_extra_keys_agree_with_the_backend() -> None:
@@ -162,8 +164,13 @@ def test_snapshot_stands_in_when_sglang_cannot_import(monkeypatch) -> None:
 
 def test_launch_execs_sglang_in_place(tmp_path) -> None:
     """Without --dry-run the process becomes the SGLang command (same PID, same argv)."""
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\necho "pid=$$"\nfor a in "$@"; do echo "arg=$a"; done\n')
+    from offload.launch.interpreter import pinned
+
+    fake = tmp_path / "python"      # answers launch's interpreter probe (-c) with the pins
+    probe = json.dumps({"sglang": {"found": True, "version": pinned()[0]},
+                        "offload": {"found": True, "version": pinned()[1]}})
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && echo '{probe}' && exit 0\n"
+                    'echo "pid=$$"\nfor a in "$@"; do echo "arg=$a"; done\n')
     fake.chmod(0o755)
     cfg = write(tmp_path, BASE + "offload:\n  store: {path: " + str(tmp_path / "c") + "}\n")
     code = ("import os, sys; from offload import cli; print(f'pid={os.getpid()}', flush=True); "

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from offload.store.base import durable  # noqa: E402
+
 SIZES = (16 << 10, (48 << 10) + 100, 128 << 10)   # several slot sizes, one not 4 KiB-aligned
 SEGMENT = "1MiB"                                  # small slabs: new slab files all the time
 BATCH = 512                                       # names checked per call when verifying
@@ -35,6 +37,14 @@ def page_data(name: str) -> bytes:
     i = int(name.rsplit("-", 1)[1])
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     return rng.integers(0, 256, SIZES[i % len(SIZES)], dtype=np.uint8).tobytes()
+
+
+def flush(store: Any) -> bool:
+    """A put returns once written; the disk store makes it durable and visible in the background
+    (group commit): acknowledge only what is durable (`durable`; here `flush`: False, a block
+    was lost)."""
+    done = getattr(store, "flush", None)
+    return done is None or done() is not False
 
 
 def say(line: str) -> None:
@@ -70,7 +80,8 @@ class BlockWriter:
         while i < 100_000:
             names = [f"{tag}-{j}" for j in range(i, i + rng.randint(1, 6))]
             i += len(names)
-            ok = self.store.put_many([self.ns.key(n) for n in names], [[page_data(n)] for n in names])
+            keys = [self.ns.key(n) for n in names]
+            ok = durable(self.store, keys, self.store.put_many(keys, [[page_data(n)] for n in names]))
             for n, good in zip(names, ok):
                 if good:
                     say(f"ACK {n}")
@@ -124,8 +135,9 @@ class SGLangWriter:
             n = rng.randint(1, 8)
             ok = self.backend.batch_set_v1([self._key(seed, p) for p in range(n)],
                                            torch.arange(0, n * P))
+            stored = flush(self.backend.store)
             for p, good in enumerate(ok):
-                if good:
+                if good and stored:
                     say(f"ACK {seed}-{p}")
 
 

@@ -1,5 +1,5 @@
 """What a batch of small blocks costs the disk store: a few index statements per batch (not per
-block), an unsynced reservation and one synced commit after the slab's fdatasync, small blocks
+block), an unsynced reservation and one synced (group) commit after the slab's fdatasync, small blocks
 written and read in large vectored runs, and one fdatasync per touched slab. Real files; the
 counts are of calls, never of time."""
 
@@ -51,6 +51,7 @@ def _put_statements(tmp_path, n: int) -> list[str]:
         s._index.db = _Counting(s._index.db, log)  # type: ignore[assignment]
         ks = [key(i) for i in range(n)]
         assert s.put_many(ks, [[data(k, SIZE)] for k in ks]) == [True] * n
+        assert s.flush()
         s._index.db = s._index.db.db
     return log
 
@@ -70,6 +71,7 @@ def test_the_reservation_is_not_synced_and_the_commit_follows_the_slab_sync(tmp_
                             lambda self, *a: (events.append("slab fdatasync"), real_sync(self, *a))[1])
         ks = [key(i) for i in range(16)]
         assert s.put_many(ks, [[data(k, SIZE)] for k in ks]) == [True] * 16
+        assert s.flush()
         s._index.db = s._index.db.db
         assert s._index.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
     marks = [e for e in events if e in ("PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL",
@@ -105,6 +107,7 @@ def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, 
         for name in calls:
             monkeypatch.setattr(os, name, counting(name))
         assert s.put_many(ks, blocks) == [True] * 32
+        assert s.flush()                                  # the committer's one fdatasync
         dst, outs = _aligned_blocks([key(-1)] * 32)
         assert s.get_many(ks, outs) == [True] * 32
         monkeypatch.undo()

@@ -67,6 +67,30 @@ def test_sigkill_at_random_points_loses_nothing_committed(tmp_path):
         assert st.bytes_used == st.blocks * (4096 + SIZE)
 
 
+def test_sigkill_of_a_writer_while_verify_and_evict_run(tmp_path):
+    """`cache verify` and `cache evict` in this process while a writer in another is SIGKILLed at
+    random moments: nothing wrong is served, verify never counts a block deleted under it as bad,
+    and the dead writer's slots are reclaimed on the next open."""
+    rnd = random.Random(21)
+    n = 0
+    with open_store(tmp_path) as s:
+        for _ in range(4):
+            p = worker("write", tmp_path, start=n, stop=n + 60, size=SIZE, batch=4, threads=2)
+            n += 60
+            assert p.stdout is not None and p.stdout.readline()   # writing now
+            deadline = time.monotonic() + rnd.uniform(0.1, 0.4)
+            while time.monotonic() < deadline and p.poll() is None:
+                assert s.verify()[1] == []
+                s.evict_to(s.stats().bytes_used * 3 // 4)
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+    with open_store(tmp_path) as s:
+        res = read_all(s, n)
+        assert res["wrong"] == 0 and res["exists_but_missing"] == 0
+        assert s.verify()[1] == []
+        assert s.summary()["pending"] == 0
+
+
 def _populate(path, n=24, size=SIZE) -> None:
     with open_store(path) as s:
         ks = [key(i) for i in range(n)]

@@ -52,6 +52,7 @@ def test_slab_deleted_while_open_is_dropped_on_the_first_read(tmp_path):
     d = tmp_path / "cache"
     with open_store(d) as a:
         assert put(a, range(4)) == [True] * 4
+        a.flush()
         (name,) = slabs_of(d)
         os.unlink(d / name)
         with open_store(d) as b:             # a process that has no fd of the lost slab
@@ -64,12 +65,15 @@ def test_slab_deleted_while_open_is_dropped_on_the_first_read(tmp_path):
 
 
 def test_slab_deleted_under_an_open_fd_fails_the_put_then_recovers(tmp_path):
-    """Blocks written into an unlinked slab would be acknowledged and lost: the sync sees it."""
+    """Blocks written into an unlinked slab would be made visible and lost: the sync sees it (the
+    put itself may return once written; the blocks then never appear)."""
     d = tmp_path / "cache"
     with open_store(d) as s:
         assert put(s, range(2)) == [True] * 2
+        s.flush()
         os.unlink(d / slabs_of(d)[0])
-        assert put(s, [2, 3]) == [False, False]
+        put(s, [2, 3])
+        s.flush()
         assert s.exists_many([key(i) for i in range(4)]) == [False] * 4
         assert put(s, range(4)) == [True] * 4
         assert exact(s, range(4))
@@ -147,7 +151,7 @@ def test_slab_fd_cache_is_bounded(tmp_path):
         assert len(slabs_of(d)) == 20
         assert exact(s, range(20))
         assert s._slabs.open_count() <= 3
-        assert open_slab_fds(d) <= 3 + 3  # + index.db, -wal, -shm
+        assert open_slab_fds(d) <= 3 + 6  # + index.db, -wal, -shm of the writer and the reader
 
 
 def test_fd_cache_churn_under_concurrent_threads_never_mixes_files(tmp_path):

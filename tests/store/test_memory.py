@@ -228,3 +228,29 @@ def test_memory_store_is_a_slot_store_of_memory_slots() -> None:
     assert isinstance(s, SlotStore) and s.slot_medium == "memory"
     assert set(s.tier_stats()) == {"local"}
     s.close()
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_a_block_overwritten_in_place_is_a_miss_dropped_and_counted(arena: bool) -> None:
+    """Issue 18: a late NIXL transfer landing in a stored block's slot must never be served."""
+    s = MemoryStore(capacity=1 << 20, reserve=arena * (256 * KiB))
+    a, b, c = key(1), key(2), key(3)
+    assert s.put_many([a, b], [[data(a, 8 * KiB)], [data(b, 8 * KiB)]]) == [True, True]
+    (slot,) = s.reserve_slots([c], [8 * KiB])
+    assert slot is not None and slot.view is not None
+    slot.view[:] = data(c, 8 * KiB)
+    assert s.commit_slots([slot]) == [True]
+    # Bytes land in the stored slots afterwards (as an aborted transfer's could).
+    s._blocks[a][100:104] = b"EVIL"          # noqa: SLF001 - the memory a late transfer reaches
+    s._blocks[c][0:4] = b"EVIL"              # noqa: SLF001
+    buf = bytearray(8 * KiB)
+    assert s.get_many([a, b], [[buf], [bytearray(8 * KiB)]]) == [False, True]
+    assert bytes(buf) == bytes(8 * KiB), "a corrupted block reached its reader"
+    assert s.pin_slots([c]) == [None]
+    st = s.stats()
+    assert st.checksum_failures == 2 and st.blocks == 1 and st.bytes_used == 8 * KiB
+    assert s.exists_many([a, b, c]) == [False, True, False]
+    # The key can be stored again, with its right bytes.
+    assert s.put_many([a], [[data(a, 8 * KiB)]]) == [True]
+    assert get_bytes(s, a, 8 * KiB) == data(a, 8 * KiB)
+    s.close()

@@ -120,6 +120,8 @@ def test_auth_required_and_wrong_password_refused(redis_factory, tmp_path: Path)
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.write_text("s3cret-pw\n")
     bad.write_text("wrong\n")
+    good.chmod(0o600)
+    bad.chmod(0o600)
     k = NS.key("a")
 
     ok = make(server.url, password_file=str(good))

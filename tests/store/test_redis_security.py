@@ -101,11 +101,20 @@ def test_forged_and_truncated_values_are_deleted_misses(redis_server: RedisProc,
     assert store.stats().checksum_failures == len(forgeries)
 
 
-def test_without_a_secret_a_warning_names_the_setting(redis_server: RedisProc,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_without_a_secret_a_warning_names_the_setting_once(
+        redis_server: RedisProc, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import offload.store.redis as redis_mod
+
+    monkeypatch.setattr(redis_mod, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="offload.store.redis"):
         store = make(redis_server.url)
-    assert "secret_file is unset" in caplog.text
+        make(redis_server.url)                        # a second store (a bench size, a rank)
+        make(redis_server.url).close()
+    assert caplog.text.count("secret_file is unset") == 1, caplog.text
+    with caplog.at_level(logging.WARNING, logger="offload.store.redis"):
+        make(redis_server.url, key_prefix="sglo:other")   # another tenant's prefix: its own line
+    assert caplog.text.count("secret_file is unset") == 2, caplog.text
     assert store.stats().extra["authenticated"] is False
     assert ValueCodec(None).kind == BOUND     # a digest bound to the key: no MAC without a secret
 

@@ -25,6 +25,8 @@ def main() -> None:
         for i in range(start, stop, batch):
             ks = [key(j) for j in range(i, min(stop, i + batch))]
             ok = store.put_many(ks, [[data(k, size)] for k in ks])
+            store.flush()  # put returns once written; a block is committed once durable
+            ok = [o and e for o, e in zip(ok, store.exists_many(ks))]
             print(json.dumps({"from": i, "ok": ok}), flush=True)
     elif mode == "read":  # print which of blocks 0..n read back byte-exact / wrong / missing
         n = opts["n"]

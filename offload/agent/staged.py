@@ -1,0 +1,187 @@
+"""The staging path of one connection: NIXL moves a request's blocks through staging memory while
+the store reads or writes the other half.
+
+Primitives: `StagedPath(server, conn_id)`; `.put(req, todo, ok, peer, deadline)` NIXL READs the
+`todo` blocks of a PUT from host memory into a staging half while the store writes the previous
+half (one `put_many` per half: the store's cost is per call; a request that fits one half is cut
+in two, so that the two still overlap); `.get(req, todo, ok, peer,
+deadline)` has the store read a half while NIXL WRITEs the previous one into host memory (a block
+is True only after its WRITE completed); `.close()`. Both set `ok[i]` and never raise.
+A transfer still running at its deadline may yet land in, or read, its staging half: the whole
+staging memory is then quarantined (`offload.agent.quarantine`) until NIXL says it is final, and
+the next request gets fresh staging. Used by `offload.agent.session` for stores without an arena
+(the disk store) and for the blocks the zero-copy moves (`offload.agent.mover`) left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Sequence
+
+from offload.agent import nixl_util, protocol
+
+if TYPE_CHECKING:
+    from offload.agent.mover import Mover, Staging
+    from offload.agent.server import AgentServer
+
+log = logging.getLogger("offload.agent")
+
+
+class StagedPath:
+    def __init__(self, server: "AgentServer", conn_id: int):
+        self.server = server
+        self.conn_id = conn_id
+        self.staging: "Staging | None" = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+    def _mover(self) -> "Mover":
+        assert self.server.mover is not None
+        return self.server.mover
+
+    def _staging(self) -> "Staging":
+        if self.staging is None:
+            from offload.agent.mover import Staging
+
+            self.staging = Staging(self._mover(), self.server.staging_size)
+        return self.staging
+
+    def _io(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"agent-io-{self.conn_id}")
+        return self._pool
+
+    def _groups(self, idx: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+        """Block indices in groups that fill a staging half each, one store call per group (the
+        store's cost is per call: reservation, sync, index commit); a request that fits one half
+        is still cut in two, so that NIXL moves one half while the store works on the other."""
+        idx = list(idx)
+        total = sum(sizes[i] for i in idx)
+        largest = max((sizes[i] for i in idx), default=0)
+        half = self._staging().half_size
+        return protocol.pack(idx, sizes, min(half, max(largest, -(-total // 2))))
+
+    def _abandon(self, pending: list, peer: str) -> None:
+        """A transfer outlived its deadline: hold the staging memory (both halves) until NIXL
+        says the transfer is final; the next request gets fresh staging."""
+        if not pending or self.staging is None:
+            return
+        self._mover().quarantine.hold(pending[0], peer, 1, self.staging.close)
+        self.server.count("staging_quarantined")
+        self.staging = None
+
+    def put(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
+            deadline: float) -> None:
+        mover = self._mover()
+        mover.quarantine.reap()
+        staging = self._staging()
+        writing: list[Future | None] = [None, None]     # store write in flight, per half
+        pending: list = []                               # a READ that outlived the deadline
+        for g, group in enumerate(self._groups(todo, req.sizes)):
+            h = g % 2
+            _collect(writing[h], ok)                     # this half's previous group is stored
+            writing[h] = None
+            view, base = staging.half(h)
+            local, remote, off = _pairs(req, group, base)
+            if time.monotonic() > deadline or not nixl_util.run_xfer(
+                    mover.agent, "READ", local, remote, peer, deadline,
+                    on_pending=pending.append):
+                break
+            self.server.count("bytes_nixl_in", off)
+            self.server.count("blocks_staged_in", len(group))
+            blocks, off = [], 0
+            for i in group:
+                blocks.append([view[off:off + req.sizes[i]]])
+                off += req.sizes[i]
+            # The store writes this group while NIXL reads the next one into the other half.
+            writing[h] = self._io().submit(self._store_put, [req.keys[i] for i in group],
+                                           blocks, group)
+        for fut in writing:
+            _collect(fut, ok)
+        self._abandon(pending, peer)
+
+    def _store_put(self, keys: list[bytes], blocks: list, group: list[int]
+                   ) -> list[tuple[int, bool]]:
+        return list(zip(group, self.server.store.put_many(keys, blocks)))
+
+    def get(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
+            deadline: float) -> None:
+        mover = self._mover()
+        mover.quarantine.reap()
+        staging = self._staging()
+        pending: list = []                               # a WRITE that outlived the deadline
+        groups = self._groups(todo, req.sizes)
+        reading = self._io().submit(self._store_get, req, groups[0], 0) if groups else None
+        for g, group in enumerate(groups):
+            assert reading is not None
+            try:
+                flags, offs = reading.result()
+            except Exception as e:  # noqa: BLE001
+                log.warning("store read failed: %s", e)
+                reading = None
+                break
+            # The store reads the next group into the other half while NIXL writes this one.
+            reading = (self._io().submit(self._store_get, req, groups[g + 1], (g + 1) % 2)
+                       if g + 1 < len(groups) and time.monotonic() < deadline else None)
+            hits = [i for i, f in zip(group, flags) if f]
+            if not hits or time.monotonic() > deadline:
+                continue
+            _, base = staging.half(g % 2)
+            local, remote, nbytes = _pairs(req, hits, base, [o for o, f in zip(offs, flags) if f])
+            if nixl_util.run_xfer(mover.agent, "WRITE", local, remote, peer, deadline,
+                                  on_pending=pending.append):
+                self.server.count("bytes_nixl_out", nbytes)
+                self.server.count("blocks_staged_out", len(hits))
+                for i in hits:
+                    ok[i] = True
+            elif pending:
+                break        # this half is still being read: nothing more goes through staging
+        if reading is not None:
+            try:
+                reading.result()     # never leave a read into staging running past this request
+            except Exception:  # noqa: BLE001 - already logged or irrelevant now
+                pass
+        self._abandon(pending, peer)
+
+    def _store_get(self, req: protocol.Blocks, group: list[int], half: int
+                   ) -> tuple[list[bool], list[int]]:
+        view, _ = self._staging().half(half)
+        dests, offs, off = [], [], 0
+        for i in group:
+            dests.append([view[off:off + req.sizes[i]]])
+            offs.append(off)
+            off += req.sizes[i]
+        return self.server.store.get_many([req.keys[i] for i in group], dests), offs
+
+
+def _collect(fut: "Future | None", ok: list[bool]) -> None:
+    if fut is None:
+        return
+    try:
+        for i, flag in fut.result():
+            ok[i] = flag
+    except Exception as e:  # noqa: BLE001 - the store never raises; be sure of it
+        log.warning("store call failed: %s", e)
+
+
+def _pairs(req: protocol.Blocks, group: Sequence[int], base: int,
+           offs: Sequence[int] | None = None) -> tuple[list, list, int]:
+    """Matching (local staging, remote host) descriptor lists for a group of blocks."""
+    local, remote, off = [], [], 0
+    for k, i in enumerate(group):
+        o = offs[k] if offs is not None else off
+        for addr, n in req.descs[i]:           # type: ignore[index]
+            local.append((base + o, n))
+            remote.append((addr, n))
+            o += n
+        off += req.sizes[i]
+    return local, remote, off

@@ -1,0 +1,251 @@
+"""`sglang-offload bench serve`: time to first token of a real server, cold vs from each cache tier.
+
+For each prompt length (exact, as `input_ids`, so any model serves it): the prompt sent cold (a
+fresh store, nothing cached), sent again (an L1/L2 hit: SGLang's device and host pools), and -
+after a restart on the same store, L1/L2 empty - sent a third time (an L3 hit from the offload
+store). Each reply's cached tokens and its greedy output (which must equal the cold one) are
+recorded, and the store's blocks and bytes. Ratios are to the cold prefill measured in the same
+run. The server: started from `--config FILE` through `sglang-offload launch` (a free loopback
+port and a private store under `--dir`, removed at the end; `--keep` keeps it), or one already
+running at `--url` (no restart there: cold and L1/L2 only; fresh prompts make the cold row cold).
+
+Note, printed with the result: SGLang's `torch_native` attention (the CPU backend) recomputes
+attention over the whole prompt even when the prefix is cached
+(srt/layers/attention/torch_native_backend.py:128-172): a hit saves the cached tokens' QKV
+projections and MLPs but not their attention, so on CPU the gain is understated.
+`draw(result, out)`: two bar panels per length (time to first token; speed-up over cold).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from offload.bench.common import JSON, Args, Option, Outcome
+from offload.commands.argtypes import count, names, positive, work_dir
+from offload.errors import RunError, UsageError
+from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
+
+TORCH_NATIVE_NOTE = ("SGLang's torch_native attention recomputes attention over the whole prompt "
+                     "even when the prefix is cached (srt/layers/attention/"
+                     "torch_native_backend.py:128-172): a hit saves the cached tokens' "
+                     "projections and MLPs, not their attention, which understates the gain")
+
+
+def _lengths(text: str) -> str:
+    for part in text.split(","):
+        if count(part.strip()) < 128:
+            raise ValueError(f"{part.strip()} tokens: use at least 128")
+    return text
+
+
+OPTIONS = (
+    Option(("--config",), "deployment YAML to start the server from (sglang-offload launch)",
+           metavar="FILE"),
+    Option(("--url",), "a running server (http://127.0.0.1:PORT) instead of --config: cold and "
+           "L1/L2 only, no restart", metavar="URL"),
+    Option(("--lengths",), "prompt lengths in tokens (comma-separated; on a GPU host up to "
+           "131072)", "2048,4096,8192", _lengths),
+    Option(("--max-new-tokens",), "tokens generated per request (greedy)", 8, count),
+    Option(("--dir",), "where the private store goes (default: $TMPDIR)", None, work_dir),
+    Option(("--start-timeout",), "seconds a server start may take", 600.0, positive),
+    Option(("--phases",), "which to measure", "cold,l1l2,l3", names("cold", "l1l2", "l3")),
+    Option(("--seed",), "seed of the prompts' token ids", 0, int),
+    Option(("--keep",), "keep the store and the server logs", flag=True),
+    JSON,
+)
+
+
+def _server_info(server: LaunchedServer) -> dict[str, Any]:
+    try:
+        info = json.loads(server.get("/get_server_info"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    """Token ids in [10, 250): every model's vocabulary has them (the demo's byte tokens)."""
+    r = random.Random(seed * 1_000_003 + length)
+    return [r.randrange(10, 250) for _ in range(length)]
+
+
+def _row(name: str, r: Reply, cold: Reply | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"ttft_s": round(r.ttft_s, 4), "cached_tokens": r.cached_tokens,
+                           "cached_details": r.details}
+    if cold is not None and name != "cold":
+        row["same_output"] = r.output_ids == cold.output_ids
+        row["speedup"] = round(cold.ttft_s / r.ttft_s, 3) if r.ttft_s > 0 else None
+    return row
+
+
+def _config(src: str, store: Path, port: int) -> Path:
+    try:
+        doc = yaml.safe_load(Path(src).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config {src}: cannot read it ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("sglang"), dict):
+        raise UsageError(f"--config {src}: expected a deployment file with a sglang: section")
+    doc["sglang"] = {**doc["sglang"], "host": "127.0.0.1", "port": port,
+                     "enable-cache-report": True}
+    off = doc.setdefault("offload", {}) or {}
+    off.setdefault("store", {})["path"] = str(store)
+    doc["offload"] = off
+    out = store.parent / "bench-serve.yaml"
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+def run(args: Args) -> Outcome:
+    if bool(args.config) == bool(args.url):
+        raise UsageError("give one of --config FILE (start a server) or --url URL (a running one)")
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    phases = set(args.phases.split(","))
+    if args.url and "l3" in phases:
+        print("note: --url: no restart, so no L3 row (use --config)", file=sys.stderr)
+        phases.discard("l3")
+    phases.add("cold")
+    seed = args.seed if args.seed else int(time.time())    # fresh prompts: the cold row is cold
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=args.dir))
+    result: dict[str, Any] = {"lengths": lengths, "max_new_tokens": args.max_new_tokens,
+                              "rows": {str(n): {} for n in lengths}, "seed": seed}
+    try:
+        _measure(args, work, lengths, phases, seed, result)
+    finally:
+        if args.keep:
+            print(f"kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    _print(result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    bad = [n for n, row in result["rows"].items() for p in row.values()
+           if isinstance(p, dict) and p.get("same_output") is False]
+    return Outcome(result, 1 if bad else 0)
+
+
+def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed: int,
+             result: dict[str, Any]) -> None:
+    store = work / "store"
+    prompts = {n: _prompt(n, seed) for n in lengths}
+    cold: dict[int, Reply] = {}
+    if args.url:
+        server = LaunchedServer.at(args.url)
+        servers = [server]
+        cfg, url = Path(), args.url
+    else:
+        port = free_port()
+        cfg = _config(args.config, store, port)
+        url = f"http://127.0.0.1:{port}"
+        server = LaunchedServer.start(cfg, work / "server-1.log", url)
+        servers = [server]
+    try:
+        if not args.url:
+            server.wait_ready(args.start_timeout)
+        info = _server_info(server)
+        result["server"] = {k: info.get(k) for k in ("attention_backend", "device",
+                                                     "hicache_storage_prefetch_policy",
+                                                     "hicache_mem_layout", "hicache_io_backend",
+                                                     "page_size", "model_path")}
+        if info.get("attention_backend") == "torch_native":
+            result["note"] = TORCH_NATIVE_NOTE
+        for n in lengths:
+            cold[n] = server.generate(prompts[n], args.max_new_tokens)
+            result["rows"][str(n)]["cold"] = _row("cold", cold[n], None)
+            if "l1l2" in phases:
+                r = server.generate(prompts[n], args.max_new_tokens)
+                result["rows"][str(n)]["l1l2"] = _row("l1l2", r, cold[n])
+            print(f"  {n} tokens: cold and L1/L2 done", file=sys.stderr)
+        if "l3" in phases:
+            page = int(result["server"].get("page_size") or 64)
+            pages = sum((n - 1) // page for n in lengths)
+            wait_store(store, pages)
+            server.stop()
+            server = LaunchedServer.start(cfg, work / "server-2.log", url)
+            servers.append(server)
+            server.wait_ready(args.start_timeout)
+            for n in lengths:
+                r = server.generate(prompts[n], args.max_new_tokens)
+                result["rows"][str(n)]["l3"] = _row("l3", r, cold[n])
+        blocks, data = store_usage(store) if not args.url else (None, None)
+        result["store"] = {"blocks": blocks, "data_bytes": data}
+    except RunError:
+        raise
+    except OSError as e:
+        raise RunError(f"bench serve: the server at {server.url} failed: {e}; log "
+                       f"{server.log}:\n{server.tail()}") from None
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _fmt(d: dict[str, Any], key: str, fmt: str) -> str:
+    v = d.get(key)
+    return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+
+def _print(result: dict[str, Any]) -> None:
+    srv = result.get("server", {})
+    print(f"bench serve: {srv.get('model_path')} on {srv.get('device')}, attention "
+          f"{srv.get('attention_backend')}, page {srv.get('page_size')} tokens")
+    print(f"{'tokens':>8} {'cold s':>8} {'L1/L2 s':>8} {'x':>6} {'cached':>7} "
+          f"{'L3 s':>8} {'x':>6} {'cached':>7} {'same':>5}")
+    for n, row in result["rows"].items():
+        c, a, b = row.get("cold", {}), row.get("l1l2", {}), row.get("l3", {})
+        f = _fmt
+        same = all(d.get("same_output", True) for d in (a, b))
+        print(f"{n:>8} {f(c, 'ttft_s', '.3f'):>8} {f(a, 'ttft_s', '.3f'):>8} "
+              f"{f(a, 'speedup', '.2f'):>6} {f(a, 'cached_tokens', 'd'):>7} "
+              f"{f(b, 'ttft_s', '.3f'):>8} {f(b, 'speedup', '.2f'):>6} "
+              f"{f(b, 'cached_tokens', 'd'):>7} {'yes' if same else 'NO':>5}")
+    st = result.get("store") or {}
+    if st.get("blocks") is not None:
+        print(f"store: {st['blocks']} blocks, {st['data_bytes']} bytes")
+    if result.get("note"):
+        print(f"note: {result['note']}")
+
+
+def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
+    """Bars per prompt length: time to first token (cold, L1/L2, L3) and speed-up over cold."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    lengths = list(result["rows"])
+    phases = [p for p in ("cold", "l1l2", "l3") if any(p in r for r in result["rows"].values())]
+    labels = {"cold": "cold (prefill)", "l1l2": "L1/L2 hit", "l3": "L3 hit (after restart)"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(phases)
+    for i, p in enumerate(phases):
+        xs = [j + i * width for j in range(len(lengths))]
+        ys = [result["rows"][n].get(p, {}).get("ttft_s", 0) for n in lengths]
+        bars = ax1.bar(xs, ys, width, label=labels[p], hatch="//" if p == "cold" else "")
+        ax1.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize="x-small", padding=2)
+        if p != "cold":
+            sp = [result["rows"][n].get(p, {}).get("speedup") or 0 for n in lengths]
+            b2 = ax2.bar(xs, sp, width, label=labels[p])
+            ax2.bar_label(b2, labels=[f"{y:.2f}x" for y in sp], fontsize="x-small", padding=2)
+    for ax, ylabel in ((ax1, "time to first token (s)"), (ax2, "speed-up over cold")):
+        ax.set_xticks([j + width * (len(phases) - 1) / 2 for j in range(len(lengths))],
+                      [f"{int(n) // 1024}K" if int(n) >= 1024 else n for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize="small")
+        ax.grid(True, axis="y", alpha=0.3)
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    srv = result.get("server", {})
+    fig.suptitle(title or f"sglang-offload bench serve: {srv.get('device')}, attention "
+                 f"{srv.get('attention_backend')}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,74 @@
+"""What works on the device SGLang is given: the flags and environment launch adds, and why.
+
+`choose(values, set_by_user) -> DeviceChoice` is a pure function of SGLang's parse of the
+`sglang:` section (and the extra flags): a key the user set is never overridden, only named.
+
+On `device: cpu` (SGLang 0.5.23, a plain x86 or Arm box, no sgl-kernel CPU build):
+- `SGLANG_USE_CPU_ENGINE=1`: SGLang takes its CPU code paths only with it when torch is a CUDA
+  build (srt/utils/common.py `is_cpu`); harmless with a CPU build of torch.
+- `--attention-backend torch_native`: SGLang's x86 default, intel_amx, needs sgl-kernel's CPU
+  ops, which no registry ships. torch_native recomputes attention over the whole prompt even
+  when the prefix is cached (srt/layers/attention/torch_native_backend.py), so a cache hit saves
+  the projections and MLPs of the cached tokens, not their attention.
+- `--cuda-graph-backend-{decode,prefill} disabled`: there is no CUDA.
+- `--hicache-io-backend kernel` with the `page_first` layout: the distribution's pure-torch
+  host<->device copies (patches/) serve both io backends on CPU; kernel keeps page_first, whose
+  page of every layer is one contiguous store block.
+- `--hicache-storage-prefetch-policy wait_complete`: a CPU's prefill is far slower than a read
+  from the store, so waiting for the whole prefetch always wins (SGLang's default, timeout,
+  can start a prefill with part of the hit still loading).
+On a GPU (or device unset: SGLang picks cuda where it sees one) SGLang's own defaults stand.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: str                                        # what SGLang runs on: cpu, cuda, ...
+    argv: list[str] = field(default_factory=list)      # flags launch adds (before the extras)
+    env: dict[str, str] = field(default_factory=dict)  # set in SGLang's environment
+    reasons: list[str] = field(default_factory=list)   # one line per choice, and why
+
+
+def _pick(values: argparse.Namespace, user: set[str], dest: str, value: str, why: str,
+          argv: list[str], reasons: list[str]) -> None:
+    flag = "--" + dest.replace("_", "-")
+    if dest in user:
+        reasons.append(f"{flag} {getattr(values, dest)}: set in the config (launch would pick "
+                       f"{value}: {why})")
+        return
+    argv += [flag, value]
+    reasons.append(f"{flag} {value}: {why}")
+
+
+def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
+    """The flags and environment for `values.device` (SGLang's parsed arguments)."""
+    device = getattr(values, "device", None)
+    if device != "cpu":
+        where = device or "auto (SGLang picks cuda where it sees a GPU)"
+        return DeviceChoice(device or "auto", reasons=[
+            f"device {where}: SGLang's own attention backend, CUDA graphs, kernel io backend "
+            f"and prefetch policy ({getattr(values, 'hicache_storage_prefetch_policy', 'timeout')})"])
+    argv: list[str] = []
+    reasons = ["SGLANG_USE_CPU_ENGINE=1: SGLang takes its CPU code paths only with it when torch is "
+               "a CUDA build"]
+    _pick(values, set_by_user, "attention_backend", "torch_native",
+          "SGLang's x86 CPU default (intel_amx) needs sgl-kernel's CPU build, which no registry "
+          "ships; torch_native recomputes attention over the whole prompt even when the prefix "
+          "is cached", argv, reasons)
+    for phase in ("decode", "prefill"):
+        _pick(values, set_by_user, f"cuda_graph_backend_{phase}", "disabled",
+              "no CUDA on device cpu", argv, reasons)
+    _pick(values, set_by_user, "hicache_io_backend", "kernel",
+          "pure-torch host<->device copies on CPU (patches/), page_first kept: one page of every "
+          "layer is one store block", argv, reasons)
+    _pick(values, set_by_user, "hicache_storage_prefetch_policy", "wait_complete",
+          "a CPU prefill is far slower than a store read: wait for the whole prefetch", argv,
+          reasons)
+    return DeviceChoice("cpu", argv, dict(CPU_ENV), reasons)

@@ -1,0 +1,189 @@
+"""A server started through `sglang-offload launch`, for `bench serve` and the end-to-end tests.
+
+Primitives:
+- `free_port(host)`: a free TCP port on a loopback address (bind to port 0, read it back).
+- `LaunchedServer.start(config, log, url, python, env, launch_args, extra)`: `python -m offload.cli
+  launch --config FILE [LAUNCH_ARGS] [-- EXTRA]` in its own session (SGLang and its scheduler /
+  detokenizer children share its process group), stdout and stderr to `log`;
+  `wait_ready(timeout)` polls `/model_info` until the server answers, its process exits
+  (RunError with the log's tail) or the time is up.
+- `generate(prompt or token ids, max_new_tokens) -> Reply`: one greedy `/generate` request (text,
+  or `input_ids` for an exact length with any model); the reply's text, token ids,
+  `cached_tokens`, SGLang's breakdown (device / host / storage tokens) and the seconds to the
+  first token (the request streams, so the first chunk is the first token).
+- `wait_store(dir, blocks)`: poll until a write-back landed.
+- `store_usage(dir) -> (blocks, data bytes)` of a cache directory (0, 0 before its first block),
+  read through the store as `cache stats` does (safe while the server writes).
+- `stop()` (SIGTERM to the group by the launch PID, SIGKILL after `grace` seconds) and `kill()`
+  (SIGKILL at once: a crash). Only loopback addresses are contacted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from offload.errors import RunError
+
+
+def store_usage(directory: str | Path) -> tuple[int, int]:
+    """(blocks, data bytes) in a cache directory; (0, 0) when it holds no index yet."""
+    if not (Path(directory) / "index.db").exists():
+        return 0, 0
+    from offload.commands.cache import open_store
+
+    store = open_store(str(directory))
+    try:
+        return store.stats().blocks, sum(n["data_bytes"] for n in store.summary()["namespaces"])
+    finally:
+        store.close()
+
+
+def wait_store(directory: str | Path, blocks: int, timeout: float = 120.0) -> int:
+    """Poll until the directory holds `blocks` blocks (a write-back finished); the count seen."""
+    deadline = time.monotonic() + timeout
+    n = store_usage(directory)[0]
+    while n < blocks and time.monotonic() < deadline:
+        time.sleep(0.5)
+        n = store_usage(directory)[0]
+    return n
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Reply:
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    details: dict[str, Any]              # SGLang's cached_tokens_details: device, host, storage
+    ttft_s: float                        # request sent -> first streamed chunk
+    total_s: float
+
+
+@dataclass
+class LaunchedServer:
+    url: str                             # http://127.0.0.1:PORT
+    proc: subprocess.Popen[bytes] | None      # None: a server someone else started (`at`)
+    log: Path
+
+    @classmethod
+    def at(cls, url: str) -> "LaunchedServer":
+        """A running server this process did not start: requests only (stop does nothing)."""
+        return cls(url.rstrip("/"), None, Path("/dev/null"))
+
+    @classmethod
+    def start(cls, config: str | Path, log: str | Path, url: str, python: str = sys.executable,
+              env: Mapping[str, str] | None = None, launch_args: list[str] | None = None,
+              extra: list[str] | None = None) -> "LaunchedServer":
+        """Start `sglang-offload launch --config CONFIG [LAUNCH_ARGS] [-- EXTRA]` (the config
+        names host and port, `url` is where they answer)."""
+        log = Path(log)
+        argv = [python, "-m", "offload.cli", "launch", "--config", str(config), *(launch_args or [])]
+        if extra:
+            argv += ["--", *extra]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+        return cls(url.rstrip("/"), proc, log)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RunError(f"the server exited with {self.proc.returncode} before it answered; "
+                               f"log {self.log}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise RunError(f"the server did not answer {self.url} within {timeout:.0f} s; log "
+                       f"{self.log}:\n{self.tail()}")
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 8, timeout: float = 600.0
+                 ) -> Reply:
+        body = json.dumps({"text" if isinstance(prompt, str) else "input_ids": prompt,
+                           "stream": True, "sampling_params": {
+                               "max_new_tokens": max_new_tokens, "temperature": 0.0}}).encode()
+        req = urllib.request.Request(self.url + "/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        last: dict[str, Any] = {}
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                last = json.loads(line[5:])
+        total = time.perf_counter() - t0
+        meta = last.get("meta_info") or {}
+        return Reply(text=str(last.get("text", "")), output_ids=list(last.get("output_ids") or []),
+                     prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                     cached_tokens=int(meta.get("cached_tokens", 0)),
+                     details=dict(meta.get("cached_tokens_details") or {}),
+                     ttft_s=ttft if ttft is not None else total, total_s=total)
+
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)        # the group launch's PID leads (its own session)
+        except ProcessLookupError:
+            pass
+
+    def _group_alive(self) -> bool:
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def stop(self, grace: float = 30.0) -> int:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` s; the launch
+        process's exit status (0 for a server this process did not start)."""
+        if self.proc is None:
+            return 0
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
+            time.sleep(0.2)
+        self._signal(signal.SIGKILL)
+        return self.proc.wait()
+
+    def kill(self) -> int:
+        """SIGKILL the whole group at once (a crash: nothing gets to flush)."""
+        self._signal(signal.SIGKILL)
+        return self.proc.wait() if self.proc is not None else 0

@@ -1,0 +1,166 @@
+"""Group commit for the disk store: written blocks become visible in the background, in groups.
+
+`DiskStore.put_many` returns once a block's bytes are in its slot (the caller's buffers are free
+again) and hands the written slots to the `Committer`. Its thread takes everything handed over
+since its last round, fdatasyncs every touched slab once, then makes all the synced blocks visible
+in one index transaction. A block is visible (exists/get, and after a crash) only once durable,
+as before: a put that returned True means "stored unless the sync or the commit fails", and such
+a failure is counted and logged (the block then never appears; its slot is freed).
+
+Primitives: `Committer(sync, commit, done, max_bytes)`: `submit(batch)` (non-blocking; call
+`room(nbytes, timeout)` first: at most `max_bytes` written but not yet visible), `in_flight(key)`
+(this process treats such keys as stored: put skips them, exists counts them), `wait_for(keys,
+timeout)` (a get of a key in flight waits for its commit, then reads it from the index: never
+bytes that are not durable), `flush(timeout)` (everything submitted so far is committed or
+failed), `close(timeout)`. `BUSY`: what `commit` returns while another
+connection holds the index (the round is retried; nothing is lost meanwhile: the slots stay
+pending, owned by this process).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from offload.store.index import Location
+
+log = logging.getLogger(__name__)
+
+BUSY = "index busy"
+RETRY_S = (0.005, 0.25)   # back-off between tries of a round while the index is busy
+
+
+@dataclass
+class Batch:
+    locs: list[Location]              # written: to sync and commit
+    csums: list[int]
+    failed: list[Location] = field(default_factory=list)   # write failed: slots to free
+    nbytes: int = 0                   # data bytes of `locs` (the bound, the stats)
+
+
+class Committer:
+    def __init__(self, sync: Callable[[list[tuple[int, int]]], dict[tuple[int, int], bool]],
+                 commit: Callable[[list[tuple[Location, int]], list[Location]], str],
+                 done: Callable[[list[Location], list[Location], str], None], max_bytes: int):
+        """sync([(seg, slot_bytes)]) -> synced?; commit(good [(slot, csum)], slots to free) ->
+        '' / BUSY / why it failed; done(committed, lost, why) after each round."""
+        self._sync, self._commit, self._done = sync, commit, done
+        self._max = max(1, max_bytes)
+        self._cond = threading.Condition()
+        self._queue: list[Batch] = []
+        self._bytes = 0                     # submitted, not finished
+        self._keys: dict[bytes, int] = {}   # in flight -> count
+        self._submitted = self._finished = 0
+        self._lost = False                  # a block lost since the last flush
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="offload-commit", daemon=True)
+        self._thread.start()
+
+    def room(self, nbytes: int, timeout: float) -> bool:
+        """Wait (at most `timeout`) until `nbytes` more fit under the bound (always, when idle)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._bytes and self._bytes + nbytes > self._max:
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def submit(self, batch: Batch) -> None:
+        with self._cond:
+            self._queue.append(batch)
+            self._bytes += batch.nbytes
+            self._submitted += 1
+            for loc in batch.locs:
+                self._keys[loc.key] = self._keys.get(loc.key, 0) + 1
+            self._cond.notify_all()
+
+    def in_flight(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def wait_for(self, keys: Sequence[bytes], timeout: float) -> bool:
+        """Wait (at most `timeout`) until none of `keys` is in flight; False on timeout."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while any(k in self._keys for k in keys):
+                left = end - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is committed (or failed). True if it all is
+        durable and visible; False on timeout or if a block was lost since the last flush."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._submitted
+            while self._finished < target:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not self._thread.is_alive():
+                    return False
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
+            lost, self._lost = self._lost, False
+        return not lost
+
+    def close(self, timeout: float) -> bool:
+        ok = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(0.0, timeout))
+        return ok
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batches, self._queue = self._queue, []
+            try:
+                lost = self._round(batches)
+            except Exception:  # never let the thread die: the blocks are lost, puts go on
+                log.exception("disk store commit round failed; its blocks are not stored")
+                lost = [loc for b in batches for loc in b.locs]
+                self._done([], lost, "commit round failed")
+            with self._cond:
+                self._lost = self._lost or bool(lost)
+                for b in batches:
+                    self._bytes -= b.nbytes
+                    for loc in b.locs:
+                        n = self._keys.pop(loc.key, 1) - 1
+                        if n:
+                            self._keys[loc.key] = n
+                self._finished += len(batches)
+                self._cond.notify_all()
+
+    def _round(self, batches: list[Batch]) -> list[Location]:
+        locs = [loc for b in batches for loc in b.locs]
+        csums = [c for b in batches for c in b.csums]
+        free = [loc for b in batches for loc in b.failed]
+        synced = self._sync(sorted({(loc.seg, loc.slot_bytes) for loc in locs}))
+        good = [(loc, c) for loc, c in zip(locs, csums) if synced.get((loc.seg, loc.slot_bytes))]
+        unsynced = [loc for loc in locs if not synced.get((loc.seg, loc.slot_bytes))]
+        pause = RETRY_S[0]
+        while True:
+            why = self._commit(good, free + unsynced)
+            if why != BUSY or self._closed:   # closed: the flush deadline passed
+                break
+            time.sleep(pause)   # the slots stay pending (ours): retried until the index is free
+            pause = min(RETRY_S[1], pause * 2)
+        if why:
+            self._done([], locs, why)
+            return locs
+        self._done([loc for loc, _ in good], unsynced, "fdatasync failed" if unsynced else "")
+        return unsynced
+
+
+__all__ = ["BUSY", "Batch", "Committer"]

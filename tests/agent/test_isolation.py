@@ -1,0 +1,264 @@
+"""Issue 18: tenants of one shared agent, each holding its own valid key, against each other.
+
+A renamed copy of another host's NIXL metadata (replayed from its HELLO) and descriptors forged to
+point at that host's memory; the memory a late NIXL transfer may still touch; quotas per key.
+Each asserts that the attack did not take effect and that the victim keeps its service.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from offload.agent import protocol
+from offload.agent.access import register_msg
+from offload.agent.client import AgentStore
+from offload.keys import Namespace
+from tests.agent.conftest import needs_nixl, wait_for
+
+SECRETS = {"victim": "v" * 32, "attacker": "a" * 32}
+NS = {h: Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, salt=f"salt-{h}")
+      for h in SECRETS}
+PAGE = 4096
+
+
+def keys_file(tmp_path: Path, hosts: dict[str, str]) -> Path:
+    keys = tmp_path / "keys.toml"
+    keys.write_text("".join(f'[hosts.{h}]\nsecret = "{s}"\nsalts = ["salt-{h}"]\n\n'
+                            for h, s in hosts.items()))
+    keys.chmod(0o600)
+    return keys
+
+
+def host(agent, name: str, transport: str = "ucx", **kw) -> AgentStore:
+    s = AgentStore(agent.address, SECRETS[name].encode(), transport=transport, name=name,
+                   timeout_s=kw.pop("timeout_s", 5), reconnect_s=0.1, **kw)
+    s.register_namespace(NS[name])
+    return s
+
+
+def renamed(md: bytes, name: str) -> bytes:
+    """NIXL metadata with only its agent-name field changed (`nixl_util.metadata_name`)."""
+    prefix = b"nixlSerDes|Agent"
+    n = int.from_bytes(md[len(prefix):len(prefix) + 8], "little")
+    return prefix + len(name).to_bytes(8, "little") + name.encode() + md[len(prefix) + 8 + n:]
+
+
+class Raw:
+    """An authenticated connection driven by hand (what a hostile host sends)."""
+
+    def __init__(self, agent, name: str, md: bytes | None):
+        sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        self.ch = protocol.handshake_client(sock, SECRETS[name].encode(), io_timeout=5)
+        self.req = 0
+        self.info = self.call(protocol.HELLO, protocol.Hello(
+            host=name, transport="ucx" if md else "tcp", nixl_md=md))[0]
+        self.call(protocol.REGISTER_NS, register_msg(NS[name]))
+
+    def call(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
+             ) -> tuple[protocol.Msg, memoryview]:
+        self.req += 1
+        self.ch.send(op, self.req, msg, payload)
+        frame = self.ch.recv()
+        if frame.op == protocol.ERROR | protocol.REPLY:
+            return frame.decode(protocol.ErrorReply), frame.payload
+        return frame.decode(protocol.REPLY_TYPES[op]), frame.payload
+
+
+@pytest.fixture
+def tenants(tmp_path: Path, agent_factory):
+    agent = agent_factory("--memory", "--keys-file", str(keys_file(tmp_path, SECRETS)))
+    victim = host(agent, "victim")
+    pool = np.frombuffer(os.urandom(16 * PAGE), np.uint8).copy()
+    victim.register_region(pool)
+    k = NS["victim"].key("v0")
+    assert victim.put_many([k], [[memoryview(pool[:PAGE])]]) == [True]
+    assert victim._conns[0].nixl, "the victim's own endpoint was not proven"
+    md = victim.nixl_metadata()
+    assert md is not None
+    yield agent, victim, pool, md
+    # The victim keeps its service throughout.
+    out = np.zeros(PAGE, np.uint8)
+    assert victim.get_many([k], [[memoryview(out)]]) == [True]
+    assert np.array_equal(out, pool[:PAGE])
+    victim.close()
+
+
+def refused_or_false(reply: protocol.Msg) -> bool:
+    return isinstance(reply, protocol.ErrorReply) or reply.ok == [False]   # type: ignore[attr-defined]
+
+
+@needs_nixl
+def test_renamed_metadata_replay_reads_none_of_the_victims_memory(tenants) -> None:
+    """The attacker replays the victim's metadata under its own name, then PUTs descriptors that
+    point at the victim's KV pool and reads the block back inline."""
+    agent, victim, pool, md = tenants
+    bad = Raw(agent, "attacker", renamed(md, "attacker/replayed"))
+    ka = NS["attacker"].key("stolen")
+    victim_page = (pool.ctypes.data + 2 * PAGE, PAGE)
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[ka], sizes=[PAGE], descs=[[victim_page]]))
+    assert refused_or_false(reply)
+    reply, data = bad.call(protocol.GET, protocol.Blocks(keys=[ka], sizes=[PAGE]))
+    assert bytes(data) != pool[2 * PAGE:3 * PAGE].tobytes(), "the victim's memory was read"
+    assert reply.ok == [False]                                     # type: ignore[attr-defined]
+
+
+@needs_nixl
+def test_forged_descriptors_write_nothing_into_the_victims_memory(tenants) -> None:
+    """The attacker stores its own block inline, then GETs it with descriptors that point at the
+    victim's KV pool, through the replayed metadata."""
+    agent, victim, pool, md = tenants
+    before = pool.copy()
+    bad = Raw(agent, "attacker", renamed(md, "attacker/replayed"))
+    ka = NS["attacker"].key("evil")
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[ka], sizes=[PAGE]),
+                        [memoryview(b"EVIL" * (PAGE // 4))])
+    assert reply.ok == [True]                                      # type: ignore[attr-defined]
+    victim_page = (pool.ctypes.data + 3 * PAGE, PAGE)
+    reply, _ = bad.call(protocol.GET, protocol.Blocks(keys=[ka], sizes=[PAGE], descs=[[victim_page]]))
+    assert refused_or_false(reply)
+    assert np.array_equal(pool, before), "the attacker's bytes were written into the victim's pool"
+
+
+@needs_nixl
+def test_an_endpoint_is_proven_again_after_each_metadata_update(tenants) -> None:
+    """A guess at the nonce fails; a proven endpoint whose metadata is replaced in place by a
+    renamed copy of the victim's (same NIXL name) is unproven again."""
+    from offload.agent import nixl_util
+
+    agent, victim, pool, md = tenants
+    mine = nixl_util.make_agent("attacker/own")
+    buf = np.zeros(PAGE, np.uint8)
+    mine.register_memory([(buf.ctypes.data, PAGE, 0, "")], "DRAM")
+    bad = Raw(agent, "attacker", mine.get_agent_metadata())
+    info = bad.info
+    assert isinstance(info, protocol.HelloReply) and info.nixl
+    reply, _ = bad.call(protocol.PROVE, protocol.Prove([os.urandom(32)]))     # a guess
+    assert isinstance(reply, protocol.ErrorReply)
+    # A new challenge (METADATA), answered from what its own endpoint received: proven.
+    bad.call(protocol.METADATA, protocol.Metadata(mine.get_agent_metadata()))
+    got: list[bytes] = []
+
+    def nonce() -> bool:
+        for msgs in mine.get_new_notifs().values():
+            got.extend(m[4 + 16:] for m in msgs if m[4:20] == info.proof_tag)
+        return bool(got)
+
+    assert wait_for(nonce, 5)
+    assert bad.call(protocol.PROVE, protocol.Prove(got[-1:]))[0] == protocol.Empty()
+    ka = NS["attacker"].key("own")
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[ka], sizes=[PAGE],
+                                                      descs=[[(buf.ctypes.data, PAGE)]]))
+    assert reply.ok == [True]                                      # type: ignore[attr-defined]
+    # Outside its own registered memory: refused.
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[NS["attacker"].key("x")], sizes=[PAGE],
+                                                      descs=[[(pool.ctypes.data, PAGE)]]))
+    assert isinstance(reply, protocol.ErrorReply) and "outside the memory" in reply.message
+    # The victim's metadata renamed to this proven name: refused by NIXL, or loaded in place
+    # and then unproven; either way the victim's memory stays out of reach.
+    update, _ = bad.call(protocol.METADATA, protocol.Metadata(renamed(md, "attacker/own")))
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[NS["attacker"].key("y")], sizes=[PAGE],
+                                                      descs=[[(pool.ctypes.data, PAGE)]]))
+    assert isinstance(reply, protocol.ErrorReply)
+    assert ("not proven" if update == protocol.Empty() else "outside the memory") in reply.message
+    assert victim.stats().extra["agent_proofs_failed"] >= 1
+
+
+@needs_nixl
+def test_aborted_transfers_never_give_another_tenant_wrong_bytes(tmp_path: Path, agent_factory,
+                                                                  monkeypatch) -> None:
+    """The attacker's PUTs have 1 ms budgets (UCX over TCP: their READs outlive them); each is
+    followed by a victim's PUT of the same block size, then its GET. A late READ landing in a slot
+    handed to the victim would be read back as the victim's block."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    agent = agent_factory("--memory", "--keys-file", str(keys_file(tmp_path, SECRETS)))
+    size, n = 256 << 10, 32
+    attacker, victim = host(agent, "attacker"), host(agent, "victim")
+    a_pool = np.full(n * size, 0xEE, np.uint8)
+    v_pool = np.frombuffer(os.urandom(size), np.uint8).copy()
+    out = np.zeros(size, np.uint8)
+    for s, p in ((attacker, a_pool), (victim, v_pool), (victim, out)):
+        s.register_region(p)
+    try:
+        attacker._budget_ms = lambda: 1            # type: ignore[method-assign]
+        wrong = 0
+        for r in range(6):
+            ka = [NS["attacker"].key(f"a{r}-{i}") for i in range(n)]
+            attacker.put_many(ka, [[memoryview(a_pool[i * size:(i + 1) * size])] for i in range(n)])
+            kv = NS["victim"].key(f"v{r}")
+            if victim.put_many([kv], [[memoryview(v_pool)]]) != [True]:
+                continue
+            for _ in range(3):        # late bytes of the attacker's READs keep arriving meanwhile
+                out[:] = 0
+                if victim.get_many([kv], [[memoryview(out)]]) == [True]:
+                    wrong += not np.array_equal(out, v_pool)
+        assert wrong == 0, f"{wrong} reads gave the victim bytes that are not its block's"
+        extra = victim.stats().extra
+        assert extra.get("agent_blocks_quarantined", 0) > 0, "no transfer outlived its budget"
+    finally:
+        attacker.close()
+        victim.close()
+
+
+def _ns(name: str, i: int) -> Namespace:
+    return Namespace(**{**NS[name].__dict__, "model": f"junk-{i}"})
+
+
+def test_one_tenant_filling_its_tables_never_refuses_another(tmp_path: Path, agent_factory) -> None:
+    """Quotas are per host key: the attacker's connections and namespaces run out, the victim's
+    do not; the attacker's namespaces expire with its last connection."""
+    agent = agent_factory("--memory", "--transport", "tcp", "--keys-file",
+                          str(keys_file(tmp_path, SECRETS)), "--max-clients", "2",
+                          "--max-namespaces", "8")
+    flood = [Raw(agent, "attacker", None) for _ in range(2)]
+    for i in range(7):                     # 1 + 7: its quota of namespaces
+        assert flood[0].call(protocol.REGISTER_NS, register_msg(_ns("attacker", i)))[0] == \
+            protocol.Empty()
+    reply = flood[1].call(protocol.REGISTER_NS, register_msg(_ns("attacker", 99)))[0]
+    assert isinstance(reply, protocol.ErrorReply) and "registered 8 namespaces" in reply.message
+    third = host(agent, "attacker", transport="tcp")
+    assert third.put_many([NS["attacker"].key("x")], [[b"x"]]) == [False]   # refused at HELLO
+    third.close()
+    victim = host(agent, "victim", transport="tcp")
+    try:
+        for i in range(7):
+            victim.register_namespace(_ns("victim", i))
+        k = _ns("victim", 6).key("p")
+        assert victim.put_many([k], [[b"victim"]]) == [True]
+        buf = bytearray(6)
+        assert victim.get_many([k], [[buf]]) == [True] and bytes(buf) == b"victim"
+        assert victim.stats().extra["agent_rejected_full"] >= 1
+        # The attacker's registrations expire with its last connection: it may register again.
+        for r in flood:
+            r.ch.sock.close()
+        assert wait_for(lambda: victim.stats().extra["agent_quota_namespaces"] == 8)
+        again = Raw(agent, "attacker", None)
+        assert again.call(protocol.REGISTER_NS, register_msg(_ns("attacker", 99)))[0] == \
+            protocol.Empty()
+    finally:
+        victim.close()
+
+
+def test_reachability_probe_is_a_debug_line_not_noise(tmp_path: Path, agent_factory) -> None:
+    """`detect` connects and closes (here with a reset, as a probe that never reads does)."""
+    import struct
+
+    agent = agent_factory("--memory", "--transport", "tcp", "--keys-file",
+                          str(keys_file(tmp_path, SECRETS)))
+    for linger in (False, True):
+        sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        if linger:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    s = host(agent, "victim", transport="tcp")
+    try:
+        assert s.put_many([NS["victim"].key("p")], [[b"x"]]) == [True]
+    finally:
+        s.close()
+    assert wait_for(lambda: "connected from" in agent.text())
+    text = agent.text()
+    assert "reset by peer" not in text and "ended" not in text and "rejected" not in text

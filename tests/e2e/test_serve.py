@@ -1,0 +1,159 @@
+"""The tier under a real SGLang server, started through `sglang-offload launch` on the CPU.
+
+One server seeds a store (module fixture `seeded`: two prompts served cold, their write-back to
+the store waited for); each test then works on its own copy of that store, so tests stay
+independent and the seed costs one server start. Greedy decoding: the same prompt gives the same
+tokens whether its KV was computed or loaded. A "hit" is `cached_tokens` = the prompt less its
+last partial page (SGLang always computes the last token), with SGLang's breakdown naming the
+storage tier.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from offload.launch.server import LaunchedServer, Reply, wait_store
+from tests.e2e.conftest import PAGE, full_pages, metric, needs_serving, prompt, store_blocks, wait_metric
+
+pytestmark = needs_serving
+TOKENS = 1200                       # ~19 pages: long enough to matter, short for 2 cores
+
+
+@dataclass
+class Seed:
+    store: Path
+    prompts: list[str]
+    cold: list[Reply]
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Seed:
+    from tests.e2e.conftest import deployment, free_port
+
+    tmp = tmp_path_factory.mktemp("seed")
+    store = tmp / "store"
+    port = free_port()
+    cfg = deployment(tmp / "seed.yaml", demo_model, port, store)
+    server = LaunchedServer.start(cfg, tmp / "seed.log", f"http://127.0.0.1:{port}",
+                                  env={"UCX_MODULES": "^ib"})
+    try:
+        server.wait_ready()
+        prompts = [prompt(TOKENS, seed) for seed in (1, 2)]
+        cold = [server.generate(p) for p in prompts]
+        assert all(r.cached_tokens == 0 for r in cold), [r.cached_tokens for r in cold]
+        pages = sum(full_pages(r.prompt_tokens) // PAGE for r in cold)
+        assert wait_store(store, pages) >= pages, server.tail()
+    except BaseException:
+        print(server.tail(80))
+        raise
+    finally:
+        server.stop()
+    return Seed(store, prompts, cold)
+
+
+def _copy(seed: Seed, tmp_path: Path) -> Path:
+    out = tmp_path / "store"
+    shutil.copytree(seed.store, out)
+    return out
+
+
+def _assert_l3_hit(r: Reply, cold: Reply) -> None:
+    assert r.output_ids == cold.output_ids and r.text == cold.text
+    assert r.cached_tokens == full_pages(cold.prompt_tokens), r
+    assert r.details.get("storage", 0) > 0, r.details
+
+
+def test_restart_serves_the_repeated_prompt_from_l3(seeded: Seed, servers, tmp_path: Path) -> None:
+    s = servers(_copy(seeded, tmp_path))
+    _assert_l3_hit(s.generate(seeded.prompts[0]), seeded.cold[0])
+    again = s.generate(seeded.prompts[0])                    # now from L1/L2, same tokens
+    assert again.output_ids == seeded.cold[0].output_ids
+    assert again.cached_tokens == full_pages(seeded.cold[0].prompt_tokens)
+
+
+def _corrupt_one_block(store: Path) -> None:
+    """Flip bytes in the middle of the first slab file's data (a block of the seeded prompts)."""
+    slabs = sorted(p for p in store.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20)
+    assert slabs, sorted(str(p) for p in store.rglob("*"))
+    with open(slabs[0], "r+b") as f:
+        f.seek(4096 * 3 + 100)
+        data = bytearray(f.read(64))
+        f.seek(4096 * 3 + 100)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_path: Path) -> None:
+    store = _copy(seeded, tmp_path)
+    _corrupt_one_block(store)
+    s = servers(store)
+    replies = [s.generate(p) for p in seeded.prompts]
+    for r, cold in zip(replies, seeded.cold):
+        assert r.output_ids == cold.output_ids and r.text == cold.text   # recomputed, same output
+    full = sum(full_pages(c.prompt_tokens) for c in seeded.cold)
+    assert sum(r.cached_tokens for r in replies) < full             # the bad block was not used
+    assert metric(s, "sglang_offload_checksum_failures_total") >= 1
+
+
+def test_sigkill_mid_write_back_then_restart_serves_correct_output(
+        seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    store = _copy(seeded, tmp_path)
+    s = servers(store, name="before-kill")
+    before = store_blocks(store)
+    long = prompt(4 * TOKENS, 3)
+    cold = s.generate(long)                  # its write-back starts as the reply is sent
+    s.kill()                                 # SIGKILL the whole server: no flush, no close
+    s2 = servers(store, name="after-kill")
+    r = s2.generate(long)
+    assert r.output_ids == cold.output_ids and r.text == cold.text
+    assert r.cached_tokens % PAGE == 0 and r.cached_tokens <= full_pages(cold.prompt_tokens)
+    _assert_l3_hit(s2.generate(seeded.prompts[1]), seeded.cold[1])   # old blocks intact
+    assert store_blocks(store) >= before
+
+
+def test_replica_b_first_request_hits_replica_a_prefix_in_redis(
+        seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    from tests.store.redis_fixtures import RedisProc
+
+    redis = RedisProc(tmp_path / "redis", []).start()
+    try:
+        shared = {"redis": {"url": redis.url}}
+        a = servers(tmp_path / "store-a", name="replica-a", **shared)
+        text = prompt(TOKENS, 4)
+        cold = a.generate(text)
+        pages = full_pages(cold.prompt_tokens) // PAGE
+        assert wait_store(tmp_path / "store-a", pages) >= pages
+        b = servers(tmp_path / "store-b", name="replica-b", **shared)   # its own empty store
+        _assert_l3_hit(b.generate(text), cold)
+        assert metric(b, "sglang_offload_hits_total", 'tier="redis"') >= pages
+    finally:
+        redis.kill()
+
+
+def test_dpu_path_through_an_agent_on_loopback_hits_after_restart(
+        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    from tests.agent.conftest import SECRET, AgentProc, needs_nixl
+
+    if needs_nixl.args[0]:
+        pytest.skip(needs_nixl.kwargs["reason"])
+    agent = AgentProc(tmp_path, ["--memory"]).start()
+    try:
+        hosts = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "h100-bf3-dpu"
+        kw = dict(launch_args=("--root", str(hosts)), env={"SGLANG_OFFLOAD_SECRET": SECRET.decode()},
+                  transfer={"path": "dpu"},
+                  agent={"address": agent.address, "transport": "ucx", "timeout_s": 10})
+        text = prompt(TOKENS, 5)
+        first = servers(tmp_path / "unused", name="dpu-1", **kw)
+        cold = first.generate(text)
+        pages = full_pages(cold.prompt_tokens) // PAGE
+        assert wait_metric(first, "sglang_offload_pool_pages_total", 'direction="write"',
+                           pages) >= pages
+        first.stop()
+        second = servers(tmp_path / "unused", name="dpu-2", **kw)
+        _assert_l3_hit(second.generate(text), cold)
+    finally:
+        agent.stop()

@@ -1,0 +1,364 @@
+"""Issue 20: what SGLang gives Mooncake, OffloadStorage gets too; SGLang's own classes on CPU.
+
+Head-split keys (tp_lcm_size): a TP2 and a TP4 replica restore each other's pages byte-exact.
+MHA draft on an MLA target at TP2: both ranks' drafts restored. clear() over every pool.
+Decode context parallel shards. Writers per attention-CP shard. Metrics ports across DP groups.
+Refusals at attach for layouts we cannot serve; none escaping a late sidecar registration.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from offload.errors import ConfigError  # noqa: E402
+from offload.hicache.keying import storage_writer  # noqa: E402
+from tests.hicache import hicache_pools as hp  # noqa: E402
+from tests.hicache import parity_setup as ps  # noqa: E402
+from tests.hicache import pool_families as pf  # noqa: E402
+
+PT, PN, PP = hs.PoolTransfer, hs.PoolName, hs.PoolHitPolicy
+N = 4   # pages per test
+pytestmark = pytest.mark.timeout(180)
+
+
+def _replica(extra: dict, tp_size: int, seed: int | None, lcm: int | None) -> list:
+    """One replica of `tp_size` ranks on page_head pools: [(backend, pool)] by rank."""
+    out = []
+    for r in range(tp_size):
+        pool = ps.mha_head_pool(ps.HEADS // tp_size)
+        if seed is not None:
+            hp.fill(pool, seed + r)
+        sc = ps.storage_config(extra, tp_rank=r, tp_size=tp_size, layout="page_head",
+                               tp_lcm_size=lcm)
+        out.append((ps.attach(sc, pool), pool))
+    return out
+
+
+def _head(replica: list, tp_size: int, head: int, page: int) -> bytes:
+    """Global KV head `head` of `page`, wherever this replica holds it."""
+    per = ps.HEADS // tp_size
+    return ps.head_bytes(replica[head // per][1], page, head % per)
+
+
+@pytest.mark.parametrize("writer,reader", [(2, 4), (4, 2)], ids=["tp2-to-tp4", "tp4-to-tp2"])
+def test_replicas_of_different_tp_sizes_restore_each_others_pages(tmp_path, writer, reader):
+    """tp_lcm_size=4 on the TP2 replica (SGLang splits its heads); the TP4 one needs nothing."""
+    extra = hp.extra(str(tmp_path / "kv"))
+    keys = ps.keys(N)
+    src = _replica(extra, writer, seed=11, lcm=4 if writer == 2 else None)
+    for b, _ in src:
+        assert b.batch_set_v1(keys, ps.idx(0, N)) == [True] * N
+        assert b.plan.split == (2 if writer == 2 else 1)
+        b.close()
+    dst = _replica(extra, reader, seed=None, lcm=4 if reader == 2 else None)
+    try:
+        for b, _ in dst:
+            assert b.batch_exists(keys) == N
+            assert b.batch_get_v1(keys, ps.idx(8, N)) == [True] * N
+        for head, page in itertools.product(range(ps.HEADS), range(N)):
+            assert _head(dst, reader, head, 8 + page) == _head(src, writer, head, page)
+        # one head group missing on disk: that page is a miss on the rank that needs it
+        lost = dst[0][0].plan.keys(keys)[dst[0][0].plan.split * 2]   # page 3, first group
+        dst[0][0].store.delete_many([lost])
+        assert dst[0][0].batch_exists(keys) == 2
+    finally:
+        for b, _ in dst:
+            b.close()
+
+
+def test_head_split_legacy_flat_pages_are_the_same_blocks(tmp_path):
+    """SGLang's copying interface (batch_set/batch_get of flat pages) writes the same objects."""
+    extra = hp.extra(str(tmp_path / "kv"))
+    keys = ps.keys(2)
+    (b2, p2), = _replica(extra, 1, seed=3, lcm=2)   # TP1 split in 2 groups
+    assert b2.batch_set(keys, [p2.get_data_page(i * ps.PAGE) for i in range(2)])
+    b2.close()
+    tp2 = _replica(extra, 2, seed=None, lcm=None)
+    try:
+        for b, _ in tp2:
+            assert b.batch_get_v1(keys, ps.idx(5, 2)) == [True, True]
+        for head, page in itertools.product(range(ps.HEADS), range(2)):
+            assert _head(tp2, 2, head, 5 + page) == _head([(None, p2)], 1, head, page)
+    finally:
+        for b, _ in tp2:
+            b.close()
+
+
+def test_a_split_the_pool_cannot_serve_is_refused_at_attach(tmp_path):
+    pool = ps.mha_head_pool(2, layout="page_first")
+    sc = ps.storage_config(hp.extra(str(tmp_path)), tp_size=2, layout="page_head", tp_lcm_size=4)
+    with pytest.raises(ConfigError, match=r"tp_lcm_size: 4 at TP 2 .*layout 'page_first'"):
+        ps.attach(sc, pool)
+    odd = ps.mha_head_pool(1)
+    sc = ps.storage_config(hp.extra(str(tmp_path)), tp_size=2, layout="page_head", tp_lcm_size=4)
+    with pytest.raises(ConfigError, match=r"1 KV heads per rank, not divisible by the split 2"):
+        ps.attach(sc, odd)
+
+
+def test_page_first_kv_split_is_refused_clearly(tmp_path):
+    """Ascend's MLA layout (K and V in separate buffers; NPU-only, so a CPU pool is relabelled)."""
+    pool = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
+    pool.layout = "page_first_kv_split"
+    sc = ps.storage_config(hp.extra(str(tmp_path)), mla=True)
+    with pytest.raises(ConfigError, match=r"--hicache-mem-layout: 'page_first_kv_split' .*allowed: "
+                                          r"layer_first, page_first, page_first_direct, page_head"):
+        ps.attach(sc, pool)
+
+
+def _draft_rank(extra: dict, rank: int, seed: int | None) -> tuple:
+    anchor = hp.host_pool(hp.device_pool(mla=True), "page_first", pf.PAGES)
+    draft = pf._mha(1, "page_first")
+    if seed is not None:
+        pf.fill_any(anchor, 1)
+        pf.fill_any(draft, seed)
+    sc = ps.storage_config(extra, mla=True, tp_rank=rank, tp_size=2)
+    return ps.attach(sc, anchor, {PN.DRAFT: draft}), anchor, draft
+
+
+def _draft_io(rank_parts: tuple, keys: list[str], first: int) -> list:
+    return [PT(name=PN.DRAFT, host_indices=ps.idx(first, len(keys)), keys=keys,
+               hit_policy=PP.ALL_PAGES, indices_from_pool=PN.KV)]
+
+
+def test_mha_draft_on_an_mla_target_at_tp2_restores_both_ranks(tmp_path):
+    extra = hp.extra(str(tmp_path / "kv"))
+    keys = ps.keys(N)
+    ranks = [_draft_rank(extra, r, seed=20 + r) for r in (0, 1)]
+    want = []
+    for r, (b, anchor, draft) in enumerate(ranks):
+        assert b.is_writer == (r == 0)
+        assert b.pools["draft"].writes                       # the non-writer rank too
+        assert all(b.batch_set_v1(keys, ps.idx(0, N))) or r == 1
+        assert b.batch_set_v2(_draft_io(ranks[r], keys, 0))[PN.DRAFT] == [True] * N
+        want.append([pf.page_of(draft, i * ps.PAGE) for i in range(N)])
+    assert want[0] != want[1]
+    for b, *_ in ranks:
+        b.close()
+    fresh = [_draft_rank(extra, r, seed=None) for r in (0, 1)]
+    try:
+        for r, (b, anchor, draft) in enumerate(fresh):
+            q = [PT(name=PN.DRAFT, keys=keys, hit_policy=PP.ALL_PAGES, indices_from_pool=PN.KV)]
+            assert b.batch_exists_v2(keys, q).restorable_prefix_pages == list(range(1, N + 1))
+            assert b.batch_get_v2(_draft_io(fresh[r], keys, 8))[PN.DRAFT] == [True] * N
+            assert [pf.page_of(draft, (8 + i) * ps.PAGE) for i in range(N)] == want[r]
+    finally:
+        for b, *_ in fresh:
+            b.close()
+
+
+def test_sglang_backs_the_draft_up_on_every_rank_for_us(tmp_path):
+    """HybridCacheController.should_backup (patches/0011) on the non-writer rank 1."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    extra = hp.extra(str(tmp_path))
+    draft = pf._mha(1, "page_first")
+    ctrl = SimpleNamespace(backup_skip=True, storage_backend_type="dynamic",
+                           storage_config=ps.storage_config(extra, mla=True, tp_rank=1,
+                                                            tp_size=2),
+                           mem_pool_host=SimpleNamespace(
+                               entry_map={PN.DRAFT: SimpleNamespace(host_pool=draft)}))
+    assert HybridCacheController.should_backup(ctrl, PT(name=PN.DRAFT))
+    assert not HybridCacheController.should_backup(ctrl, PT(name=PN.INDEXER))
+    ctrl.storage_backend_type = "file"
+    assert not HybridCacheController.should_backup(ctrl, PT(name=PN.DRAFT))
+
+
+def test_a_late_sidecar_that_cannot_be_stored_is_a_miss_not_an_error(tmp_path, caplog):
+    b, anchor, draft = _draft_rank(hp.extra(str(tmp_path)), 0, seed=None)
+    odd = pf._mha(1, "page_first")
+    odd.layout = "page_first_kv_split"
+    try:
+        b.register_mem_host_pool_v2(odd, PN.DRAFT_SWA)      # after the attach: logged only
+        assert "draft_swa" not in b.pools and "is not stored" in caplog.text
+        tr = [PT(name=PN.DRAFT_SWA, host_indices=ps.idx(0, 1), keys=ps.keys(1))]
+        assert b.batch_set_v2(tr) == {PN.DRAFT_SWA: [False]}
+    finally:
+        b.close()
+    anchor = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
+    sc = ps.storage_config(hp.extra(str(tmp_path)), mla=True)
+    early = hp.make_backend(sc, anchor)
+    try:
+        with pytest.raises(ConfigError, match="draft_swa"):   # during the attach: refused
+            early.register_mem_host_pool_v2(odd, PN.DRAFT_SWA)
+    finally:
+        early.close()
+
+
+@pytest.mark.parametrize("family", ["draft", "mamba", "dsv4"])
+def test_clear_leaves_no_block_of_any_pool(tmp_path, family):
+    from tests.hicache.test_pools import _attach, _transfers, _write
+
+    backend, anchor, pools = _attach(family, hp.extra(str(tmp_path / "kv")))
+    keys = ps.keys(N)
+    try:
+        _write(backend, anchor, pools, keys)
+        every = backend._keys(keys) + [k for p in backend.pools.values() for k in p.keys(keys)]
+        assert any(backend.store.exists_many(every))
+        assert backend.clear() is True
+        assert not any(backend.store.exists_many(every))
+        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        assert res.restorable_prefix_pages == []
+    finally:
+        backend.close()
+
+
+def test_decode_context_parallel_shards_round_trip(tmp_path):
+    """DCP 2 (patches/0012 admits us): each shard its own namespace, logical host indices."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    extra = hp.extra(str(tmp_path / "kv"))
+    assert StorageBackendFactory.has_capability("dynamic", extra, "dcp")
+    keys, step = ps.keys(N), 2 * ps.PAGE
+
+    def rank(r: int, seed: int | None) -> tuple:
+        pool = ps.mla_dcp_pool(r)
+        if seed is not None:
+            hp.fill(pool, seed)
+        sc = ps.storage_config(extra, mla=True, tp_rank=r, tp_size=2, dcp=(r, 2))
+        return ps.attach(sc, pool), pool
+
+    src = [rank(r, 30 + r) for r in (0, 1)]
+    assert src[0][0].namespace != src[1][0].namespace
+    want = []
+    for b, pool in src:
+        assert b.is_writer and b.pages.index_step == step
+        assert b.batch_set_v1(keys, ps.idx(0, N, step)) == [True] * N
+        want.append([hp.page_bytes(pool, i * step) for i in range(N)])
+        b.close()
+    dst = [rank(r, None) for r in (0, 1)]
+    try:
+        for r, (b, pool) in enumerate(dst):
+            assert b.batch_exists(keys) == N
+            assert b.batch_get_v1(keys, ps.idx(3, N, step)) == [True] * N
+            assert [hp.page_bytes(pool, (3 + i) * step) for i in range(N)] == want[r]
+    finally:
+        for b, _ in dst:
+            b.close()
+
+
+CP_CASES = [  # (tp_rank, tp_size, cp_rank, cp_size, dp_attention, writer)
+    (0, 4, 0, 2, False, True), (1, 4, 0, 2, False, False),
+    (2, 4, 1, 2, False, True), (3, 4, 1, 2, False, False),   # SGLang's rule: rank 0 only
+    (0, 2, 1, 2, True, True), (1, 2, 1, 2, True, False),     # DP attention: tp is attn-TP
+]
+
+
+@pytest.mark.parametrize("tp_rank,tp_size,cp_rank,cp_size,dp_attn,writer", CP_CASES)
+def test_one_writer_per_attention_cp_shard(tmp_path, tp_rank, tp_size, cp_rank, cp_size,
+                                           dp_attn, writer):
+    sc = ps.storage_config({}, mla=True, tp_rank=tp_rank, tp_size=tp_size,
+                           cp=(cp_rank, cp_size))
+    assert storage_writer(sc, dp_attn) is writer
+
+
+def test_sglang_backs_up_cp_shard_1_for_us(tmp_path):
+    """HiCacheController.backup_skip (patches/0014) asks the backend; SGLang's own rule would
+    skip CP shard 1 (global TP rank 2 of 4, attention CP 2, no DP attention)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    extra = hp.extra(str(tmp_path / "kv"))
+    keys = ps.keys(2)
+    shards = []
+    for cp_rank, tp_rank in ((0, 0), (1, 2)):
+        pool = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
+        hp.fill(pool, 40 + cp_rank)
+        sc = ps.storage_config(extra, mla=True, tp_rank=tp_rank, tp_size=4, cp=(cp_rank, 2))
+        shards.append((ps.attach(sc, pool), sc))
+    try:
+        b1, sc1 = shards[1]
+        assert not sc1.is_storage_writer                   # SGLang's rule: shard 1 never written
+        ctrl = SimpleNamespace(storage_backend=b1, storage_backend_type="dynamic",
+                               storage_config=sc1)
+        assert HiCacheController.backup_skip.fget(ctrl) is False
+        assert shards[0][0].namespace != b1.namespace
+        for b, _ in shards:
+            assert b.batch_set_v1(keys, ps.idx(0, 2)) == [True, True]
+            assert b.batch_exists(keys) == 2
+    finally:
+        for b, _ in shards:
+            b.close()
+
+
+def _two_free_ports() -> int:
+    """A port p with p and p + 1 both free on loopback."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two free ports")
+
+
+def test_dp_attention_groups_export_metrics_on_distinct_ports(tmp_path):
+    """Two DP-attention groups of one rank each: the same attention-local TP rank 0."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    free_port = _two_free_ports()
+    from sglang.srt.runtime_context import get_parallel
+
+    extra = hp.extra(str(tmp_path / "kv"), metrics={"port": free_port})
+    ports = []
+    for group in (0, 1):
+        with get_parallel().override(tp_size=2, tp_rank=group, pp_rank=0, attn_dp_size=2,
+                                     attn_dp_rank=group, attn_tp_size=1, attn_tp_rank=0):
+            pool = hp.host_pool(hp.device_pool(), "page_first", 8)
+            b = ps.attach(ps.storage_config(extra, dp_rank=group), pool)
+        ports.append(b.metrics_port)
+        b.close()
+    assert ports == [free_port, free_port + 1]
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"sglang_offload" in r.read()
+
+
+def test_l3_object_layout_is_the_same_on_every_rank(tmp_path):
+    """The handshake (patches/0013): every TP rank describes every rank's namespaces, so
+    SGLang's merge_l3_layouts keeps it enabled (Mooncake disables MHA layouts)."""
+    extra = hp.extra(str(tmp_path / "kv"))
+    tp2 = _replica(extra, 2, seed=None, lcm=4)
+    try:
+        layouts = [b.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=None,
+                                               page_size=ps.PAGE) for b, _ in tp2]
+        merged = hs.merge_l3_layouts(layouts)
+        assert merged["enabled"] and merged["backend"] == "offload"
+        (kv,) = merged["hicache_object_layout"]["pools"]
+        assert kv["namespaces"] == [d.hex() for b, _ in tp2 for d in b.plan.digests]
+        assert len(kv["namespaces"]) == 4                 # one per head group of tp_lcm_size
+    finally:
+        for b, _ in tp2:
+            b.close()
+
+
+def test_head_groups_are_sglangs_unified_key_coordinates(tmp_path):
+    """Our head-split objects are the `_H{g}` objects of SGLang's unified key scheme
+    (hicache_key_scheme.plan_unified_kv, head_group = total heads / tp_lcm_size): same absolute
+    group index, same local heads, so adopting the scheme changes names, not the split."""
+    from sglang.srt.mem_cache.hicache_key_scheme import plan_unified_kv
+
+    tp2 = _replica(hp.extra(str(tmp_path / "kv")), 2, seed=None, lcm=4)
+    try:
+        for r, (b, pool) in enumerate(tp2):
+            plan = plan_unified_kv(model_id="test/model", dtype="bfloat16", page_size=ps.PAGE,
+                                   rank_replicated=False, local_kv_heads=pool.head_num,
+                                   attn_tp_rank=r, attn_tp_size=2, attn_cp_size=1,
+                                   start_layer=0, end_layer=ps.LAYERS, is_final_stage=True,
+                                   head_group=ps.HEADS // 4)
+            assert b.plan.head_groups == [int(x.rsplit("_H", 1)[1]) for x in plan.suffixes]
+            assert plan.head_ranges == [(g, g + 1) for g in range(b.plan.split)]
+    finally:
+        for b, _ in tp2:
+            b.close()

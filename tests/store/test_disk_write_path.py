@@ -1,0 +1,247 @@
+"""The disk store's write path: group commit off the caller's path, a data path that never waits on
+another process's index transaction, and slots given back by a failed commit. Real files, a real
+second process holding SQLite's write lock, a real full file system; counts and ordering, never
+wall-clock figures."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from offload.store.index import Index
+from tests.store.blocks import data, key
+from tests.store.test_disk import open_store, worker
+
+SIZE = 64 << 10
+
+HOLDER = """
+import select, sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+select.select([sys.stdin], [], [], 60)   # until told, or a minute: then the transaction ends
+db.execute("COMMIT")
+"""
+
+
+def put(s, ids, size=SIZE) -> list[bool]:
+    ks = [key(i) for i in ids]
+    return s.put_many(ks, [[data(k, size)] for k in ks])
+
+
+def exact(s, ids, size=SIZE) -> bool:
+    bufs = [bytearray(size) for _ in ids]
+    ok = s.get_many([key(i) for i in ids], [[b] for b in bufs])
+    return all(ok) and all(bytes(b) == data(key(i), size) for i, b in zip(ids, bufs))
+
+
+def hold_write_transaction(index_path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(index_path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    return p
+
+
+def release(p: subprocess.Popen) -> None:
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.close()
+    p.wait(timeout=60)
+
+
+class Gate:
+    """Holds the group committer before its fdatasync until opened."""
+
+    def __init__(self, store) -> None:  # type: ignore[no-untyped-def]
+        self.open, self.reached = threading.Event(), threading.Event()
+        real = store._commits._sync
+
+        def sync(segs):  # type: ignore[no-untyped-def]
+            self.reached.set()
+            self.open.wait(60)
+            return real(segs)
+
+        store._commits._sync = sync
+
+
+# ---- the data path vs a busy index -------------------------------------------------------------
+
+def test_a_held_write_transaction_elsewhere_never_stalls_the_data_path(tmp_path):
+    with open_store(tmp_path) as s:
+        assert put(s, [0, 1]) == [True, True] and s.flush()
+        holder = hold_write_transaction(tmp_path / "index.db")
+        try:
+            assert put(s, [5]) == [False]                  # skipped, not waited for
+            assert exact(s, [0])                           # reads go on
+            assert s.exists_many([key(0), key(5)]) == [True, False]
+            assert s.delete_many([key(1)]) == 0            # a busy index: nothing deleted
+            assert holder.poll() is None                   # all returned before it ended
+            st = s.stats()
+            assert st.extra["index_busy"] >= 2 and st.put_skipped == 1
+        finally:
+            release(holder)
+        assert put(s, [5]) == [True] and s.flush() and exact(s, [5])
+        assert s.delete_many([key(1)]) == 1
+
+
+def test_reads_go_on_while_a_put_of_this_process_waits_for_the_index(tmp_path, monkeypatch):
+    with open_store(tmp_path) as s:
+        assert put(s, [0]) == [True] and s.flush()
+        inside, go = threading.Event(), threading.Event()
+        real = Index.allocate
+
+        def waiting(self, *a, **kw):  # type: ignore[no-untyped-def]
+            inside.set()
+            go.wait(20)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(Index, "allocate", waiting)
+        t = threading.Thread(target=put, args=(s, [1]))
+        t.start()
+        try:
+            assert inside.wait(60)
+            assert exact(s, [0]) and s.exists_many([key(0)]) == [True]
+            assert t.is_alive()                            # read while the put still waited
+        finally:
+            go.set()
+            t.join(60)
+
+
+# ---- group commit ----------------------------------------------------------------------------
+
+def test_put_returns_once_written_and_the_block_is_visible_once_durable(tmp_path):
+    with open_store(tmp_path) as s, open_store(tmp_path) as other:
+        gate = Gate(s)
+        src = [bytearray(data(key(i), SIZE)) for i in range(4)]
+        ks = [key(i) for i in range(4)]
+        assert s.put_many(ks, [[b] for b in src]) == [True] * 4
+        assert gate.reached.wait(60)                       # put returned before any fdatasync
+        for b in src:                                      # the caller's buffers are free again
+            b[:] = bytes(SIZE)
+        assert other.exists_many(ks) == [False] * 4        # not durable: invisible elsewhere
+        assert s.exists_many(ks) == [True] * 4             # in flight: stored, for this process
+        used = s._ix.reader.usage()[1]
+        assert put(s, range(4)) == [True] * 4              # not written twice
+        assert s._ix.reader.usage()[1] == used
+        gate.open.set()
+        assert s.flush()
+        assert other.exists_many(ks) == [True] * 4 and exact(other, range(4))
+        assert s.stats().puts == 4
+
+
+def test_a_get_of_a_block_in_flight_waits_for_its_commit(tmp_path):
+    with open_store(tmp_path) as s:
+        gate = Gate(s)
+        assert put(s, [0]) == [True]
+        assert gate.reached.wait(60)
+        got: list[bool] = []
+        t = threading.Thread(target=lambda: got.append(exact(s, [0])))
+        t.start()
+        gate.open.set()
+        t.join(60)
+        assert got == [True]
+
+
+def test_pending_work_is_bounded(tmp_path):
+    with open_store(tmp_path, pending_bytes=SIZE) as s:
+        gate = Gate(s)
+        assert put(s, [0]) == [True]
+        assert gate.reached.wait(60)
+        assert put(s, [1]) == [False]                      # no room within the deadline: skipped
+        gate.open.set()
+        assert s.flush() and put(s, [1]) == [True] and s.flush() and exact(s, [0, 1])
+
+
+def test_close_flushes(tmp_path):
+    with open_store(tmp_path) as s:
+        assert put(s, range(8)) == [True] * 8
+    with open_store(tmp_path) as s:
+        assert exact(s, range(8))
+
+
+def test_the_first_put_imports_no_numpy(tmp_path):
+    code = f"""
+import mmap, sys
+sys.path.insert(0, {os.getcwd()!r})
+from tests.store.test_disk import open_store
+with open_store({str(tmp_path)!r}) as s:
+    m = mmap.mmap(-1, 4 << 20)
+    assert s.put_many([bytes(range(32))], [[memoryview(m)]]) == [True]
+    assert s.get_many([bytes(range(32))], [[memoryview(m)]]) == [True]
+print("numpy" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# ---- a failed commit -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("release_fails", [False, True])
+def test_a_failed_commit_frees_its_slots_and_its_keys(tmp_path, monkeypatch, release_fails):
+    fail = ["commit"] + (["release"] if release_fails else [])
+    real_finish, real_release = Index.finish, Index.release
+
+    def finish(self, *a, **kw):  # type: ignore[no-untyped-def]
+        if "commit" in fail:
+            fail.remove("commit")
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_finish(self, *a, **kw)
+
+    def release_(self, *a, **kw):  # type: ignore[no-untyped-def]
+        if "release" in fail:
+            fail.remove("release")
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_release(self, *a, **kw)
+
+    monkeypatch.setattr(Index, "finish", finish)
+    monkeypatch.setattr(Index, "release", release_)
+    with open_store(tmp_path) as s:
+        put(s, range(8))
+        assert not s.flush()
+        assert s.exists_many([key(i) for i in range(8)]) == [False] * 8  # never appears
+        assert s.stats().put_skipped == 8                                 # counted
+        if release_fails:   # freed by this process's next reservation
+            assert put(s, [8]) == [True] and s.flush()
+        assert s.stats().bytes_used == release_fails * (SIZE + 4096)   # no slot leaked
+        # at once storable by any process
+        p = worker("write", tmp_path, start=0, stop=8, size=SIZE, batch=8)
+        out, _ = p.communicate(timeout=120)
+        assert '"ok": [true, true, true, true, true, true, true, true]' in out, out
+        assert s.exists_many([key(i) for i in range(8)]) == [True] * 8 and exact(s, range(8))
+
+
+def test_disk_full_at_the_index_commit_frees_the_slots(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        with open_store(mnt / "cache", free_bytes=lambda _p: 1 << 40) as s:
+            gate = Gate(s)
+            assert put(s, range(4)) == [True] * 4
+            assert gate.reached.wait(60)
+            filler = mnt / "filler"
+            with open(filler, "wb") as f:   # the file system fills up before the commit
+                chunk = bytes(64 << 10)
+                try:
+                    while True:
+                        f.write(chunk)
+                        f.flush()
+                except OSError:
+                    pass
+            gate.open.set()
+            assert not s.flush()                           # lost: the commit failed
+            assert s.exists_many([key(i) for i in range(4)]) == [False] * 4
+            assert s.stats().put_skipped >= 4
+            os.unlink(filler)
+            assert put(s, range(4)) == [True] * 4 and s.flush() and exact(s, range(4))
+            assert s.stats().bytes_used == 4 * (SIZE + 4096)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
