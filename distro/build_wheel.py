@@ -237,7 +237,8 @@ def _set_version(metadata: bytes, version: str) -> bytes:
     return "\n".join(lines).encode("utf-8")
 
 
-def _patches_record(patches: list[Path]) -> bytes:
+def patches_record(patches: list[Path]) -> bytes:
+    """The OFFLOAD_PATCHES file: a comment line, then `sha256 name` of each patch, in order."""
     lines = ["# patches/series applied to this wheel, in order: sha256 name"]
     lines += [f"{sha256_of(p)} {p.name}" for p in patches]
     return ("\n".join(lines) + "\n").encode("utf-8")
@@ -252,7 +253,7 @@ def repack(original: Path, tree: Path, out: Path, pin: Pin, version: str, patche
         infos = src.infolist()
     known = {i.filename for i in infos}
     stamp = next(i.date_time for i in infos if i.filename == old_info + "METADATA")
-    added = sorted(  # files a patch created (none of the current patches do)
+    added = sorted(  # files a patch created (0005 adds pool_host/torch_transfer.py)
         p.relative_to(tree).as_posix() for p in tree.rglob("*")
         if p.is_file() and p.relative_to(tree).as_posix() not in known
     )
@@ -273,7 +274,7 @@ def repack(original: Path, tree: Path, out: Path, pin: Pin, version: str, patche
                 dst.writestr(zinfo, b"", compress_type=compress)
                 continue
             if name == old_info + PATCHES_RECORD:
-                data = _patches_record(patches)
+                data = patches_record(patches)
             elif not path.is_file():
                 continue  # a patch deleted it
             else:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs everything this project needs on a fresh CPU machine (Debian, Python 3.11, root):
 #   - Debian packages the tests drive: redis-server/redis-tools, buildah + debootstrap (the image
-#     test), patch (the patched wheel), openssl (TLS certificates);
+#     test), patch (the patched wheel), openssl (TLS certificates), and what SGLang's first
+#     HiCache request JIT-builds its hash extension with: g++, ninja-build, libssl-dev, python3-dev;
 #   - .venv with SGLang's own pins: torch 2.14.1 + torchvision 0.29.1;
-#   - SGLang 0.5.23 with --no-deps plus the minimal list in distro/sglang-cpu-deps.txt
-#     (on a GPU host use `pip install -e '.[sglang,gds-cu13,dpu]'` instead: the full pinned SGLang;
-#     docs/install.md says which gds extra);
+#   - the PATCHED SGLang 0.5.23 wheel (distro/install_patched.py: built from the pinned upstream
+#     wheel + patches/series by distro/build_wheel.py, installed --no-deps, skipped when current)
+#     plus distro/sglang-cpu-deps.txt (HiCache modules) and distro/sglang-cpu-serve-deps.txt (a
+#     real server start): a CPU box that serves (on a GPU host use `pip install -e
+#     '.[sglang,gds-cu13,dpu]'` instead: the full pinned SGLang; docs/install.md says which gds extra);
 #   - this project, editable, with its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,13 +20,19 @@ command -v debootstrap >/dev/null || need+=(debootstrap)  # its stand-in base im
 command -v patch >/dev/null || need+=(patch)              # distro/build_wheel.py applies patches/
 command -v openssl >/dev/null || need+=(openssl)          # the Redis TLS test makes certificates
 command -v fusermount3 >/dev/null || need+=(fuse3)        # tests/powerloss: FUSE (+ libfuse3 for mfusepy)
+# SGLang JIT-builds hicache_hash_cpp (torch cpp_extension) on the first HiCache request:
+command -v g++ >/dev/null || need+=(g++)
+command -v ninja >/dev/null || need+=(ninja-build)
+[ -f /usr/include/openssl/sha.h ] || need+=(libssl-dev)
+python3 -c 'import os, sysconfig; raise SystemExit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  || need+=(python3-dev)
 if ((${#need[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-# SGLang is installed --no-deps on purpose (the CPU machine needs only what distro/sglang-cpu-deps.txt
-# lists), so every later pip call lists SGLang's other requirements as "sglang 0.5.23 requires X,
+# SGLang is installed --no-deps on purpose (the CPU machine needs only what distro/sglang-cpu-*.txt
+# list), so every later pip call lists SGLang's other requirements as "sglang 0.5.23 requires X,
 # which is not installed": said once below, those lines are hidden; every other line (a real
 # conflict, an error) is kept.
 hidden=$(mktemp)
@@ -40,13 +49,13 @@ quiet_pip() {
   return "$rc"
 }
 quiet_pip torch==2.14.1 torchvision==0.29.1
-quiet_pip --no-deps sglang==0.5.23
-quiet_pip -r distro/sglang-cpu-deps.txt
+.venv/bin/python distro/install_patched.py           # SGLang 0.5.23 + patches/series, --no-deps
+quiet_pip -r distro/sglang-cpu-deps.txt -r distro/sglang-cpu-serve-deps.txt
 quiet_pip -e '.[test,redis,metrics,dpu]'
 n=$(sort -u "$hidden" | wc -l)
 if [ "$n" -gt 0 ]; then
   echo "install: SGLang 0.5.23 is installed --no-deps on purpose (this CPU set-up needs only" \
-       "distro/sglang-cpu-deps.txt); pip's $n 'sglang 0.5.23 requires X, which is not installed'" \
+       "distro/sglang-cpu-*.txt); pip's $n 'sglang 0.5.23 requires X, which is not installed'" \
        "lines are expected and hidden"
 fi
 .venv/bin/python -c "import offload, sglang.srt.mem_cache.hicache_storage" && echo "install: ok"

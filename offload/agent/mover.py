@@ -11,19 +11,15 @@ Primitives:
   its authenticated connection, `proven(name)`; newer metadata under the name is unproven again
   (a renamed copy of another host's metadata names that host's endpoint, which never tells the
   presenter the nonce). `covers(name, descs)`: descriptors lie in memory the peer registered.
-- `Direct(store, arena, agent, count)`: what the zero-copy moves need, handed in by the server.
-  `direct_put(direct, peer, req, todo, ok, deadline)` / `direct_get(...)`: the zero-copy moves
-  for a store with an arena: NIXL READs a PUT's blocks into slots from `reserve_slots` (then
-  `commit_slots` / `abort_slots`), WRITEs a GET's blocks from slots held by `pin_slots` (then
-  `unpin_slots`); each returns the blocks it left to the staging path. Never raise. A transfer
-  still running at its deadline keeps its slots reserved / pinned in the mover's `Quarantine`
-  until NIXL says it is final: no slot is reused while a late transfer could still land in it.
+  `.quarantine`: the memory its transfers past their deadline still hold
+  (`offload.agent.quarantine`), freed for a peer's once NIXL forgot it.
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
   two halves for double buffering (NIXL moves one half while the store reads/writes the other).
   Page alignment lets an O_DIRECT store use it without a bounce buffer.
 - `Arena(mover, base, size)`: a block store's arena (the DRAM tier's slots), registered with NIXL
   lazily in `CHUNK` pieces as blocks are placed in it (RDMA pins registered memory; most of a
   large arena is untouched address space), so NIXL moves blocks straight to/from their slots.
+The zero-copy moves through an `Arena` are `offload.agent.direct`.
 Lifecycle: the server creates one `Mover` at start (only with `--transport ucx`); each connection
 that moves bytes by NIXL gets a `Staging`, closed with the connection.
 """
@@ -34,18 +30,12 @@ import logging
 import mmap
 import os
 import threading
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Sequence
 
 from offload.agent import nixl_util
 from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
 from offload.agent.quarantine import Quarantine
-from offload.store.base import SlotStore
-
-if TYPE_CHECKING:
-    from offload.agent.protocol import Blocks
-    from offload.store.base import Slot
 
 log = logging.getLogger(__name__)
 
@@ -249,102 +239,3 @@ class Staging:
             self._map.close()
         except BufferError:  # a view is still exported somewhere: leave it to the GC
             pass
-
-
-@dataclass(frozen=True)
-class Direct:
-    """What the zero-copy moves need, handed in by the server: the store's slot API, its arena
-    registered with NIXL, the NIXL agent, its quarantine, and the server's counter."""
-    store: SlotStore
-    arena: Arena
-    agent: Any
-    quarantine: Quarantine
-    count: Callable[[str, int], None]
-
-
-def _split(arena: Arena, req: "Blocks", idx: Sequence[int],
-           slots: Sequence["Slot | None"]) -> tuple[list[int], list[int], list, list]:
-    """Blocks with a store slot that NIXL reaches (inside the registered arena) and the rest;
-    returns (direct, rest, local descriptors, remote descriptors)."""
-    direct, rest, local, remote = [], [], [], []
-    for i, s in zip(idx, slots):
-        if s is None:
-            continue
-        if s.view is None:
-            rest.append(i)
-            continue
-        addr, n = nixl_util.region_of(s.view)
-        if n != req.sizes[i] or not arena.covers(addr, n):
-            rest.append(i)
-            continue
-        direct.append(i)
-        for raddr, rn in req.descs[i]:       # type: ignore[index]
-            for la, ra, k in arena.pieces(addr, raddr, rn):
-                local.append((la, k))
-                remote.append((ra, k))
-            addr += rn
-    return direct, rest, local, remote
-
-
-def _move(d: Direct, op: str, local: list, remote: list, peer: str, deadline: float,
-          n: int, release: Callable[[], None]) -> bool:
-    """One transfer for `n` blocks; True if it completed. Its slots are released by `release`
-    (now, or once the transfer is final when it outlives its deadline: quarantined)."""
-    d.quarantine.reap()
-    pending: list[Any] = []
-    good = time.monotonic() < deadline and nixl_util.run_xfer(
-        d.agent, op, local, remote, peer, deadline, on_pending=pending.append)
-    if pending:
-        d.quarantine.hold(pending[0], peer, n, release)
-        d.count("blocks_quarantined", n)
-    elif not good:
-        release()
-    return good
-
-
-def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int],
-               ok: list[bool], deadline: float) -> list[int]:
-    """NIXL READs blocks straight into reserved store slots; returns the blocks left for the
-    staging path (the store has no arena, or gave no slot)."""
-    if not todo or peer is None or d is None:
-        return todo
-    store = d.store
-    slots = store.reserve_slots([req.keys[i] for i in todo], [req.sizes[i] for i in todo])
-    slot_of = {i: s for i, s in zip(todo, slots) if s is not None}
-    direct, rest, local, remote = _split(d.arena, req, todo, slots)
-    if rest:
-        store.abort_slots([slot_of[i] for i in rest])
-    rest += [i for i in todo if i not in slot_of]
-    if direct:
-        mine = [slot_of[i] for i in direct]
-        if _move(d, "READ", local, remote, peer, deadline, len(mine),
-                 lambda: store.abort_slots(mine)):
-            for i, f in zip(direct, store.commit_slots(mine)):
-                ok[i] = f
-            d.count("bytes_nixl_in", sum(req.sizes[i] for i in direct))
-            d.count("blocks_direct_in", len(direct))
-    return sorted(rest)
-
-
-def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool],
-               deadline: float) -> list[int]:
-    """NIXL WRITEs stored blocks straight from their pinned slots; returns the blocks left for
-    the staging path."""
-    if peer is None or d is None:
-        return list(range(len(req.keys)))
-    store = d.store
-    slots = store.pin_slots(req.keys)
-    slot_of = {i: s for i, s in enumerate(slots) if s is not None}
-    direct, rest, local, remote = _split(d.arena, req, range(len(req.keys)), slots)
-    if rest:
-        store.unpin_slots([slot_of[i] for i in rest], [False] * len(rest))
-    if direct:
-        mine = [slot_of[i] for i in direct]
-        if _move(d, "WRITE", local, remote, peer, deadline, len(mine),
-                 lambda: store.unpin_slots(mine, [False] * len(mine))):
-            store.unpin_slots(mine, [True] * len(mine))
-            for i in direct:
-                ok[i] = True
-            d.count("bytes_nixl_out", sum(req.sizes[i] for i in direct))
-            d.count("blocks_direct_out", len(direct))
-    return rest

@@ -34,7 +34,8 @@ from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
 
 if TYPE_CHECKING:
-    from offload.agent.mover import Arena, Direct, Mover
+    from offload.agent.direct import Direct
+    from offload.agent.mover import Arena, Mover
 
 log = logging.getLogger("offload.agent")
 ACCEPT_BACKOFF_S = 0.2
@@ -107,8 +108,8 @@ class AgentServer:
             return self._arena if isinstance(self._arena, Arena) else None
 
     def direct(self) -> "Direct | None":
-        """What the zero-copy moves need (`offload.agent.mover.direct_put/get`), if possible."""
-        from offload.agent.mover import Direct
+        """What the zero-copy moves need (`offload.agent.direct.direct_put/get`), if possible."""
+        from offload.agent.direct import Direct
 
         arena = self.arena()
         if arena is None or self.mover is None or not isinstance(self.store, SlotStore):

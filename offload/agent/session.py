@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from offload.agent import protocol
 from offload.agent.access import AccessError
-from offload.agent.mover import direct_get, direct_put
+from offload.agent.direct import direct_get, direct_put
 from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
 from offload.store.base import durable

@@ -125,13 +125,12 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
     # What SGLang may ask of this backend beyond the base interface; read from the class, before
-    # construction, by the capability gates of patches/0010-0015 (`hicache_capabilities`).
+    # construction, by the capability gates of patches/0010-0014 (`has_capability`).
     HICACHE_CAPABILITIES = frozenset({
         "zero_copy_v1",            # batch_get_v1 / batch_set_v1 by host page index
         "rank_sharded_draft",      # MHA draft pools of an MLA model, written by every TP rank
         "dcp",                     # decode context parallel shards keyed by (dcp rank, size)
         "l3_object_layout",        # describe_l3_object_layout (the L3 layout handshake)
-        "page_envelope",           # a whole host page stored as one object (page-envelope pools)
         "storage_writer",          # decides its own writer ranks (attention-CP shards)
     })
 

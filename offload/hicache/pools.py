@@ -20,7 +20,7 @@ Sharing: MAMBA state is per TP rank; every other pool follows KV's MLA sharing (
 for all ranks of an MLA model, written by the storage writer), except a pool of an MHA host class
 on an MLA model (an EAGLE3 draft on DeepSeek / Kimi: its heads are sharded per rank): per rank
 too, written by every rank (SGLang's controller asks every rank for it with patches/0011, as it
-does for Mooncake). Non-writer MLA ranks really write their per-rank pools. A refusal at attach
+does for Mooncake; refused at attach at TP > 1 by an SGLang without that patch). Non-writer MLA ranks really write their per-rank pools. A refusal at attach
 fails the attach; a pool registered later (a sidecar added at run time) that cannot be stored is
 logged and every call for it is a miss, so nothing raises into SGLang. Nothing is inferred: a
 pool's page is present only if its own block is, and `batch_get_v2` says True only for blocks
@@ -112,6 +112,16 @@ def _per_rank(name: str, host_pool: Any, mla: bool) -> bool:
     return name == MAMBA or (mla and type(host_pool).__name__.startswith("MHA"))
 
 
+def sglang_backs_up_sharded_drafts() -> bool:
+    """Whether the installed SGLang asks every TP rank for a rank-sharded draft pool of a backend
+    declaring `rank_sharded_draft` (patches/0011)."""
+    import inspect
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    return "rank_sharded_draft" in inspect.getsource(HybridCacheController.should_backup)
+
+
 def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageConfig",
                is_writer: bool) -> tuple[Pool, Namespace]:
     """Lay one sidecar pool out (control path). Raises ConfigError naming the pool and family."""
@@ -123,6 +133,12 @@ def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageC
 
     mla = bool(sc.is_mla_model)
     per_rank = _per_rank(name, host_pool, mla)
+    if per_rank and name != MAMBA and sc.tp_size > 1 and not sglang_backs_up_sharded_drafts():
+        raise refuse(f"its pages are sharded across the {sc.tp_size} TP ranks of an MLA model, "
+                     "and this SGLang backs such a pool up only on the MLA writer rank "
+                     "(HybridCacheController.should_backup without patches/0011), so other ranks "
+                     "could never restore it; fix: install sglang-offload's patched SGLang, or "
+                     "run with TP 1 or without the L3 tier")
     layout = str(getattr(host_pool, "layout", ""))
     if layout not in SERVED_LAYOUTS:
         raise refuse(f"host layout {layout!r}; allowed: {', '.join(SERVED_LAYOUTS)}")

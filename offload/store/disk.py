@@ -8,10 +8,10 @@ holds for all of them together.
 Put: skip keys already stored or in flight -> reserve slots in one unsynced transaction (evicting
 least-recently-used blocks past the high watermark, down to the low one; skipping blocks when the
 cap or the file system is full) -> the I/O threads checksum and write each block (header + data,
-O_DIRECT, vectored) -> `put_many` returns (the caller's buffers are free again). The group
-committer (`commit.py`) then fdatasyncs every touched slab and makes all the blocks written since
-its last round visible in one synced transaction: other processes, and a restart after a crash,
-see a block only once it is durable. This process counts its blocks in flight as stored (exists
+O_DIRECT, vectored) -> `put_many` returns (the caller's buffers are free again; `disk_write.py`).
+The group committer (`commit.py`) then fdatasyncs every touched slab and makes all the blocks
+written since its last round visible in one synced transaction: other processes, and a restart
+after a crash, see a block only once it is durable. This process counts its blocks in flight as stored (exists
 says yes, a put skips them) and a get of one waits for its commit (then reads it as any other).
 `flush()` waits for all; `close()` flushes. A crash at any point leaves at most pending slots of a
 dead process, reclaimed on the next open or under pressure; a failed commit frees its slots (or
@@ -42,14 +42,13 @@ from typing import Any, Callable, Sequence
 
 from offload.config import StoreConfig
 from offload.errors import StoreError
-from offload.keys import KEY_BYTES
-from offload.store import cachedir, coalesce, fdcache, slab, slot_format
+from offload.store import cachedir, coalesce, fdcache, slab
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
-from offload.store.commit import BUSY as COMMIT_BUSY
-from offload.store.commit import Batch, Committer
+from offload.store.commit import Committer
 from offload.store.disk_admin import DiskAdmin
 from offload.store.disk_slots import SlotAccess
-from offload.store.index import Allocation, Freed, Index, Location
+from offload.store.disk_write import DiskWrites
+from offload.store.index import Freed, Index, Location
 from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
 from offload.store.owner import owner_token
 from offload.store.recovery import open_index
@@ -59,11 +58,6 @@ log = logging.getLogger(__name__)
 TOUCH_FLUSH_S = 1.0
 PENDING_BYTES = 256 << 20   # written but not yet visible (the group committer's bound)
 INFLIGHT_WAIT_S = 1.0       # a get of a block this process put waits this long for its commit
-
-
-def _skipped(self: "DiskStore", keys: Sequence[bytes], *_: Any) -> list[bool]:
-    self._stats.put_skipped += len(keys)
-    return [False] * len(keys)
 
 
 def _missed(self: "DiskStore", keys: Sequence[bytes], *_: Any) -> list[bool]:
@@ -84,7 +78,7 @@ def fs_free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class DiskStore(SlotAccess, DiskAdmin):
+class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
     def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes,
                  lock_timeout_s: float = LOCK_TIMEOUT_S, max_open_slabs: int = slab.MAX_OPEN,
                  pending_bytes: int = PENDING_BYTES):
@@ -171,131 +165,6 @@ class DiskStore(SlotAccess, DiskAdmin):
                 return [False] * len(keys)
             ks, flying = self._keys, self._commits.in_flight
             return [k in ks or flying(k) for k in keys]
-
-    @never_raises("disk put", _skipped)
-    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        """Write the blocks; True once written (visible once durable: see the module docstring)."""
-        if len(keys) != len(blocks):
-            log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
-            return [False] * len(keys)
-        result = [False] * len(keys)
-        items: list[tuple[bytes, int, int, int]] = []
-        where: dict[bytes, list[int]] = {}
-        bufs_of: dict[bytes, Sequence[Buffer]] = {}
-        with self._lock:
-            if not self._refresh_keys():
-                return _skipped(self, keys)
-            for i, (k, bufs) in enumerate(zip(keys, blocks)):
-                if len(k) != KEY_BYTES:
-                    log.error("put: key of %d bytes (want %d) skipped", len(k), KEY_BYTES)
-                    continue
-                if k in self._keys or self._commits.in_flight(k):
-                    result[i] = True
-                    continue
-                if k not in where:
-                    n = total_len(bufs)
-                    items.append((k, n, slot_format.slot_bytes_for(n), 0))
-                    bufs_of[k] = bufs
-                where.setdefault(k, []).append(i)
-        if not items:
-            return result
-        if not self._commits.room(sum(n for _, n, _, _ in items), DATA_LOCK_TIMEOUT_S):
-            log.warning("put: %d blocks skipped: the index commits fall behind", len(items))
-            self._stats.put_skipped += len(items)
-            return result
-        alloc = self._ix.write(self._allocate(items))
-        if alloc is BUSY:
-            log.warning("put: %d blocks skipped: the index is busy", len(items))
-            self._stats.put_skipped += len(items)
-            return result
-        assert isinstance(alloc, Allocation)
-        for k in alloc.present:
-            for i in where[k]:
-                result[i] = True
-        for k, why in alloc.skipped.items():
-            log.warning("block %s not stored: %s", k.hex()[:16], why)
-            self._stats.put_skipped += 1
-        outcomes = coalesce.write_batch(self._slabs, self._pool, alloc.new,
-                                        [bufs_of[loc.key] for loc in alloc.new], time.time_ns(),
-                                        self.cfg.io_threads, sync=False)
-        batch = Batch([], [])
-        for loc, (err, csum) in zip(alloc.new, outcomes):
-            if err:
-                log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
-                self._stats.put_skipped += 1
-                batch.failed.append(loc)
-            else:
-                batch.locs.append(loc)
-                batch.csums.append(csum)
-                batch.nbytes += loc.length
-                for i in where[loc.key]:
-                    result[i] = True
-        if batch.locs or batch.failed:
-            self._commits.submit(batch)
-        return result
-
-    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
-        """Reserve slots (under the write lock; the key set refreshed)."""
-        def run(index: Index) -> Allocation:
-            alloc = index.allocate(
-                items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
-                free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
-                segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
-                free_slot=self._free_slot, release=self._orphans)
-            self._orphans = []
-            self._stats.evictions += alloc.evicted
-            self._drop_missing(index)
-            return alloc
-        return run
-
-    def _commit(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
-        """The committer's transaction: '' done, COMMIT_BUSY (retried), else why it failed (the
-        slots are then freed, now or by the next reservation)."""
-        def run(index: Index) -> None:
-            index.finish([(loc.key, c) for loc, c in good], free, [], self._free_slot)
-            self._drop_missing(index)
-
-        try:
-            if self._ix.write(run) is BUSY:
-                return COMMIT_BUSY
-            return ""
-        except (sqlite3.Error, OSError) as e:
-            why = f"index commit failed: {e}"
-        mine = [loc for loc, _ in good] + free
-        try:
-            if self._ix.write(lambda index: index.release(mine, self._free_slot)) is not BUSY:
-                return why
-        except (sqlite3.Error, OSError) as e:
-            log.warning("%d pending slots not released yet (%s): the next put frees them",
-                        len(mine), e)
-        with self._ix.wlock:
-            self._orphans += mine
-        return why
-
-    def _committed(self, done: list[Location], lost: list[Location], why: str) -> None:
-        with self._lock:
-            self._keys.update(loc.key for loc in done)
-            self._stats.puts += len(done)
-            self._stats.bytes_written += sum(loc.length for loc in done)
-            self._stats.put_skipped += len(lost)
-        if lost:
-            log.error("%d blocks written but never made visible (%s): they are not stored",
-                      len(lost), why)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every block put so far is durable and visible (or failed, counted). True if
-        all are; False if `timeout` passed first or a block was lost since the last flush."""
-        return self._commits.flush(timeout)
-
-    @never_raises("disk durable", _absent)
-    def durable(self, keys: Sequence[bytes]) -> list[bool]:
-        """Wait until this process's puts of `keys` are committed or lost: per key, whether it is
-        stored durably now (what a server acknowledges to its client: `base.durable`)."""
-        self._commits.wait_for(keys, LOCK_TIMEOUT_S)
-        with self._lock:
-            if not self._refresh_keys():
-                return [False] * len(keys)
-            return [k in self._keys for k in keys]
 
     @never_raises("disk get", _missed)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:

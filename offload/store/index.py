@@ -23,10 +23,10 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from offload.store import cachedir
+from offload.store.index_repair import ROW, checked, drop_bad, retry_tombstones
 from offload.store.index_schema import (
     CHANGES_KEPT,
     COMMITTED,
-    MAX_OFFSET,
     MAX_VARS,
     OP_COMMIT,
     OP_DELETE,
@@ -38,15 +38,11 @@ from offload.store.index_schema import (
     Freed,
     Location,
     Txn,
-    row_problem,
     signed,
-    unsigned,
 )
 from offload.store.owner import owner_alive
 
 log = logging.getLogger(__name__)
-
-_ROW = "key, seg, slot, slot_bytes, length, csum, created"
 
 
 class Index:
@@ -74,7 +70,7 @@ class Index:
             cachedir.fsync_dir(os.path.dirname(os.path.abspath(path)))
         self.ino = os.stat(path).st_ino
         self.tombstones_pending = True   # slots whose hole punch failed: retried on the next free
-        self.dropped: list[tuple[bytes, str]] = []   # rows that failed the range checks
+        self.bad_rows = 0   # rows read back that failed the range checks (each a miss, dropped)
 
     # ---- open-time checks (called under the directory's open lock) ----------------------------
 
@@ -126,39 +122,16 @@ class Index:
         bad: list[tuple[tuple[object, ...], str]] = []
         for i in range(0, len(keys), MAX_VARS):
             chunk = keys[i:i + MAX_VARS]
-            q = (f"SELECT {_ROW} FROM blocks WHERE +state=1 AND "
+            q = (f"SELECT {ROW} FROM blocks WHERE +state=1 AND "
                  f"key IN ({','.join('?' * len(chunk))})")
             for row in self.db.execute(q, chunk):
-                loc = _checked(row, bad)
+                loc = checked(row, bad)
                 if loc is not None:
                     out[loc.key] = loc
         if bad:
-            self._drop_bad(bad)
+            drop_bad(self.db, bad)
+            self.bad_rows += len(bad)
         return out
-
-    def _drop_bad(self, bad: Sequence[tuple[tuple[object, ...], str]]) -> None:
-        """Delete rows that failed the range checks, each exactly as it was read. Their slots are
-        left alone (where the block really is cannot be known from a damaged row); a rebuild finds
-        them again from the slab headers. The used-bytes count is recomputed."""
-        for row, why in bad:
-            log.error("index row of block %s is damaged (%s): a miss, row dropped",
-                      row[0].hex()[:16] if isinstance(row[0], bytes) else repr(row[0])[:40], why)
-        try:
-            with self.txn():
-                for row, _ in bad:
-                    cur = self.db.execute(
-                        "DELETE FROM blocks WHERE key IS ? AND seg IS ? AND slot IS ? AND "
-                        "slot_bytes IS ? AND length IS ? AND csum IS ? AND created IS ?", row)
-                    if cur.rowcount and isinstance(row[0], bytes):
-                        self.db.execute("INSERT INTO changes(key, op) VALUES(?,?)",
-                                        (row[0], OP_DELETE))
-                self.db.execute(
-                    "UPDATE meta SET value=(SELECT coalesce(sum(slot_bytes), 0) FROM blocks WHERE "
-                    "typeof(slot_bytes)='integer' AND slot_bytes BETWEEN 0 AND ?) "
-                    "WHERE name='used'", (MAX_OFFSET,))
-        except sqlite3.Error as e:  # busy or damaged: still a miss, dropped next time
-            log.warning("could not drop %d damaged index rows: %s", len(bad), e)
-        self.dropped += [(r[0] if isinstance(r[0], bytes) else b"", why) for r, why in bad]
 
     def committed_keys(self) -> tuple[int, list[bytes]]:
         """(last change seq, every committed key): one consistent snapshot."""
@@ -288,7 +261,7 @@ class Index:
         slot it could not punch becomes a tombstone, never handed out, retried on a later free."""
         rows = list(rows)
         if self.tombstones_pending:
-            self._retry_tombstones(free_slot)
+            self.tombstones_pending = retry_tombstones(self.db, free_slot)
         freed, stuck = [], []
         for _, seg, slot, sb, _ in rows:
             f = Freed(seg, slot, sb)
@@ -313,21 +286,6 @@ class Index:
                                 ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
             self._add_used(-sum(r[3] for r in rows))
         return freed
-
-    def _retry_tombstones(self, free_slot: Callable[[Freed], None], limit: int = 256) -> None:
-        """Punch slots kept as tombstones again; those that succeed become free slots."""
-        rows = self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones LIMIT ?",
-                               (limit,)).fetchall()
-        self.tombstones_pending = len(rows) == limit
-        for sb, seg, slot in rows:
-            try:
-                free_slot(Freed(seg, slot, sb))
-            except OSError:
-                self.tombstones_pending = True
-                return
-            self.db.execute("DELETE FROM tombstones WHERE slot_bytes=? AND seg=? AND slot=?",
-                            (sb, seg, slot))
-            self.db.execute("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", (sb, seg, slot))
 
     def tombstoned(self) -> list[tuple[int, int, int]]:
         """(slot_bytes, seg, slot) of freed slots whose hole punch has not succeeded yet."""
@@ -486,14 +444,15 @@ class Index:
 
     def committed_after(self, key: bytes, limit: int) -> list[Location]:
         """Up to `limit` committed blocks with keys after `key`, in key order (a paged scan);
-        rows failing the range checks are dropped (listed in `dropped`), never returned."""
+        rows failing the range checks are dropped (counted in `bad_rows`), never returned."""
         while True:
-            rows = self.db.execute(f"SELECT {_ROW} FROM blocks WHERE key > ? AND +state=1 "
+            rows = self.db.execute(f"SELECT {ROW} FROM blocks WHERE key > ? AND +state=1 "
                                    "ORDER BY key LIMIT ?", (key, limit)).fetchall()
             bad: list[tuple[tuple[object, ...], str]] = []
-            out = [loc for loc in (_checked(r, bad) for r in rows) if loc is not None]
+            out = [loc for loc in (checked(r, bad) for r in rows) if loc is not None]
             if bad:
-                self._drop_bad(bad)
+                drop_bad(self.db, bad)
+                self.bad_rows += len(bad)
             if out or len(rows) < limit:
                 return out
             key = rows[-1][0]   # a whole page of damaged rows: go on after it
@@ -517,17 +476,6 @@ class Index:
                 "last_use": row[6], "description": json.loads(desc) if desc else None})
         return {"used_bytes": used, "capacity": cap, "pending": pending,
                 "namespaces": namespaces}
-
-
-def _checked(row: tuple[object, ...], bad: list[tuple[tuple[object, ...], str]]) -> Location | None:
-    """The Location of a (key, seg, slot, slot_bytes, length, csum, created) row read back, or
-    None (the row and why added to `bad`) if it fails the range checks."""
-    why = row_problem(*row)
-    if why:
-        bad.append((row, why))
-        return None
-    k, seg, slot, sb, length, csum, created = row
-    return Location(k, seg, slot, sb, length, unsigned(csum), created)  # type: ignore[arg-type]
 
 
 __all__ = ["Allocation", "Freed", "Index", "Location", "SIDE_FILES"]

@@ -255,7 +255,7 @@ class RedisLink:
             self.timeouts += 1
         kind = ("authentication failed" if isinstance(e, redis.exceptions.AuthenticationError)
                 else type(e).__name__)
-        self.last_error = f"{kind}: {e}"
+        self.last_error = redact.text(f"{kind}: {e}", [self._password or ""])   # logged, exported
         self._down_until = self._clock() + self.cfg.backoff_s
         if not self._was_down:
             log.warning("Redis tier %s failed during %s (%s); serving without it for %.1fs",

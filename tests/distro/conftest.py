@@ -1,6 +1,7 @@
 """Fixtures for the distribution build: the build script (loaded by path), the pinned upstream wheel
-(downloaded once into ~/.cache/sglang-offload/wheels; a failed download fails the tests), the
-patched wheel built from it, and a scratch virtualenv with that wheel installed.
+(downloaded once into ~/.cache/sglang-offload/wheels; a failed download fails the tests), that wheel
+unpacked as is (the unpatched upstream, whatever .venv holds), the patched wheel built from it, and
+a scratch virtualenv with that wheel installed.
 
 The scratch venv is a plain `python -m venv` (no system site-packages) with only the patched wheel
 (`--no-deps`). SGLang's modules need torch and friends to import, which that venv does not have, so
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -38,14 +40,14 @@ def load_script(path: Path, name: str) -> ModuleType:
 PROBES = ["imports", "cache_salt", "offload_backend"]  # offload_backend last: it stubs a module
 
 
-def run_probes(site: Path | None = None) -> dict:
+def run_probes(site: Path | None = None, names: list[str] = PROBES) -> dict:
     """Run tests/distro/run_probes.py with this .venv's Python; `site` first on sys.path if given."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if site is not None:
         env["PYTHONPATH"] = str(site)
     result = subprocess.run(
-        [sys.executable, str(HERE / "run_probes.py"), *PROBES], capture_output=True, text=True,
+        [sys.executable, str(HERE / "run_probes.py"), *names], capture_output=True, text=True,
         env=env, cwd=REPO, timeout=600,
     )
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("PROBE ")]
@@ -57,9 +59,18 @@ def run_probes(site: Path | None = None) -> dict:
 
 
 @pytest.fixture(scope="session")
-def installed_probes() -> dict:
-    """Probe results from the SGLang installed in this .venv (the unpatched upstream wheel)."""
-    return run_probes()
+def upstream_site(pinned_wheel, tmp_path_factory) -> Path:
+    """The pinned upstream wheel unpacked as is: the unpatched SGLang (.venv holds the patched one)."""
+    site = tmp_path_factory.mktemp("upstream")
+    with zipfile.ZipFile(pinned_wheel) as zf:
+        zf.extractall(site, [n for n in zf.namelist() if n.startswith(("sglang/", "sglang-"))])
+    return site
+
+
+@pytest.fixture(scope="session")
+def upstream_probes(upstream_site) -> dict:
+    """Probe results from the unpatched upstream SGLang (not `imports`: a patch adds a module)."""
+    return run_probes(upstream_site, [name for name in PROBES if name != "imports"])
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,18 @@
 """Patch 0001: `--hicache-storage-backend offload` -> offload.hicache.OffloadStorage.
 
-The same probe (tests/distro/probe_offload_backend.py) runs against the installed, unpatched
-SGLang, where every part must be missing, and against the patched wheel, where SGLang's own
-argument parser accepts the name, StorageBackendFactory builds our class like a `dynamic` backend
-(`cls(storage_config, kwargs)`), and HiCacheController.attach_storage_backend gives it the
-interface_v1 page functions.
+The same probe (tests/distro/probe_offload_backend.py) runs against the unpatched upstream
+SGLang (the pinned wheel unpacked as is), where every part must be missing, and against the
+patched wheel, where SGLang's own argument parser accepts the name, StorageBackendFactory builds
+our class like a `dynamic` backend (`cls(storage_config, kwargs)`), and
+HiCacheController.attach_storage_backend gives it the interface_v1 page functions.
 """
 
 from __future__ import annotations
 
 
-def test_unpatched_sglang_has_no_offload_backend_name(installed_probes):
-    result = installed_probes["offload_backend"]
-    assert "/.venv/" in result["sglang_file"]
+def test_unpatched_sglang_has_no_offload_backend_name(upstream_probes, upstream_site):
+    result = upstream_probes["offload_backend"]
+    assert result["sglang_file"].startswith(str(upstream_site))
     assert result["cli_accepts"] is False
     assert result["registry"] is None
     assert "Unknown storage backend 'offload'" in result["created"]["error"]

@@ -98,7 +98,7 @@ def wait_metric(server: LaunchedServer, name: str, label: str, at_least: float,
 
 def deployment(path: Path, model: Path, port: int, store: Path, **offload: Any) -> Path:
     doc = {"sglang": {"model-path": str(model), "device": "cpu", "page-size": PAGE,
-                      "context-length": 16384, "max-total-tokens": 32768, "hicache-size": 1,
+                      "context-length": 16384, "max-total-tokens": 32768, "hicache-ratio": 4,
                       "enable-metrics": True, "enable-cache-report": True,
                       "host": "127.0.0.1", "port": port, "log-level": "info"},
            "offload": {"store": {"path": str(store), "capacity": "1GiB", "min_free": "256MiB",

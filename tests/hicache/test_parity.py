@@ -169,6 +169,16 @@ def test_sglang_backs_the_draft_up_on_every_rank_for_us(tmp_path):
     assert not HybridCacheController.should_backup(ctrl, PT(name=PN.DRAFT))
 
 
+def test_an_sglang_without_the_draft_patch_is_refused_at_attach(tmp_path, monkeypatch):
+    """Stock SGLang never asks rank 1 for the draft: fail closed instead of a dead tier."""
+    from offload.hicache import pools
+
+    assert pools.sglang_backs_up_sharded_drafts()            # the patched wheel in .venv
+    monkeypatch.setattr(pools, "sglang_backs_up_sharded_drafts", lambda: False)
+    with pytest.raises(ConfigError, match=r"pool 'draft' \(MHATokenToKVPoolHost\).*patches/0011"):
+        _draft_rank(hp.extra(str(tmp_path)), 1, seed=None)
+
+
 def test_a_late_sidecar_that_cannot_be_stored_is_a_miss_not_an_error(tmp_path, caplog):
     b, anchor, draft = _draft_rank(hp.extra(str(tmp_path)), 0, seed=None)
     odd = pf._mha(1, "page_first")
@@ -240,6 +250,26 @@ def test_decode_context_parallel_shards_round_trip(tmp_path):
     finally:
         for b, _ in dst:
             b.close()
+
+
+def test_sglangs_controller_attaches_us_under_dcp(tmp_path):
+    """HiCacheController.attach_storage_backend with attn_dcp_size 2 (refused for any backend
+    but file and Mooncake without patches/0012)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from tests.hicache import controller_harness as ch
+
+    ch.init_runtime()
+    dcp = dict(attn_dcp_size=2, attn_dcp_rank=0, tp_size=2, tp_rank=0, attn_tp_size=2,
+               attn_tp_rank=0, moe_tp_size=2, moe_tp_rank=0)
+    with get_parallel().override(**dcp):
+        ctrl = ch.make_controller(hp.device_pool(mla=True), ps.mla_dcp_pool(0),
+                                  hp.extra(str(tmp_path / "kv")))
+    try:
+        assert ctrl.storage_config.dcp_size == 2
+        assert ";dcp=0/2;" in ctrl.storage_backend.namespace.extra
+    finally:
+        ctrl.detach_storage_backend()
 
 
 CP_CASES = [  # (tp_rank, tp_size, cp_rank, cp_size, dp_attention, writer)
@@ -314,7 +344,8 @@ def test_dp_attention_groups_export_metrics_on_distinct_ports(tmp_path):
     ports = []
     for group in (0, 1):
         with get_parallel().override(tp_size=2, tp_rank=group, pp_rank=0, attn_dp_size=2,
-                                     attn_dp_rank=group, attn_tp_size=1, attn_tp_rank=0):
+                                     attn_dp_rank=group, attn_tp_size=1, attn_tp_rank=0,
+                                     moe_tp_size=2, moe_tp_rank=group):
             pool = hp.host_pool(hp.device_pool(), "page_first", 8)
             b = ps.attach(ps.storage_config(extra, dp_rank=group), pool)
         ports.append(b.metrics_port)

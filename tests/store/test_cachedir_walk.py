@@ -32,12 +32,13 @@ def shared_tmp() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def as_nobody(*argv: str) -> None:
+def as_nobody(*argv: str, ok: bool = True) -> subprocess.CompletedProcess:
     if os.geteuid() != 0 or SETPRIV is None:
         pytest.skip("needs root and setpriv to run a second local user (nobody)")
     r = subprocess.run([SETPRIV, "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
                         *argv], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 or not ok, r.stderr
+    return r
 
 
 def mode(path) -> int:
@@ -106,3 +107,18 @@ def test_a_cache_path_through_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match=r"not a directory"):
         cachedir.prepare(str(tmp_path / "file" / "cache"))
+
+
+def test_another_user_can_neither_hard_link_nor_plant_links_in_the_cache_directory(shared_tmp):
+    path = os.path.join(shared_tmp, "cache")
+    with open_store(path) as s:
+        assert s.put_many([key(1)], [[data(key(1), 4096)]]) == [True]
+        s.flush()
+        (slab,) = [n for n in os.listdir(path) if n.endswith(".slab")]
+        for argv in (["ln", os.path.join(path, slab), os.path.join(shared_tmp, "stolen")],
+                     ["ln", "-s", "/etc", os.path.join(path, "seg-000099-8192.slab")],
+                     ["mv", path, os.path.join(shared_tmp, "moved")]):
+            r = as_nobody(*argv, ok=False)
+            assert r.returncode != 0 and ("Permission denied" in r.stderr
+                                          or "not permitted" in r.stderr), r.stderr
+        assert sorted(os.listdir(shared_tmp)) == ["cache"]

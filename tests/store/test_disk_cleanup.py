@@ -16,6 +16,7 @@ from offload.store import slot_format
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
+from tests.store.test_disk_rebuild import damage
 
 SIZE = 16 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
@@ -160,14 +161,6 @@ with open_store(sys.argv[1], segment_size=slot, max_open_slabs=2) as s:
     assert put(s, range(100, 104)) == [True] * 4        # never into a tombstoned slot
 print(json.dumps({"cleared": n, "tombstones": len(tomb)}), flush=True)
 """
-
-
-def damage(d) -> None:
-    for suffix in ("-wal", "-shm"):
-        if os.path.exists(f"{d}/index.db{suffix}"):
-            os.unlink(f"{d}/index.db{suffix}")
-    with open(d / "index.db", "r+b") as f:
-        f.write(os.urandom(4096))
 
 
 def test_failed_hole_punch_under_emfile_never_resurrects_a_deleted_block(tmp_path):

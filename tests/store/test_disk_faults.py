@@ -208,6 +208,24 @@ def test_disk_full_skips_writes_and_keeps_serving(small_fs):
         s.close()
 
 
+def test_disk_full_in_the_middle_of_a_batch_stores_a_prefix_and_keeps_serving(small_fs):
+    """ENOSPC partway through one batch (one vectored write of several slots): the blocks that
+    were written whole are stored, the rest skipped, nothing raised, reads still served."""
+    size = 1 << 20
+    s = DiskStore(_cfg(small_fs, cap=1 << 30), free_bytes=lambda _p: 1 << 40)
+    try:
+        ks = [key(i) for i in range(12)]
+        ok = s.put_many(ks, [[data(k, size)] for k in ks])
+        s.flush()
+        ok = [o and e for o, e in zip(ok, s.exists_many(ks))]
+        assert any(ok) and not all(ok), ok
+        for k, stored in zip(ks, ok):
+            assert get_bytes(s, k, size) == (data(k, size) if stored else None)
+        assert s.stats().put_skipped >= 1
+    finally:
+        s.close()
+
+
 def _cfg(path, cap, min_free=0):
     from offload.config import Size, StoreConfig
 

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from offload.store.base import durable
 from offload.store.index import Index
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store, worker
@@ -129,6 +130,7 @@ def test_put_returns_once_written_and_the_block_is_visible_once_durable(tmp_path
         assert put(s, range(4)) == [True] * 4              # not written twice
         assert s._ix.reader.usage()[1] == used
         gate.open.set()
+        assert durable(s, ks, [True, True, True, False]) == [True, True, True, False]
         assert s.flush()
         assert other.exists_many(ks) == [True] * 4 and exact(other, range(4))
         assert s.stats().puts == 4
@@ -201,7 +203,8 @@ def test_a_failed_commit_frees_its_slots_and_its_keys(tmp_path, monkeypatch, rel
     monkeypatch.setattr(Index, "finish", finish)
     monkeypatch.setattr(Index, "release", release_)
     with open_store(tmp_path) as s:
-        put(s, range(8))
+        ok = put(s, range(8))
+        assert durable(s, [key(i) for i in range(8)], ok) == [False] * 8    # not acknowledged
         assert not s.flush()
         assert s.exists_many([key(i) for i in range(8)]) == [False] * 8  # never appears
         assert s.stats().put_skipped == 8                                 # counted
