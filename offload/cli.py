@@ -84,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
     try:
         parser, args = _parser(argv)
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
-        if args.verbose:         # also when logging was configured before (in-process callers)
-            logging.getLogger("offload").setLevel(logging.DEBUG)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        if args.verbose:         # ours only: a library's debug lines (matplotlib's font search,
+            logging.getLogger("offload").setLevel(logging.DEBUG)   # redis-py's) would bury them
         if not args.command:
             parser.print_help()
             return 2

@@ -72,6 +72,20 @@ def test_stats_text_and_json(tmp_path, capsys):
     assert _capacity(d) == 64 << 20                          # opening kept the directory's cap
 
 
+def test_verbose_stats_and_clear_log_what_they_read_and_do(tmp_path, capsys, caplog):
+    d = tmp_path / "cache"
+    _fill(d, per_ns=2)
+    with caplog.at_level("DEBUG", logger="offload"):
+        assert main(["-v", "cache", "stats", str(d)]) == 0
+        assert main(["-v", "cache", "clear", str(d), "--namespace", NS_A.digest().hex()]) == 0
+    capsys.readouterr()
+    debug = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
+    assert f"read from {d / 'index.db'}" in debug
+    assert "index: 4 blocks" in debug and "2 namespace(s)" in debug
+    assert f"namespace {NS_B.digest().hex()}: 2 blocks" in debug
+    assert f"clearing {NS_A.digest().hex()} of {d} (2 blocks)" in debug
+
+
 def test_stats_hit_rates_from_a_metrics_endpoint(tmp_path, capsys):
     from prometheus_client import CollectorRegistry, start_http_server
 

@@ -301,3 +301,12 @@ def test_v_gives_debug_lines(tmp: Path, caplog: pytest.LogCaptureFixture, argv: 
         logging.getLogger("offload").setLevel(logging.NOTSET)
     assert rc == 0 and needle.format(tmp=tmp) in caplog.text, caplog.text
     assert not list(tmp.glob("sglo-bench-*"))                 # the bench removed what it wrote
+
+
+def test_v_logs_ours_not_every_library_s_debug_lines() -> None:
+    # matplotlib's font search alone was ~150 DEBUG lines of `-v bench ... --plot`
+    code = ("import logging, sys; from offload.cli import main; rc = main(['-v', 'plan']); "
+            "logging.getLogger('some.library').debug('LIBRARY DEBUG'); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "DEBUG offload.cli: plan" in p.stderr and "LIBRARY DEBUG" not in p.stderr, p.stderr

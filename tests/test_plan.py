@@ -258,6 +258,11 @@ def test_tier_capacity_line_and_tier_needed_count_the_same_users(capsys) -> None
     assert "the tier holds 5 users, fewer than the 12 in HBM: offload adds none (uncapped: 15)" \
         in out
     assert "for 12 users" in out
+    assert "; more than --tier-capacity 100.00 GiB, which holds 5" in out
+    # as many users as HBM holds: not "fewer than" (Llama-3.1-8B on an H200: 6 and 6)
+    assert main(["plan", "--gpu", "H200", "--model", "Llama-3.1-8B", "--tier-capacity", "100GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "the tier holds 6 users, no more than the 6 in HBM: offload adds none" in out
     assert main([*argv, "--tier-capacity", "260GiB"]) == 0
     out = capsys.readouterr().out
     assert "caps those served with offload at 13 (uncapped: 15)" in out and "for 13 users" in out

@@ -4,7 +4,9 @@ Primitives: `AgentStore(address, secret, transport=..., timeout_s=..., name=...)
 `AgentStore.from_config(cfg)`, `register_region(buffer)`. `name` is this host's name: with an
 agent keys file (per-host credentials) it must be the host's entry there and `secret` its own
 secret; it must match `protocol.HOST_PATTERN`. This process's NIXL agent is named `name/pid-id`
-(the agent accepts NIXL metadata only under the authenticated host's name).
+(the agent accepts NIXL metadata only under the authenticated host's name, and uses it only once
+each connection proved the endpoint its own: `proof_nonces` collects the nonces the agent sends
+to this NIXL agent, which the connection echoes).
 Register the host KV pool once; then `put_many` / `get_many` on
 buffers inside it send only keys and (address, length) descriptors, and the agent moves the bytes
 itself with NIXL (READ from this host for a put, WRITE into it for a get), so this process copies

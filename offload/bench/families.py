@@ -204,7 +204,8 @@ def bench_family(root: str, family: str, pages: int, layout: str, threads: int
              "class_name": "OffloadStorage", "interface_v1": 1,
              "offload": {"store": {"path": os.path.join(root, "offload"),
                                    "capacity": 2 * total + (1 << 30), "min_free": 0,
-                                   "io_threads": threads}, "transfer": {"path": "cpu"}}}
+                                   "io_threads": threads}, "transfer": {"path": "cpu"},
+                         "worth_it": {"enabled": False}}}      # the tier, not the rule
     ours = StorageBackendFactory.create_backend("dynamic", sc(extra), kv)
     try:
         ours.register_mem_pool_host(kv)

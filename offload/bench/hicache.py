@@ -23,6 +23,7 @@ ratios to the stock backend and to raw; `--check` exits 1 if the project targets
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -34,6 +35,8 @@ from typing import Any
 from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
 from offload.commands import argtypes
+
+log = logging.getLogger("offload.bench")
 
 TOKENS, LAYERS, HEADS, HEAD_DIM = 64, 32, 8, 128
 TARGETS = {"write_vs_stock": 3.0, "read_vs_stock": 1.8, "write_vs_raw": 0.85,
@@ -56,7 +59,6 @@ OPTIONS = (
 
 
 def _quiet_sglang() -> None:
-    import logging
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -142,7 +144,9 @@ def bench_ours(root: str, pool: Any, keys: list[str], threads: int) -> dict[str,
              "offload": {"store": {"path": os.path.join(root, "offload"),
                                    "capacity": 2 * total + (1 << 30), "min_free": 0,
                                    "io_threads": threads},
-                         "transfer": {"path": "cpu"}}}
+                         "transfer": {"path": "cpu"},
+                         # the bench measures the tier, not when loading beats prefill
+                         "worth_it": {"enabled": False}}}
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
     backend.register_mem_pool_host(pool)
     batches = _batches(len(keys))
@@ -250,13 +254,19 @@ def run(args: Args) -> Outcome:
                                    f"{HEAD_DIM} x bf16 x K,V"}
     try:
         fill_random(pool)
+        log.debug("bench hicache: %d pages of %d bytes in %s, layout %s", args.pages, page_bytes,
+                  root, args.layout)
         raw_w, raw_r = raw_bandwidth(root, total)
         out["raw"] = {"write_gbps": raw_w, "read_gbps": raw_r}
+        log.debug("bench hicache: raw disk %s", out["raw"])
         out["stock_file"] = bench_stock(root, pool, keys)
+        log.debug("bench hicache: stock file backend %s", out["stock_file"])
         shutil.rmtree(os.path.join(root, "stock"), ignore_errors=True)
         out["offload"] = bench_ours(root, pool, keys, args.threads)
+        log.debug("bench hicache: offload backend %s", out["offload"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        log.debug("bench hicache: removed %s", root)
     ours, stock = out["offload"], out["stock_file"]
     out["ratios"] = {
         "write_vs_stock": ours["write_gbps"] / stock["write_gbps"],

@@ -36,7 +36,7 @@ from offload.errors import ConfigError, StoreError, UsageError
 
 OPTIONS = (
     Option(("--url",), "Redis to measure, redis://HOST:PORT[/DB] (default: start a private "
-           "redis-server); what the benchmark writes there is deleted at the end"),
+           "redis-server); what the benchmark writes there is deleted at the end", metavar="URL"),
     Option(("--sizes",), "block sizes, comma-separated", "1MiB,4MiB,8MiB", argtypes.size_list),
     Option(("--total",), "bytes written per size and round", "256MiB", argtypes.size),
     Option(("--batch",), "blocks per pipelined batch", 8, argtypes.count),
@@ -44,7 +44,7 @@ OPTIONS = (
     Option(("--min-ratio",), "exit 1 if ours/raw at 4MiB (set or get) is below this (the "
            "missed ratios are named)", None, argtypes.positive),
     Option(("--secret-file",), "measure authenticated values (GMAC) under this redis.secret_file "
-           "(default: unauthenticated, key-bound XXH3 values)"),
+           "(default: unauthenticated, key-bound XXH3 values)", metavar="FILE"),
     Option(("--json",), "print the results as JSON", flag=True),
 )
 log = logging.getLogger("offload.bench")

@@ -6,7 +6,7 @@ after a restart on the same store, L1/L2 empty - sent a third time (an L3 hit fr
 store). Each reply's cached tokens and its greedy output (which must equal the cold one) are
 recorded, and the store's blocks and bytes. Ratios are to the cold prefill measured in the same
 run. The server: started from `--config FILE` through `sglang-offload launch` (a free loopback
-port and a private store under `--dir`, removed at the end; `--keep` keeps it), or one already
+port and a private store under `--dir`, removed at the end), or one already
 running at `--url` (no restart there: cold and L1/L2 only; fresh prompts make the cold row cold).
 
 Note, printed with the result: SGLang's `torch_native` attention (the CPU backend) recomputes
@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from offload.bench.common import JSON, Args, Option, Outcome
+from offload.bench.common import JSON, Args, Option, Outcome, scratch
 from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
@@ -59,7 +57,6 @@ OPTIONS = (
     Option(("--start-timeout",), "seconds a server start may take", 600.0, positive),
     Option(("--phases",), "which to measure", "cold,l1l2,l3", names("cold", "l1l2", "l3")),
     Option(("--seed",), "seed of the prompts' token ids", 0, int),
-    Option(("--keep",), "keep the store and the server logs", flag=True),
     JSON,
 )
 
@@ -114,16 +111,10 @@ def run(args: Args) -> Outcome:
         phases.discard("l3")
     phases.add("cold")
     seed = args.seed if args.seed else int(time.time())    # fresh prompts: the cold row is cold
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=args.dir))
     result: dict[str, Any] = {"lengths": lengths, "max_new_tokens": args.max_new_tokens,
                               "rows": {str(n): {} for n in lengths}, "seed": seed}
-    try:
-        _measure(args, work, lengths, phases, seed, result)
-    finally:
-        if args.keep:
-            print(f"kept: {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    with scratch(args.dir, "bench-serve-") as work:       # the store, the config, the logs
+        _measure(args, Path(work), lengths, phases, seed, result)
     _print(result)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -85,7 +85,8 @@ def open_store(directory: str) -> Any:
     from offload.store.disk import DiskStore
 
     cap = stored_capacity(directory)
-    log.debug("opening %s (capacity %s from its index)", directory, format_size(cap))
+    log.debug("opening %s (capacity %s read from %s)", directory, format_size(cap),
+              os.path.join(directory, INDEX))
     return DiskStore(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
 
 
@@ -103,6 +104,7 @@ def hit_rates(url: str) -> dict[str, dict[str, float]]:
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read(64 << 20).decode("utf-8", "replace")
+            log.debug("%s: HTTP %s, %d bytes", url, r.status, len(text))
     except (OSError, ValueError) as e:
         raise RunError(f"--metrics-url {url}: {e}") from None
     try:
@@ -122,6 +124,8 @@ def hit_rates(url: str) -> dict[str, dict[str, float]]:
     for c in counts.values():
         total = c["hits"] + c["misses"]
         c["hit_rate"] = c["hits"] / total if total else 0.0
+    log.debug("%d metric families; offload hit counters for tier(s): %s", len(families),
+              ", ".join(sorted(counts)) or "none")
     return counts
 
 
@@ -156,6 +160,11 @@ def _stats(args: argparse.Namespace) -> int:
     finally:
         store.close()
     nss = summary["namespaces"]
+    log.debug("index: %d blocks, %d bytes used, %d being written, %d namespace(s)", st.blocks,
+              summary["used_bytes"], summary["pending"], len(nss))
+    for n in nss:
+        log.debug("namespace %s: %d blocks, %d data bytes, %s", n["digest"], n["blocks"],
+                  n["data_bytes"], "described" if n["description"] else "not described")
     out: dict[str, Any] = {
         "dir": os.path.abspath(args.dir), "blocks": st.blocks,
         "data_bytes": sum(n["data_bytes"] for n in nss), "used_bytes": summary["used_bytes"],
@@ -201,6 +210,7 @@ def _verify(args: argparse.Namespace) -> int:
     store = open_store(args.dir)
     try:
         total = store.stats().blocks
+        log.debug("verifying %d blocks of %s", total, args.dir)
         with tqdm(total=total, desc="verify", unit="block", file=sys.stderr) as bar:
             checked, bad = store.verify(bar.update)
     finally:
@@ -224,6 +234,7 @@ def _evict(args: argparse.Namespace) -> int:
     store = open_store(args.dir)
     try:
         before = store.stats().bytes_used
+        log.debug("%s: %d bytes used, evicting down to %d", args.dir, before, target)
         n = store.evict_to(target)
         after = store.stats().bytes_used
     finally:
@@ -252,6 +263,8 @@ def _clear(args: argparse.Namespace) -> int:
         if digest is None and not args.yes and not _confirm(args.dir, store.stats().blocks):
             raise UsageError("cache clear --all: not confirmed; nothing deleted (pass --yes to "
                              "clear without the question)")
+        log.debug("clearing %s of %s (%d blocks)", digest.hex() if digest else "every namespace",
+                  args.dir, held[digest.hex()] if digest else sum(held.values()))
         n = store.clear(digest)
     finally:
         store.close()

@@ -36,25 +36,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="parameter count (70.6B, 70553706496); default: the preset's, "
                    "or estimated from config.json")
     p.add_argument("--gpu", default="B200", help=f"GPU preset ({', '.join(GPUS)}; default B200)")
-    p.add_argument("--gpu-mem", help="memory per GPU, overriding the preset (96GiB, 80GB)")
+    p.add_argument("--gpu-mem", metavar="SIZE", help="memory per GPU, overriding the preset (96GiB, 80GB)")
     p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
                    help="share of GPU memory for weights + KV (SGLang --mem-fraction-static; "
                    "default %(default)s)")
     p.add_argument("--kv-dtype", default="bf16", help="bf16, fp16 or fp8 (default %(default)s)")
     p.add_argument("--weight-dtype", default="bf16",
                    help="bf16, fp16, fp8, int8 or int4 (default %(default)s)")
-    p.add_argument("--context", default="128K", help="tokens per user: 131072 or 128K (x1024)")
+    p.add_argument("--context", default="128K", metavar="TOKENS",
+                   help="tokens per user: 131072 or 128K (x1024) (default %(default)s)")
     p.add_argument("--tp", type=arg(count), default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--gpus", type=arg(count), help="number of GPUs (default: --tp, one replica)")
     p.add_argument("--active-fraction", type=float, default=DEFAULT_ACTIVE_FRACTION,
                    help="share of users whose KV must be resident at once (default %(default)s)")
-    p.add_argument("--tier-capacity", help="NVMe / Redis capacity for the whole deployment "
+    p.add_argument("--tier-capacity", metavar="SIZE", help="NVMe / Redis capacity for the whole deployment "
                    "(e.g. 3.84TB); caps the users served with offload")
     p.add_argument("--users", type=arg(natural), help="target users for sizing the tier "
                    "(default: the users served with offload)")
     p.add_argument("--hit-rate", type=float, default=1.0,
                    help="share of returning users whose KV must be kept (default 1.0)")
-    p.add_argument("--prefix-tokens", help="cached prefix length for load vs prefill "
+    p.add_argument("--prefix-tokens", metavar="TOKENS", help="cached prefix length for load vs prefill "
                    "(default: --context)")
     p.add_argument("--read-gbps", type=arg(positive), default=DEFAULT_READ_GBPS,
                    help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 "

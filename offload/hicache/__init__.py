@@ -1,9 +1,11 @@
 """What SGLang loads: the HiCache L3 backend and what it needs.
 
 `backend` (`OffloadStorage`, SGLang's `HiCacheStorage` over a block store), `pools` (its v2 sidecar
-pools: draft, indexer, Mamba, SWA, DeepSeek-V4), `layout` (host-pool page -> buffers), `page_io`
-(pages <-> the store), `worth_it` (load-or-recompute rule), `contract` (backend name, module, class
-and extra-config keys; imports no SGLang). `offload.hicache:OffloadStorage` is the name users'
+pools: draft, indexer, Mamba, SWA, DeepSeek-V4), `legacy` (its copying interface), `keying` (which
+blocks hold a rank's pages: namespaces, head groups, writers), `l3_layout` (SGLang's L3 layout
+handshake), `layout` (host-pool page -> buffers), `page_io` (pages <-> the store), `worth_it`
+(load-or-recompute rule), `contract` (backend name, module, class and extra-config keys; imports
+no SGLang). `offload.hicache:OffloadStorage` is the name users'
 configs, `launch` and patches/ give SGLang: it resolves lazily, so importing `offload.hicache.contract`
 does not import SGLang.
 """

@@ -8,18 +8,23 @@ SGLang loads it through its `dynamic` storage backend:
 
 Lifecycle: SGLang constructs `OffloadStorage(storage_config, kwargs)` in each scheduler process
 (settings are validated here; a bad one raises `ConfigError` naming it), then calls
-`register_mem_pool_host(host_pool)`, which fixes the block namespace (model, ranks, MLA, dtype,
-layout, page size, salt) and the page map (`offload.hicache.layout`); hybrid stacks then register
+`register_mem_pool_host(host_pool)`, which fixes the key plan (`offload.hicache.keying`: the
+namespaces of model, ranks or head groups, MLA, dtype, layout, page size, salt) and the page map
+(`offload.hicache.layout`); a layout we cannot map is refused there. Hybrid stacks then register
 their sidecar pools (`register_mem_host_pool_v2`, the v2 interface in `offload.hicache.pools`;
 DeepSeek-V4's anchor holds no bytes: a "logical anchor"). Then, from its storage
 threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages moved straight
 between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
-(flat page tensors). `close` closes the store.
+(flat page tensors, `offload.hicache.legacy`). `clear` deletes every namespace of the rank;
+`describe_l3_object_layout` answers SGLang's L3 layout handshake (`offload.hicache.l3_layout`).
+`close` closes the store. `HICACHE_CAPABILITIES` tells SGLang (patches/0010-0014) what it may
+ask beyond the base interface, as it grants Mooncake by name.
 
 Data path: every call returns per-page success; nothing raises into SGLang. A failed or corrupt
 read is a miss (the store verifies checksums). MLA: every TP rank reads one shared namespace and
-only the storage writer (rank 0) writes. The store is opened by `_open_store(cfg)`, the one place
-to swap in another tier (tests inject a `MemoryStore`).
+only the storage writer writes (attention-TP rank == DCP rank of every attention-CP shard). The
+store is opened by `_open_store(cfg)`, the one place to swap in another tier (tests inject a
+`MemoryStore`).
 
 Metrics (`offload.metrics`, unless `offload.metrics.enabled: false`): load/store latency, the
 path, the worth-it decisions, and per-tier counters read from the store's stats by a watcher

@@ -20,11 +20,11 @@ Sharing: MAMBA state is per TP rank; every other pool follows KV's MLA sharing (
 for all ranks of an MLA model, written by the storage writer), except a pool of an MHA host class
 on an MLA model (an EAGLE3 draft on DeepSeek / Kimi: its heads are sharded per rank): per rank
 too, written by every rank (SGLang's controller asks every rank for it with patches/0011, as it
-does for Mooncake; refused at attach at TP > 1 by an SGLang without that patch). Non-writer MLA ranks really write their per-rank pools. A refusal at attach
-fails the attach; a pool registered later (a sidecar added at run time) that cannot be stored is
-logged and every call for it is a miss, so nothing raises into SGLang. Nothing is inferred: a
-pool's page is present only if its own block is, and `batch_get_v2` says True only for blocks
-fully read and checksum-verified.
+does for Mooncake; refused at attach at TP > 1 by an SGLang without that patch). Non-writer MLA
+ranks really write their per-rank pools. A refusal at attach fails the attach; a pool registered
+later (a sidecar added at run time) that cannot be stored is logged and every call for it is a
+miss, so nothing raises into SGLang. Nothing is inferred: a pool's page is present only if its
+own block is, and `batch_get_v2` says True only for blocks fully read and checksum-verified.
 """
 
 from __future__ import annotations

@@ -10,13 +10,16 @@ Primitive: `detect(cfg, root="/", cache_dir=None, live=None, env=None, python=No
 - `python`: the interpreter that will run SGLang (default this one); its Python side of every
   path (pyside.py) is asked under any root, since it is a fact of that interpreter.
 Nothing here imports a native library; only `live` functions load one, and only if present.
+With debug logging (`sglang-offload -v detect`) every fact is logged with where it was read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 from offload.config import OffloadConfig
 from offload.hw.dpu import probe_cards, probe_doca, probe_platform
@@ -29,6 +32,26 @@ from offload.hw.pci import PciDevice, pcie_distance, scan
 from offload.hw.pyside import probe_python
 from offload.hw.rdma import probe_peermem, probe_rdma
 from offload.hw.storage import probe_cache_dir, probe_nvme
+
+log = logging.getLogger("offload.hw.detect")
+
+
+def _sourced(name: str, value: Any) -> Iterator[tuple[str, str, str]]:
+    """(fact, source, reason) of every record under `value` that says where it was read."""
+    if isinstance(value, tuple):
+        for i, item in enumerate(value):
+            yield from _sourced(f"{name}[{i}]", item)
+    elif dataclasses.is_dataclass(value) and hasattr(value, "source"):
+        yield name, str(getattr(value, "source")), str(getattr(value, "reason", ""))
+
+
+def log_facts(facts: Facts) -> None:
+    """One debug line per fact: what it says and where it was read (a machine path, nvml, ...)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    for field in dataclasses.fields(facts):
+        for name, source, reason in _sourced(field.name, getattr(facts, field.name)):
+            log.debug("%s: %s (source: %s)", name, reason, source)
 
 
 def _distances(gpus: tuple[Gpu, ...], pci: dict[str, PciDevice],
@@ -68,7 +91,10 @@ def detect(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
         live = Live.default() if r.live else Live.offline()
     if env is None:
         env = os.environ if r.live else {}
+    log.debug("reading the machine under %s (%s)", r.path,
+              "live: NVML, libcufile, tools, agent connection" if r.live else "fixture root: no live probe")
     pci = scan(r)
+    log.debug("pci: %d device(s) under %s", len(pci), r.host("/sys/bus/pci/devices"))
     platform = probe_platform(r, pci, live)
     gpu_probe, gpus = probe_gpus(r, pci, live)
     rdma = probe_rdma(r)
@@ -77,10 +103,12 @@ def detect(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
     targets = [(c.functions[0] if c.functions else c.bdf,
                 "dpu" if c.kind == "bluefield" else "nic", c.model) for c in cards]
     targets += [(n.bdf, "nvme", n.name) for n in nvme if n.bdf]
-    return Facts(
+    facts = Facts(
         root=r.path, live=r.live, platform=platform, gpu_probe=gpu_probe, gpus=gpus,
         nics=cards, rdma=rdma, doca=probe_doca(r, live), gpudirect_rdma=probe_peermem(r),
         gds=probe_gds(r, live, env), nvme=nvme,
         cache_dir=probe_cache_dir(r, cache_dir or cfg.store.path),
         distances=_distances(gpus, pci, targets), agent=_agent(cfg, live),
         python=probe_python(live, python or sys.executable, cfg.agent.transport))
+    log_facts(facts)
+    return facts

@@ -24,6 +24,7 @@ Each native library is loaded only inside these functions, and only if it is pre
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 NOT_CHECKED = "not checked"
+log = logging.getLogger("offload.hw.live")
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,14 @@ def load_cufile() -> tuple[bool, str]:
 def run_command(argv: Sequence[str], timeout: float = 10.0) -> CommandResult | None:
     """Run a tool; None when it is not installed. Never raises."""
     if shutil.which(argv[0]) is None:
+        log.debug("run %s: not installed", argv[0])
         return None
     try:
         p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError) as e:
+        log.debug("run %s: %s", " ".join(argv), e)
         return CommandResult(-1, "", str(e))
+    log.debug("run %s: exit %d", " ".join(argv), p.returncode)
     return CommandResult(p.returncode, p.stdout, p.stderr)
 
 
@@ -161,8 +166,10 @@ def connect(address: str, timeout: float = 2.0) -> tuple[bool, str]:
     try:
         host, port = split_address(address)
         with socket.create_connection((host, port), timeout=timeout):
+            log.debug("connect %s: accepted", address)
             return True, f"agent {address} accepted a TCP connection"
     except (OSError, ValueError) as e:
+        log.debug("connect %s: %s", address, e)
         return False, f"agent {address} is not reachable: {e}"
 
 
@@ -230,6 +237,7 @@ class PythonReport:
 
 def python_query(executable: str, timeout: float = 30.0) -> PythonReport:
     """Ask `executable` what it can import (find_spec + metadata only). Never raises."""
+    log.debug("asking %s -c <probe> which of %s it can import", executable, ", ".join(PYTHON_MODULES))
     try:
         p = subprocess.run([executable, "-c", PYTHON_PROBE, json.dumps(PYTHON_MODULES)],
                            capture_output=True, text=True, timeout=timeout)

@@ -6,13 +6,16 @@ Primitives:
 - `path_python(report, path, transport="ucx") -> PathPython`: gds needs kvikio built for torch's
   CUDA major (`kvikio-cu13` with a CUDA 13 torch); dpu needs msgspec, and over ucx NIXL with the
   backend for torch's CUDA major; redis needs redis-py; metrics prometheus-client. A missing part
-  names the `pip install` that adds it, run by that interpreter.
+  names the `pip install` that adds it, run by that interpreter: the extra of this project,
+  installed from its checkout as docs/install.md does (`EXE -m pip install -e 'CHECKOUT[dpu]'`).
 - `extra_for_cuda(cuda)`: the gds extra for a CUDA version (`gds-cu13`, `gds-cu12`).
 Pure, apart from `live.python`.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 
 from offload.hw.facts import PathPython, PythonSide
@@ -39,8 +42,20 @@ def _mod(report: PythonReport, name: str) -> tuple[bool, str]:
     return False, name
 
 
+@functools.cache
+def checkout() -> str:
+    """The sglang-offload checkout this package was installed from (editable), else a placeholder."""
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return top if os.path.isfile(os.path.join(top, "pyproject.toml")) else "<sglang-offload checkout>"
+
+
 def _pip(report: PythonReport, what: str) -> str:
     return f"{report.executable} -m pip install {what}"
+
+
+def _extra(report: PythonReport, extra: str) -> str:
+    """The install of one of this project's extras, from its checkout (docs/install.md)."""
+    return _pip(report, f"-e '{checkout()}[{extra}]'")
 
 
 def _torch(report: PythonReport) -> str:
@@ -63,20 +78,20 @@ def path_python(report: PythonReport, path: str, transport: str = "ucx") -> Path
         ok, what = _mod(report, "kvikio")
         if not ok:
             return PathPython(path, False, f"kvikio is not importable by {exe}; "
-                              f"{_torch(report)}", _pip(report, f"'sglang-offload[{extra}]'"))
+                              f"{_torch(report)}", _extra(report, extra))
         m = re.search(r"-cu(\d+)$", what.split()[0])
         built = int(m.group(1)) if m else None
         if built is not None and torch_major is not None and built != torch_major:
             return PathPython(path, False, f"{what} is built for CUDA {built} but torch for CUDA "
                               f"{report.torch_cuda} ({exe})",
                               f"{exe} -m pip uninstall -y kvikio-cu{built} libkvikio-cu{built} && "
-                              + _pip(report, f"'sglang-offload[{extra}]'"))
+                              + _extra(report, extra))
         if built is None or torch_major is None:
             return PathPython(path, True, f"{what} importable; CUDA major not compared "
                               f"({_torch(report)})", "")
         return PathPython(path, True, f"{what} for CUDA {built}, as {_torch(report)}", "")
     if path == "dpu":
-        fix = _pip(report, "'sglang-offload[dpu]'")
+        fix = _extra(report, "dpu")
         ok, what = _mod(report, "msgspec")
         if not ok:
             return PathPython(path, False, f"msgspec is not importable by {exe}", fix)
@@ -99,7 +114,7 @@ def path_python(report: PythonReport, path: str, transport: str = "ucx") -> Path
     ok, what = _mod(report, module)
     if not ok:
         return PathPython(path, False, f"{module} is not importable by {exe}",
-                          _pip(report, f"'sglang-offload[{extra}]'"))
+                          _extra(report, extra))
     return PathPython(path, True, f"{what} importable", "")
 
 

@@ -289,10 +289,19 @@ def _cap_note(plan: Plan) -> str:
     if u.with_offload >= u.with_offload_uncapped:
         return f"the tier holds {held} users: not a limit"
     if u.with_offload <= u.resident:
-        return (f"the tier holds {held} users, fewer than the {u.resident} in HBM: offload adds "
+        than = "fewer than" if held < u.resident else "no more than"
+        return (f"the tier holds {held} users, {than} the {u.resident} in HBM: offload adds "
                 f"none (uncapped: {u.with_offload_uncapped})")
     return (f"the tier holds {held} users: caps those served with offload at {u.with_offload} "
             f"(uncapped: {u.with_offload_uncapped})")
+
+
+def _short_note(plan: Plan) -> str:
+    """Said when the tier needed is more than --tier-capacity (HBM users are stored too)."""
+    cap = plan.inputs.get("tier_capacity")
+    if cap is None or plan.tier_bytes_needed <= cap:
+        return ""
+    return f"; more than --tier-capacity {_size(cap)}, which holds {plan.tier_users_capacity}"
 
 
 def format_table(plan: Plan, arch: Architecture) -> str:
@@ -333,7 +342,7 @@ def format_table(plan: Plan, arch: Architecture) -> str:
         "",
         f"  tier needed      {_size(plan.tier_bytes_needed)} of NVMe or Redis for "
         f"{plan.target_users} users at hit rate {i['hit_rate']:g} "
-        f"({_gib(plan.users[0].tier_bytes_per_user)} per user)",
+        f"({_gib(plan.users[0].tier_bytes_per_user)} per user)" + _short_note(plan),
         f"  prefix           {plan.prefix_tokens} tokens = {_gib(plan.prefix_load_bytes)}: load "
         f"{plan.prefix_load_s:.2f} s at {i['read_gbps']:g} GB/s vs prefill "
         f"{plan.prefix_prefill_s:.2f} s -> {verdict}",

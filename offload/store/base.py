@@ -61,7 +61,8 @@ class BlockStore(Protocol):
             keys: 32-byte block keys.
             blocks: for each key, the buffers whose concatenation is the block.
         Returns:
-            One flag per key: True if the block is now stored (durably, for persistent tiers).
+            One flag per key: True if the block is now stored (a persistent tier may make it
+            durable and visible to other processes in the background: see `durable`).
         """
         ...
 

@@ -11,10 +11,11 @@ Primitives: `Committer(sync, commit, done, max_bytes)`: `submit(batch)` (non-blo
 `room(nbytes, timeout)` first: at most `max_bytes` written but not yet visible), `in_flight(key)`
 (this process treats such keys as stored: put skips them, exists counts them), `wait_for(keys,
 timeout)` (a get of a key in flight waits for its commit, then reads it from the index: never
-bytes that are not durable), `flush(timeout)` (everything submitted so far is committed or
-failed), `close(timeout)`. `BUSY`: what `commit` returns while another
-connection holds the index (the round is retried; nothing is lost meanwhile: the slots stay
-pending, owned by this process).
+bytes that are not durable), `cancel(keys)` / `honored(keys)` (a delete of blocks in flight),
+`settle(timeout)` (everything submitted so far is committed or failed), `flush(timeout)` (the
+same, and whether nothing was lost since the last flush), `close(timeout)`. `BUSY`: what
+`commit` returns while another connection holds the index (the round is retried; nothing is lost
+meanwhile: the slots stay pending, owned by this process).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Committer:
         self._keys: dict[bytes, int] = {}   # in flight -> count
         self._submitted = self._finished = 0
         self._lost = False                  # a block lost since the last flush
+        self._cancelled: set[bytes] = set()  # deleted while in flight
+        self._honored: dict[bytes, int] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="offload-commit", daemon=True)
         self._thread.start()
@@ -82,6 +85,17 @@ class Committer:
     def in_flight(self, key: bytes) -> bool:
         return key in self._keys
 
+    def cancel(self, keys: Sequence[bytes]) -> None:
+        """Deleted while in flight: a round that has not committed them yet frees their slots
+        instead (`honored` then counts them)."""
+        with self._cond:
+            self._cancelled.update(k for k in keys if k in self._keys)
+
+    def honored(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` a round dropped on `cancel` (each counted once)."""
+        with self._cond:
+            return sum(self._honored.pop(k, 0) for k in keys)
+
     def wait_for(self, keys: Sequence[bytes], timeout: float) -> bool:
         """Wait (at most `timeout`) until none of `keys` is in flight; False on timeout."""
         end = time.monotonic() + timeout
@@ -96,21 +110,26 @@ class Committer:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is committed (or failed). True if it all is
         durable and visible; False on timeout or if a block was lost since the last flush."""
+        with self._cond:
+            if not self.settle(timeout):
+                return False
+            lost, self._lost = self._lost, False
+        return not lost
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is committed or failed; False on timeout."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._submitted
             while self._finished < target:
                 left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                if not self._thread.is_alive():
+                if (left is not None and left <= 0) or not self._thread.is_alive():
                     return False
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
-            lost, self._lost = self._lost, False
-        return not lost
+        return True
 
     def close(self, timeout: float) -> bool:
-        ok = self.flush(timeout)
+        ok = self.settle(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -140,6 +159,7 @@ class Committer:
                         if n:
                             self._keys[loc.key] = n
                 self._finished += len(batches)
+                self._cancelled.intersection_update(self._keys)
                 self._cond.notify_all()
 
     def _round(self, batches: list[Batch]) -> list[Location]:
@@ -149,6 +169,14 @@ class Committer:
         synced = self._sync(sorted({(loc.seg, loc.slot_bytes) for loc in locs}))
         good = [(loc, c) for loc, c in zip(locs, csums) if synced.get((loc.seg, loc.slot_bytes))]
         unsynced = [loc for loc in locs if not synced.get((loc.seg, loc.slot_bytes))]
+        with self._cond:   # deleted meanwhile: freed, never made visible
+            gone = {loc.key for loc, _ in good} & self._cancelled
+            self._cancelled -= gone
+            for k in gone:
+                self._honored[k] = self._honored.get(k, 0) + 1
+        if gone:
+            free += [loc for loc, _ in good if loc.key in gone]
+            good = [(loc, c) for loc, c in good if loc.key not in gone]
         pause = RETRY_S[0]
         while True:
             why = self._commit(good, free + unsynced)

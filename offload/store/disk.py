@@ -110,7 +110,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
     def _index(self) -> Index:
         """The writer connection, once what was put so far is committed (for tests and `bench
         store`, which peek at the index; the store itself goes through `_ix`)."""
-        self._commits.flush(LOCK_TIMEOUT_S)
+        self._commits.settle(LOCK_TIMEOUT_S)
         return self._ix.writer
 
     # ---- opening ------------------------------------------------------------------------------
@@ -255,15 +255,18 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
 
     @never_raises("disk delete", _nothing)
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        if any(self._commits.in_flight(k) for k in keys):   # else they would appear afterwards
-            self._commits.wait_for(keys, INFLIGHT_WAIT_S)
+        flying = [k for k in keys if self._commits.in_flight(k)]
+        if flying:   # not made visible after all, or deleted once it is
+            self._commits.cancel(flying)
+            self._commits.wait_for(flying, INFLIGHT_WAIT_S)
         n = self._ix.write(lambda index: index.delete(list(keys), self._free_slot))
+        dropped = self._commits.honored(flying) if flying else 0
         if n is BUSY:
             log.warning("delete: the index is busy; %d blocks not deleted", len(keys))
-            return 0
+            return dropped
         with self._lock:
             self._keys.difference_update(keys)
-        return int(n)  # type: ignore[arg-type]
+        return int(n) + dropped  # type: ignore[arg-type]
 
     # ---- control path (the rest: disk_admin.DiskAdmin) ---------------------------------------
 
@@ -271,7 +274,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         return {"local": self.stats()}
 
     def stats(self) -> StoreStats:
-        self._commits.flush(DATA_LOCK_TIMEOUT_S)   # what was put so far, when it can be seen
+        self._commits.settle(DATA_LOCK_TIMEOUT_S)   # what was put so far, when it can be seen
         with self._lock:
             blocks, used, cap = self._ix.reader.usage()
             s = StoreStats(**vars(self._stats))

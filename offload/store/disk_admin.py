@@ -15,6 +15,7 @@ from offload.errors import StoreError
 from offload.keys import NS_BYTES, Namespace
 from offload.store import scrub, slab
 from offload.store.base import StoreStats
+from offload.store.commit import Committer
 from offload.store.index import Freed, Location
 from offload.store.index_access import BUSY, LOCK_TIMEOUT_S, IndexAccess
 
@@ -28,14 +29,12 @@ class DiskAdmin:
     _slabs: slab.SlabFiles
     _pool: Executor
     _stats: StoreStats
+    _commits: Committer
 
     def _free_slot(self, f: Freed) -> None:
         raise NotImplementedError
 
     def _refresh_keys(self) -> bool:
-        raise NotImplementedError
-
-    def flush(self, timeout: float | None = None) -> bool:
         raise NotImplementedError
 
     def register_namespace(self, ns: Namespace) -> None:
@@ -46,7 +45,7 @@ class DiskAdmin:
         """Delete every block, or every block of one namespace digest (16 bytes)."""
         if namespace is not None and len(namespace) != NS_BYTES:
             raise StoreError(f"namespace digest must be {NS_BYTES} bytes")
-        self.flush(LOCK_TIMEOUT_S)
+        self._commits.settle(LOCK_TIMEOUT_S)
         with self._lock:
             self._refresh_keys()
             keys = [k for k in self._keys if namespace is None or k[:NS_BYTES] == namespace]
@@ -57,7 +56,7 @@ class DiskAdmin:
 
     def evict_to(self, used_bytes: int) -> int:
         """Evict least-recently-used blocks until at most `used_bytes` are used."""
-        self.flush(LOCK_TIMEOUT_S)
+        self._commits.settle(LOCK_TIMEOUT_S)
         n = self._ix.write(lambda index: index.evict_to(used_bytes, self._free_slot), control=True)
         with self._lock:
             self._seq = -1  # reload the key set on next use
@@ -66,7 +65,7 @@ class DiskAdmin:
 
     def summary(self) -> dict[str, object]:
         """Blocks, bytes and age per namespace (with descriptions): `cache stats`."""
-        self.flush(LOCK_TIMEOUT_S)
+        self._commits.settle(LOCK_TIMEOUT_S)
         with self._lock:
             return self._ix.reader.summary()
 

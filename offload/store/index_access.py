@@ -93,6 +93,8 @@ class IndexAccess:
         """fn(writer) under `wlock` (see the module docstring); BUSY past the deadline."""
         deadline = LOCK_TIMEOUT_S if control else wait
         if not self.wlock.acquire(timeout=deadline):
+            if not deadline:   # an opportunistic write (last use times): not a busy index
+                return BUSY
             return self._busy(control, "another thread of this process")
         try:
             if control:

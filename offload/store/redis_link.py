@@ -16,6 +16,7 @@ redis-py is imported inside the functions that need it, never at import of `offl
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,11 +82,14 @@ def parse_url(url: str) -> RedisTarget:
     for hp in netloc.split(","):
         host, port = hp, "6379"
         if hp.startswith("["):                       # [ipv6]:port
-            host, _, tail = hp[1:].partition("]")
-            port = tail[1:] if tail.startswith(":") else "6379"
-        elif ":" in hp:
-            host, _, port = hp.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            host, bracket, tail = hp[1:].partition("]")
+            port = tail[1:] if tail.startswith(":") else "6379" if bracket and not tail else ""
+            ok_host = bool(re.fullmatch(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?", host))
+        else:
+            if ":" in hp:
+                host, _, port = hp.rpartition(":")
+            ok_host = bool(re.fullmatch(r"[A-Za-z0-9_.-]+", host))   # a name or IPv4; IPv6 in []
+        if not ok_host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError([f"offload.redis.url: {_part(hp, url, 'a host')} in {shown} is not "
                                "HOST[:PORT] (port 1..65535)"])
         nodes.append((host, int(port)))

@@ -103,3 +103,32 @@ def test_memory_store_arena_region_only_in_arena_mode() -> None:
     finally:
         plain.close()
         tier.close()
+
+
+def test_quarantine_frees_memory_only_once_its_transfer_is_final() -> None:
+    from offload.agent.quarantine import Quarantine
+
+    class FakeAgent:                 # NIXL's transfer states, set by the test
+        def __init__(self) -> None:
+            self.state: dict[str, str] = {}
+            self.released: list[str] = []
+
+        def check_xfer_state(self, h: str) -> str:
+            return self.state[h]
+
+        def release_xfer_handle(self, h: str) -> None:
+            self.released.append(h)
+
+    agent, freed, order = FakeAgent(), [], []
+    q = Quarantine(agent)
+    agent.state = {"a": "PROC", "b": "PROC", "c": "PROC"}
+    for h, peer in (("a", "p1"), ("b", "p1"), ("c", "p2")):
+        q.hold(h, peer, 2, lambda h=h: freed.append(h))
+    assert q.reap() == 0 and freed == [] and q.held() == 6
+    agent.state["a"] = "ERR"                       # failed: final
+    assert q.reap() == 2 and freed == ["a"] and agent.released == ["a"]
+    # p2 torn down: its handle released (NIXL cancels), the peer forgotten, then its memory freed.
+    assert q.drop_peer("p2", lambda: order.append(list(freed))) == 2
+    assert freed == ["a", "c"] and order == [["a"]] and q.held() == 2 and q.total == 6
+    agent.state["b"] = "DONE"
+    assert q.reap() == 2 and freed == ["a", "c", "b"] and q.held() == 0

@@ -30,14 +30,18 @@ def storage_config(extra: dict, *, mla: bool = False, tp_rank: int = 0, tp_size:
         dcp_size=dcp[1], dcp_rank=dcp[0], logical_page_size=PAGE * dcp[1] if dcp[1] > 1 else None)
 
 
-def mha_head_pool(heads: int, layout: str = "page_head", pages: int = 16) -> Any:
-    """A host pool of `heads` KV heads per rank (SGLang's MHATokenToKVPoolHost)."""
+def mha_device_pool(heads: int) -> Any:
+    """A device pool of `heads` KV heads per rank (SGLang's MHATokenToKVPool, on CPU)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    kv = MHATokenToKVPool(256, PAGE, torch.bfloat16, head_num=heads, head_dim=HEAD_DIM,
-                          layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                          start_layer=0, end_layer=LAYERS - 1)
-    return hp.host_pool(kv, layout, pages)
+    return MHATokenToKVPool(256, PAGE, torch.bfloat16, head_num=heads, head_dim=HEAD_DIM,
+                            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                            start_layer=0, end_layer=LAYERS - 1)
+
+
+def mha_head_pool(heads: int, layout: str = "page_head", pages: int = 16) -> Any:
+    """A host pool of `heads` KV heads per rank (SGLang's MHATokenToKVPoolHost)."""
+    return hp.host_pool(mha_device_pool(heads), layout, pages)
 
 
 def head_bytes(pool: Any, page: int, head: int) -> bytes:
@@ -75,3 +79,22 @@ def idx(first_page: int, n: int, step: int = PAGE) -> torch.Tensor:
 
 def keys(n: int, tag: str = "") -> list[str]:
     return [f"{tag}{i:060x}".rjust(64, "0") for i in range(1, n + 1)]
+
+
+def replica(extra: dict, tp_size: int, seed: int | None, lcm: int | None) -> list:
+    """One replica of `tp_size` ranks on page_head pools: [(backend, pool)] by rank."""
+    out = []
+    for r in range(tp_size):
+        pool = mha_head_pool(HEADS // tp_size)
+        if seed is not None:
+            hp.fill(pool, seed + r)
+        sc = storage_config(extra, tp_rank=r, tp_size=tp_size, layout="page_head",
+                            tp_lcm_size=lcm)
+        out.append((attach(sc, pool), pool))
+    return out
+
+
+def head_of(backends: list, tp_size: int, head: int, page: int) -> bytes:
+    """Global KV head `head` of `page`, wherever this replica holds it."""
+    per = HEADS // tp_size
+    return head_bytes(backends[head // per][1], page, head % per)

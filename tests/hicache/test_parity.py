@@ -2,8 +2,8 @@
 
 Head-split keys (tp_lcm_size): a TP2 and a TP4 replica restore each other's pages byte-exact.
 MHA draft on an MLA target at TP2: both ranks' drafts restored. clear() over every pool.
-Decode context parallel shards. Writers per attention-CP shard. Metrics ports across DP groups.
 Refusals at attach for layouts we cannot serve; none escaping a late sidecar registration.
+Ranks (DCP, attention CP, DP-attention metrics, the L3 layout): test_parity_ranks.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from offload.errors import ConfigError  # noqa: E402
-from offload.hicache.keying import storage_writer  # noqa: E402
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import parity_setup as ps  # noqa: E402
 from tests.hicache import pool_families as pf  # noqa: E402
@@ -27,42 +26,23 @@ N = 4   # pages per test
 pytestmark = pytest.mark.timeout(180)
 
 
-def _replica(extra: dict, tp_size: int, seed: int | None, lcm: int | None) -> list:
-    """One replica of `tp_size` ranks on page_head pools: [(backend, pool)] by rank."""
-    out = []
-    for r in range(tp_size):
-        pool = ps.mha_head_pool(ps.HEADS // tp_size)
-        if seed is not None:
-            hp.fill(pool, seed + r)
-        sc = ps.storage_config(extra, tp_rank=r, tp_size=tp_size, layout="page_head",
-                               tp_lcm_size=lcm)
-        out.append((ps.attach(sc, pool), pool))
-    return out
-
-
-def _head(replica: list, tp_size: int, head: int, page: int) -> bytes:
-    """Global KV head `head` of `page`, wherever this replica holds it."""
-    per = ps.HEADS // tp_size
-    return ps.head_bytes(replica[head // per][1], page, head % per)
-
-
 @pytest.mark.parametrize("writer,reader", [(2, 4), (4, 2)], ids=["tp2-to-tp4", "tp4-to-tp2"])
 def test_replicas_of_different_tp_sizes_restore_each_others_pages(tmp_path, writer, reader):
     """tp_lcm_size=4 on the TP2 replica (SGLang splits its heads); the TP4 one needs nothing."""
     extra = hp.extra(str(tmp_path / "kv"))
     keys = ps.keys(N)
-    src = _replica(extra, writer, seed=11, lcm=4 if writer == 2 else None)
+    src = ps.replica(extra, writer, seed=11, lcm=4 if writer == 2 else None)
     for b, _ in src:
         assert b.batch_set_v1(keys, ps.idx(0, N)) == [True] * N
         assert b.plan.split == (2 if writer == 2 else 1)
         b.close()
-    dst = _replica(extra, reader, seed=None, lcm=4 if reader == 2 else None)
+    dst = ps.replica(extra, reader, seed=None, lcm=4 if reader == 2 else None)
     try:
         for b, _ in dst:
             assert b.batch_exists(keys) == N
             assert b.batch_get_v1(keys, ps.idx(8, N)) == [True] * N
         for head, page in itertools.product(range(ps.HEADS), range(N)):
-            assert _head(dst, reader, head, 8 + page) == _head(src, writer, head, page)
+            assert ps.head_of(dst, reader, head, 8 + page) == ps.head_of(src, writer, head, page)
         # one head group missing on disk: that page is a miss on the rank that needs it
         lost = dst[0][0].plan.keys(keys)[dst[0][0].plan.split * 2]   # page 3, first group
         dst[0][0].store.delete_many([lost])
@@ -72,19 +52,58 @@ def test_replicas_of_different_tp_sizes_restore_each_others_pages(tmp_path, writ
             b.close()
 
 
+def test_sglangs_controller_splits_heads_for_us(tmp_path):
+    """SGLang's HiCacheController at TP2 rank 1 with `tp_lcm_size` 4 in the extra config (its own
+    _generate_storage_config sets should_split_heads): backup through its storage threads, then
+    TP4 ranks 2 and 3 restore the two heads exactly."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from tests.hicache import controller_harness as ch
+
+    ch.init_runtime()
+    kv = ps.mha_device_pool(2)
+    pool = hp.host_pool(kv, "page_head", 16)
+    extra = hp.extra(str(tmp_path / "kv"))
+    rank1 = dict(tp_size=2, tp_rank=1, attn_tp_size=2, attn_tp_rank=1, moe_tp_size=2,
+                 moe_tp_rank=1)
+    with get_parallel().override(**rank1):
+        ctrl = ch.make_controller(kv, pool, {**extra, "tp_lcm_size": 4})
+    try:
+        assert ctrl.storage_config.should_split_heads
+        assert ctrl.storage_backend.plan.head_groups == [2, 3]
+        hp.fill(pool, 9)
+        src = pool.alloc(N * ps.PAGE)
+        tokens = list(range(100, 100 + N * ps.PAGE))
+        assert ch.backup(ctrl, src, tokens) == len(tokens)
+        pages = [int(src[i * ps.PAGE]) // ps.PAGE for i in range(N)]
+        want = {h: [ps.head_bytes(pool, p, h) for p in pages] for h in (0, 1)}
+    finally:
+        ctrl.detach_storage_backend()
+    keys = ch.page_hashes(tokens)
+    for head in (0, 1):
+        dst = ps.mha_head_pool(1)
+        sc = ps.storage_config(extra, tp_rank=2 + head, tp_size=4, layout="page_head")
+        b = ps.attach(sc, dst)
+        try:
+            assert b.batch_get_v1(keys, ps.idx(4, N)) == [True] * N
+            assert [ps.head_bytes(dst, 4 + i, 0) for i in range(N)] == want[head]
+        finally:
+            b.close()
+
+
 def test_head_split_legacy_flat_pages_are_the_same_blocks(tmp_path):
     """SGLang's copying interface (batch_set/batch_get of flat pages) writes the same objects."""
     extra = hp.extra(str(tmp_path / "kv"))
     keys = ps.keys(2)
-    (b2, p2), = _replica(extra, 1, seed=3, lcm=2)   # TP1 split in 2 groups
+    (b2, p2), = ps.replica(extra, 1, seed=3, lcm=2)   # TP1 split in 2 groups
     assert b2.batch_set(keys, [p2.get_data_page(i * ps.PAGE) for i in range(2)])
     b2.close()
-    tp2 = _replica(extra, 2, seed=None, lcm=None)
+    tp2 = ps.replica(extra, 2, seed=None, lcm=None)
     try:
         for b, _ in tp2:
             assert b.batch_get_v1(keys, ps.idx(5, 2)) == [True, True]
         for head, page in itertools.product(range(ps.HEADS), range(2)):
-            assert _head(tp2, 2, head, 5 + page) == _head([(None, p2)], 1, head, page)
+            assert ps.head_of(tp2, 2, head, 5 + page) == ps.head_of([(None, p2)], 1, head, page)
     finally:
         for b, _ in tp2:
             b.close()
@@ -175,8 +194,14 @@ def test_an_sglang_without_the_draft_patch_is_refused_at_attach(tmp_path, monkey
 
     assert pools.sglang_backs_up_sharded_drafts()            # the patched wheel in .venv
     monkeypatch.setattr(pools, "sglang_backs_up_sharded_drafts", lambda: False)
-    with pytest.raises(ConfigError, match=r"pool 'draft' \(MHATokenToKVPoolHost\).*patches/0011"):
-        _draft_rank(hp.extra(str(tmp_path)), 1, seed=None)
+    anchor = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
+    b = hp.make_backend(ps.storage_config(hp.extra(str(tmp_path)), mla=True, tp_rank=1,
+                                          tp_size=2), anchor)
+    try:
+        with pytest.raises(ConfigError, match=r"pool 'draft' \(MHATokenToKVPoolHost\).*0011"):
+            b.register_mem_host_pool_v2(pf._mha(1, "page_first"), PN.DRAFT)
+    finally:
+        b.close()
 
 
 def test_a_late_sidecar_that_cannot_be_stored_is_a_miss_not_an_error(tmp_path, caplog):
@@ -218,169 +243,13 @@ def test_clear_leaves_no_block_of_any_pool(tmp_path, family):
         backend.close()
 
 
-def test_decode_context_parallel_shards_round_trip(tmp_path):
-    """DCP 2 (patches/0012 admits us): each shard its own namespace, logical host indices."""
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    extra = hp.extra(str(tmp_path / "kv"))
-    assert StorageBackendFactory.has_capability("dynamic", extra, "dcp")
-    keys, step = ps.keys(N), 2 * ps.PAGE
-
-    def rank(r: int, seed: int | None) -> tuple:
-        pool = ps.mla_dcp_pool(r)
-        if seed is not None:
-            hp.fill(pool, seed)
-        sc = ps.storage_config(extra, mla=True, tp_rank=r, tp_size=2, dcp=(r, 2))
-        return ps.attach(sc, pool), pool
-
-    src = [rank(r, 30 + r) for r in (0, 1)]
-    assert src[0][0].namespace != src[1][0].namespace
-    want = []
-    for b, pool in src:
-        assert b.is_writer and b.pages.index_step == step
-        assert b.batch_set_v1(keys, ps.idx(0, N, step)) == [True] * N
-        want.append([hp.page_bytes(pool, i * step) for i in range(N)])
-        b.close()
-    dst = [rank(r, None) for r in (0, 1)]
-    try:
-        for r, (b, pool) in enumerate(dst):
-            assert b.batch_exists(keys) == N
-            assert b.batch_get_v1(keys, ps.idx(3, N, step)) == [True] * N
-            assert [hp.page_bytes(pool, (3 + i) * step) for i in range(N)] == want[r]
-    finally:
-        for b, _ in dst:
-            b.close()
-
-
-def test_sglangs_controller_attaches_us_under_dcp(tmp_path):
-    """HiCacheController.attach_storage_backend with attn_dcp_size 2 (refused for any backend
-    but file and Mooncake without patches/0012)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    from tests.hicache import controller_harness as ch
-
-    ch.init_runtime()
-    dcp = dict(attn_dcp_size=2, attn_dcp_rank=0, tp_size=2, tp_rank=0, attn_tp_size=2,
-               attn_tp_rank=0, moe_tp_size=2, moe_tp_rank=0)
-    with get_parallel().override(**dcp):
-        ctrl = ch.make_controller(hp.device_pool(mla=True), ps.mla_dcp_pool(0),
-                                  hp.extra(str(tmp_path / "kv")))
-    try:
-        assert ctrl.storage_config.dcp_size == 2
-        assert ";dcp=0/2;" in ctrl.storage_backend.namespace.extra
-    finally:
-        ctrl.detach_storage_backend()
-
-
-CP_CASES = [  # (tp_rank, tp_size, cp_rank, cp_size, dp_attention, writer)
-    (0, 4, 0, 2, False, True), (1, 4, 0, 2, False, False),
-    (2, 4, 1, 2, False, True), (3, 4, 1, 2, False, False),   # SGLang's rule: rank 0 only
-    (0, 2, 1, 2, True, True), (1, 2, 1, 2, True, False),     # DP attention: tp is attn-TP
-]
-
-
-@pytest.mark.parametrize("tp_rank,tp_size,cp_rank,cp_size,dp_attn,writer", CP_CASES)
-def test_one_writer_per_attention_cp_shard(tmp_path, tp_rank, tp_size, cp_rank, cp_size,
-                                           dp_attn, writer):
-    sc = ps.storage_config({}, mla=True, tp_rank=tp_rank, tp_size=tp_size,
-                           cp=(cp_rank, cp_size))
-    assert storage_writer(sc, dp_attn) is writer
-
-
-def test_sglang_backs_up_cp_shard_1_for_us(tmp_path):
-    """HiCacheController.backup_skip (patches/0014) asks the backend; SGLang's own rule would
-    skip CP shard 1 (global TP rank 2 of 4, attention CP 2, no DP attention)."""
-    from sglang.srt.managers.cache_controller import HiCacheController
-
-    extra = hp.extra(str(tmp_path / "kv"))
-    keys = ps.keys(2)
-    shards = []
-    for cp_rank, tp_rank in ((0, 0), (1, 2)):
-        pool = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
-        hp.fill(pool, 40 + cp_rank)
-        sc = ps.storage_config(extra, mla=True, tp_rank=tp_rank, tp_size=4, cp=(cp_rank, 2))
-        shards.append((ps.attach(sc, pool), sc))
-    try:
-        b1, sc1 = shards[1]
-        assert not sc1.is_storage_writer                   # SGLang's rule: shard 1 never written
-        ctrl = SimpleNamespace(storage_backend=b1, storage_backend_type="dynamic",
-                               storage_config=sc1)
-        assert HiCacheController.backup_skip.fget(ctrl) is False
-        assert shards[0][0].namespace != b1.namespace
-        for b, _ in shards:
-            assert b.batch_set_v1(keys, ps.idx(0, 2)) == [True, True]
-            assert b.batch_exists(keys) == 2
-    finally:
-        for b, _ in shards:
-            b.close()
-
-
-def _two_free_ports() -> int:
-    """A port p with p and p + 1 both free on loopback."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free ports")
-
-
-def test_dp_attention_groups_export_metrics_on_distinct_ports(tmp_path):
-    """Two DP-attention groups of one rank each: the same attention-local TP rank 0."""
-    pytest.importorskip("prometheus_client")
-    import urllib.request
-
-    free_port = _two_free_ports()
-    from sglang.srt.runtime_context import get_parallel
-
-    extra = hp.extra(str(tmp_path / "kv"), metrics={"port": free_port})
-    ports = []
-    for group in (0, 1):
-        with get_parallel().override(tp_size=2, tp_rank=group, pp_rank=0, attn_dp_size=2,
-                                     attn_dp_rank=group, attn_tp_size=1, attn_tp_rank=0,
-                                     moe_tp_size=2, moe_tp_rank=group):
-            pool = hp.host_pool(hp.device_pool(), "page_first", 8)
-            b = ps.attach(ps.storage_config(extra, dp_rank=group), pool)
-        ports.append(b.metrics_port)
-        b.close()
-    assert ports == [free_port, free_port + 1]
-    for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            assert b"sglang_offload" in r.read()
-
-
-def test_l3_object_layout_is_the_same_on_every_rank(tmp_path):
-    """The handshake (patches/0013): every TP rank describes every rank's namespaces, so
-    SGLang's merge_l3_layouts keeps it enabled (Mooncake disables MHA layouts)."""
-    extra = hp.extra(str(tmp_path / "kv"))
-    tp2 = _replica(extra, 2, seed=None, lcm=4)
-    try:
-        layouts = [b.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=None,
-                                               page_size=ps.PAGE) for b, _ in tp2]
-        merged = hs.merge_l3_layouts(layouts)
-        assert merged["enabled"] and merged["backend"] == "offload"
-        (kv,) = merged["hicache_object_layout"]["pools"]
-        assert kv["namespaces"] == [d.hex() for b, _ in tp2 for d in b.plan.digests]
-        assert len(kv["namespaces"]) == 4                 # one per head group of tp_lcm_size
-    finally:
-        for b, _ in tp2:
-            b.close()
-
-
 def test_head_groups_are_sglangs_unified_key_coordinates(tmp_path):
     """Our head-split objects are the `_H{g}` objects of SGLang's unified key scheme
     (hicache_key_scheme.plan_unified_kv, head_group = total heads / tp_lcm_size): same absolute
     group index, same local heads, so adopting the scheme changes names, not the split."""
     from sglang.srt.mem_cache.hicache_key_scheme import plan_unified_kv
 
-    tp2 = _replica(hp.extra(str(tmp_path / "kv")), 2, seed=None, lcm=4)
+    tp2 = ps.replica(hp.extra(str(tmp_path / "kv")), 2, seed=None, lcm=4)
     try:
         for r, (b, pool) in enumerate(tp2):
             plan = plan_unified_kv(model_id="test/model", dtype="bfloat16", page_size=ps.PAGE,

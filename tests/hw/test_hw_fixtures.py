@@ -177,6 +177,19 @@ def test_cli_text_report_on_a_fixture(capsys) -> None:
         assert part in text, part
 
 
+def test_verbose_detect_logs_each_fact_with_where_it_was_read(caplog, capsys) -> None:
+    with caplog.at_level("DEBUG", logger="offload.hw"):
+        rc = main(["detect", "--root", str(HOSTS / "h100x8-gds"), "--cache-dir", "/raid/kv",
+                   "--python", ALL_CU13])
+    capsys.readouterr()
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert rc == 0
+    for fact in ("pci:", "platform:", "gpu_probe:", "gpus[7]:", "nics[0]:", "gds:", "nvme[0]:",
+                 "cache_dir:", "agent:", "python:"):
+        assert any(m.startswith(fact) for m in debug), fact
+    assert any(m.startswith("gpus[0]:") and "(source: " in m for m in debug)
+
+
 def test_cli_explicit_path_error_exit_1(capsys, tmp_path: Path) -> None:
     cfg = tmp_path / "gds.yaml"
     cfg.write_text("offload:\n  transfer:\n    path: gds\n")

