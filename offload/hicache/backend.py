@@ -51,6 +51,7 @@ from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
 from offload.hicache.keying import (
     KeyPlan,
+    allocator_only_mla,
     dp_attention,
     group_ok,
     kv_plan,
@@ -59,6 +60,7 @@ from offload.hicache.keying import (
     model_ranks,
     namespace_for,
     refuse_layout,
+    replica_plan,
     storage_writer,
 )
 from offload.hicache.layout import PageMap
@@ -137,6 +139,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         "dcp",                     # decode context parallel shards keyed by (dcp rank, size)
         "l3_object_layout",        # describe_l3_object_layout (the L3 layout handshake)
         "storage_writer",          # decides its own writer ranks (attention-CP shards)
+        "mla_host_dedup",          # allocator-only MLA host pools on non-source ranks
     })
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
@@ -187,6 +190,13 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         refused = refuse_layout(mem_pool_host)
         if refused is not None:
             raise refused
+        if allocator_only_mla(mem_pool_host):   # MLA host dedup: rank 0 holds the bytes
+            self.plan = replica_plan(self.storage_config, mem_pool_host, self.cfg.store.salt)
+            self.namespace = self.plan.namespaces[0]
+            self.store.register_namespace(self.namespace)
+            logger.info("offload: allocator-only MLA host pool (host dedup): this rank reports "
+                        "the blocks the source rank stores, and moves no bytes")
+            return
         self.logical_anchor = getattr(mem_pool_host, "kv_buffer", True) is None
         if self.logical_anchor:  # DeepSeek-V4: the anchor owns indices, the v2 pools the bytes
             self.namespace = namespace_for(self.storage_config, mem_pool_host, 0,
@@ -344,6 +354,8 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         `split`: the KV key plan (objects per page)."""
         if not keys:
             return []
+        if pool == KV and self.pages is None and self.plan is not None:
+            return self._present(make_keys(keys))   # allocator-only replica: rank 0's blocks
         starts = None if pages is None else page_starts(pages, pool, len(keys), host_indices)
         if pages is None or starts is None:
             return [False] * len(keys)

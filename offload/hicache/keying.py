@@ -137,6 +137,29 @@ def kv_plan(sc: "HiCacheStorageConfig", host_pool: Any, pages: PageMap, salt: st
     return KeyPlan(nss, split, [key_maker(ns.digest()) for ns in nss])
 
 
+def allocator_only_mla(host_pool: Any) -> bool:
+    """An MLA host pool without a buffer: the non-source ranks of SGLang's MLA host dedup (an
+    `MLAHostAllocation` pool; the source rank loads the pages and broadcasts them)."""
+    if getattr(host_pool, "kv_buffer", True) is not None:
+        return False
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    return isinstance(host_pool, MLATokenToKVPoolHost)
+
+
+def replica_plan(sc: "HiCacheStorageConfig", host_pool: Any, salt: str) -> KeyPlan:
+    """The key plan of an allocator-only MLA replica: the shared MLA namespace, its page bytes
+    from the pool's geometry (the writer's `PageMap` gives the same). Raises ConfigError when
+    this rank would have to write (it holds no bytes)."""
+    if not sc.is_mla_model or storage_writer(sc, dp_attention()):
+        raise ConfigError([f"offload: the KV host pool {type(host_pool).__name__} of TP rank "
+                           f"{sc.tp_rank} has no buffer, but this rank is the storage writer; "
+                           "fix: MLA host dedup must keep the buffer on the source rank 0"])
+    page_bytes = int(host_pool.get_size_per_token()) * int(host_pool.page_size)
+    ns = namespace_for(sc, host_pool, page_bytes, salt)
+    return KeyPlan([ns], 1, [key_maker(ns.digest())])
+
+
 def group_ok(flags: Sequence[bool], split: int) -> list[bool]:
     """Per-page success from per-object success (a page needs all its `split` objects)."""
     if split == 1:

@@ -40,8 +40,9 @@ def describe(backend: Any, sidecar_pool_specs: Sequence[Any], swa_trailing_pages
     ranks = range(1 if sc.is_mla_model else sc.tp_size)
     pools: list[dict] = []
     if backend.plan is not None:
-        digests = [d for r in ranks for d in kv_plan(replace(sc, tp_rank=r), backend.mem_pool_host,
-                                                     backend.pages, backend.cfg.store.salt).digests]
+        digests = backend.plan.digests if sc.is_mla_model else [   # MLA: one shared namespace
+            d for r in ranks for d in kv_plan(replace(sc, tp_rank=r), backend.mem_pool_host,
+                                              backend.pages, backend.cfg.store.salt).digests]
         pools.append({"pool": KV, "hit_policy": "all_pages",
                       "namespaces": _unique_hex(digests)})
     specs = {pool_str(s.pool_name): s for s in sidecar_pool_specs}

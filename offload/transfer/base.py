@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer
+from offload.store.base import BlockStore, Buffer, durable
 
 # path name -> (module, class); each class has `open(cfg, decision, store) -> TransferPath`.
 PATHS: dict[str, tuple[str, str]] = {
@@ -63,6 +63,15 @@ class StoreBookkeeping:
 
     def register_namespace(self, ns: Namespace) -> None:
         self.store.register_namespace(ns)
+
+    def flush(self) -> bool:
+        """Wait until the store's puts are durable (it may commit them in the background)."""
+        done = getattr(self.store, "flush", None)
+        return done is None or done() is not False
+
+    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is stored durably now (`offload.store.base.durable`)."""
+        return durable(self.store, keys, [True] * len(keys))
 
 
 def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:

@@ -64,6 +64,21 @@ def mla_dcp_pool(dcp_rank: int, dcp_size: int = 2, layout: str = "page_first") -
                                 dcp_rank=dcp_rank)
 
 
+def mla_allocator_only_pool(like: Any) -> Any:
+    """An allocator-only MLA host pool (SGLang's `MLAHostAllocation`: no buffer), the geometry of
+    `like`: what MLA host dedup gives the non-source ranks."""
+    from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost
+
+    geometry = MLAHostAllocation(dtype=like.dtype, kv_lora_rank=like.kv_lora_rank,
+                                 qk_rope_head_dim=like.qk_rope_head_dim,
+                                 kv_cache_dim=like.kv_cache_dim,
+                                 size_per_token=like.get_size_per_token())
+    return MLATokenToKVPoolHost(geometry, 2.0, 0, like.page_size, like.layout, pin_memory=False,
+                                device="cpu", device_capacity_tokens=like.device_capacity_tokens,
+                                start_layer=like.start_layer, end_layer=like.end_layer,
+                                host_token_capacity=like.size, target_layer_num=like.layer_num)
+
+
 def attach(sc: Any, anchor: Any, sidecars: dict | None = None) -> Any:
     """Through SGLang's factory, as its controller attaches: KV pool, sidecars, then done."""
     backend = hp.make_backend(sc, anchor)

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
+from offload.errors import ConfigError  # noqa: E402
 from offload.hicache.keying import storage_writer  # noqa: E402
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import parity_setup as ps  # noqa: E402
@@ -182,3 +183,39 @@ def test_l3_object_layout_is_the_same_on_every_rank(tmp_path):
     finally:
         for b, _ in tp2:
             b.close()
+
+
+def test_mla_host_dedup_replica_reports_the_source_ranks_blocks(tmp_path):
+    """MLA host dedup (patches/0015 admits us): rank 1's host pool has no buffer; it reports
+    what rank 0 stored and moves no bytes (rank 0 loads and broadcasts them)."""
+    from sglang.srt.mem_cache.mla_host_dedup import storage_supports_host_dedup
+
+    extra = hp.extra(str(tmp_path / "kv"))
+    assert storage_supports_host_dedup("dynamic", extra) and storage_supports_host_dedup("offload")
+    src = hp.host_pool(hp.device_pool(mla=True), "page_first", 8)
+    hp.fill(src, 50)
+    keys = ps.keys(N)
+    b0 = ps.attach(ps.storage_config(extra, mla=True, tp_rank=0, tp_size=2), src)
+    empty = ps.mla_allocator_only_pool(src)
+    assert empty.kv_buffer is None
+    b1 = ps.attach(ps.storage_config(extra, mla=True, tp_rank=1, tp_size=2), empty)
+    try:
+        assert b1.namespace == b0.namespace and not b1.logical_anchor
+        assert b1.batch_get_v1(keys, ps.idx(0, N)) == [False] * N
+        assert b0.batch_set_v1(keys[:3], ps.idx(0, 3)) == [True] * 3
+        hp.durable(b0)
+        assert b1.batch_exists(keys) == 3
+        assert b1.batch_get_v1(keys, ps.idx(4, N)) == [True, True, True, False]
+        assert b1.batch_set_v1(keys, ps.idx(4, N)) == [True, True, True, False]
+    finally:
+        b0.close()
+        b1.close()
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    writer = StorageBackendFactory.create_backend(
+        "dynamic", ps.storage_config(extra, mla=True, tp_rank=0, tp_size=2), empty)
+    try:
+        with pytest.raises(ConfigError, match="has no buffer, but this rank is the storage writer"):
+            writer.register_mem_pool_host(empty)
+    finally:
+        writer.close()
