@@ -2,7 +2,8 @@
 host memory and the store's slots, with no staging copy.
 
 Primitives: `Direct(store, arena, agent, quarantine, count)`: what the moves need, handed in by
-the server (`AgentServer.direct()`). `direct_put(direct, peer, req, todo, ok, deadline)` NIXL READs
+the server (`AgentServer.direct()`). `direct_put(direct, peer, req, todo, ok, deadline, owner,
+allow)` NIXL READs
 a PUT's blocks into slots from `reserve_slots`, then `commit_slots` (the store checksums each
 block) / `abort_slots`; `direct_get(...)` WRITEs a GET's blocks from slots held by `pin_slots` (the
 store verifies each block's checksum first), then `unpin_slots`. Blocks are posted to NIXL in
@@ -10,6 +11,8 @@ chunks of about `CHUNK_BYTES`, so the store checksums one chunk while NIXL moves
 returns the blocks it left to the staging path, sets `ok[i]`, and never raises. A transfer still
 running at its deadline keeps its slots reserved / pinned in the mover's `Quarantine` until NIXL
 says it is final: no slot is reused while a late transfer could still land in it or read it.
+At most `allow` bytes of a request go this way (what the quarantine's bound leaves its `owner`,
+`Quarantine.claim`); the rest takes the staging path, whose memory is bounded per connection.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ CHUNK_BYTES = 4 << 20      # blocks posted per NIXL transfer: the store checksum
 class _Chunks:
     """A request's direct blocks, posted to NIXL a chunk at a time, each waited on in order."""
 
-    def __init__(self, d: Direct, op: str, peer: str, deadline: float):
-        self.d, self.op, self.peer, self.deadline = d, op, peer, deadline
+    def __init__(self, d: Direct, op: str, peer: str, deadline: float, owner: str):
+        self.d, self.op, self.peer, self.deadline, self.owner = d, op, peer, deadline, owner
         self.posted: list[tuple[list[int], list["Slot"], Any]] = []
         self._cur: tuple[list[int], list["Slot"], list, list] = ([], [], [], [])
         self._bytes = 0
@@ -109,23 +112,35 @@ class _Chunks:
                 yield idx, slots
             elif pending:
                 self.d.quarantine.hold(pending[0], self.peer, len(slots),
-                                       lambda s=slots: release(s))     # type: ignore[misc]
+                                       lambda s=slots: release(s),     # type: ignore[misc]
+                                       owner=self.owner, nbytes=sum(s.length for s in slots))
                 self.d.count("blocks_quarantined", len(slots))
             else:
                 release(slots)
 
 
+def _within(req: "Blocks", idx: list[int], allow: int) -> tuple[list[int], list[int]]:
+    """(the first blocks of `idx` whose sizes add up to at most `allow`, the others)."""
+    n, total = 0, 0
+    while n < len(idx) and total + req.sizes[idx[n]] <= allow:
+        total += req.sizes[idx[n]]
+        n += 1
+    return idx[:n], idx[n:]
+
+
 def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int],
-               ok: list[bool], deadline: float) -> list[int]:
+               ok: list[bool], deadline: float, owner: str = "", allow: int = 1 << 62
+               ) -> list[int]:
     """NIXL READs blocks straight into reserved store slots; returns the blocks left for the
-    staging path (the store has no arena, or gave no slot). Each chunk is committed (the store
-    checksums it) while NIXL still reads the next ones."""
+    staging path (the store has no arena, or gave no slot, or past `allow` bytes). Each chunk is
+    committed (the store checksums it) while NIXL still reads the next ones."""
     if not todo or peer is None or d is None:
         return todo
     store = d.store
     d.quarantine.reap()
+    todo, rest = _within(req, todo, allow)
     slots = store.reserve_slots([req.keys[i] for i in todo], [req.sizes[i] for i in todo])
-    chunks, rest, unused = _Chunks(d, "READ", peer, deadline), [], []
+    chunks, unused = _Chunks(d, "READ", peer, deadline, owner), []
     for i, s in zip(todo, slots):
         descs = _descs(d.arena, req, i, s)
         if descs is None:
@@ -145,16 +160,17 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
 
 
 def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool],
-               deadline: float) -> list[int]:
+               deadline: float, owner: str = "", allow: int = 1 << 62) -> list[int]:
     """NIXL WRITEs stored blocks straight from their pinned slots; returns the blocks left for
-    the staging path. Blocks are pinned (the store verifies their checksums) a chunk at a time,
-    while NIXL writes the chunks before."""
+    the staging path (past `allow` bytes too). Blocks are pinned (the store verifies their
+    checksums) a chunk at a time, while NIXL writes the chunks before."""
     if peer is None or d is None:
         return list(range(len(req.keys)))
     store = d.store
     d.quarantine.reap()
-    chunks, rest = _Chunks(d, "WRITE", peer, deadline), []
-    for i in range(len(req.keys)):
+    todo, rest = _within(req, list(range(len(req.keys))), allow)
+    chunks = _Chunks(d, "WRITE", peer, deadline, owner)
+    for i in todo:
         (s,) = store.pin_slots([req.keys[i]])
         descs = _descs(d.arena, req, i, s)
         if descs is None:

@@ -7,10 +7,16 @@ the wrong host. So its handle and a `release` callback (free the slots, unpin th
 staging) are held here until the transfer is final: NIXL reports DONE or ERR, or its peer is torn
 down (`drop_peer`, after NIXL forgot the peer: UCX cancels what its endpoint had in flight).
 
-Primitives: `Quarantine(agent)`; `.hold(handle, peer, blocks, release)`; `.reap()` (polls every
-held transfer, runs the release of the final ones; called before each transfer and at each
-connection's close); `.drop_peer(peer, forget)`; `.held()` -> blocks held now; `.total` -> ever held.
-Never raises.
+Primitives: `Quarantine(agent)`; `.hold(handle, peer, blocks, release, owner=, nbytes=)`; `.reap()`
+(polls every held transfer, runs the release of the final ones; called before each transfer and
+at each connection's close); `.drop_peer(peer, forget)`; `.held()` -> blocks held now; `.total` ->
+ever held; `.held_bytes(owner)` -> bytes held now (of one owner, or all).
+Bounded per owner (a tenant: `offload.agent.access.Access.tenant`): a host that stalls its own
+endpoint keeps every transfer unfinished, so without a bound it could quarantine the whole DRAM
+tier. `.claim(owner, want, limit)` -> bytes a request may move straight into store slots (what
+is left of `limit` after what the owner holds and what its other requests claimed), given back
+with `.unclaim(owner, n)` when the request ends; the session refuses NIXL requests of an owner
+holding `limit` or more. Never raises.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class _Held:
     peer: str
     blocks: int
     release: Callable[[], None]
+    owner: str
+    nbytes: int
 
 
 class Quarantine:
@@ -39,11 +47,13 @@ class Quarantine:
         self._lock = threading.Lock()
         self._held: list[_Held] = []
         self.total = 0                  # blocks (or staging areas) ever quarantined
+        self._claimed: dict[str, int] = {}      # owner -> bytes its requests may still hold
 
-    def hold(self, handle: Any, peer: str, blocks: int, release: Callable[[], None]) -> None:
+    def hold(self, handle: Any, peer: str, blocks: int, release: Callable[[], None], *,
+             owner: str = "", nbytes: int = 0) -> None:
         """Keep `release` from running until the transfer `handle` is final."""
         with self._lock:
-            self._held.append(_Held(handle, peer, blocks, release))
+            self._held.append(_Held(handle, peer, blocks, release, owner, nbytes))
             self.total += blocks
         log.info("quarantined %d block(s) of a transfer with %s still running at its deadline",
                  blocks, peer)
@@ -51,6 +61,26 @@ class Quarantine:
     def held(self) -> int:
         with self._lock:
             return sum(h.blocks for h in self._held)
+
+    def held_bytes(self, owner: str | None = None) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held if owner is None or h.owner == owner)
+
+    def claim(self, owner: str, want: int, limit: int) -> int:
+        """Bytes (at most `want`) a request of `owner` may leave here, within `limit` in all."""
+        with self._lock:
+            used = sum(h.nbytes for h in self._held if h.owner == owner)
+            n = max(0, min(want, limit - used - self._claimed.get(owner, 0)))
+            if n:
+                self._claimed[owner] = self._claimed.get(owner, 0) + n
+            return n
+
+    def unclaim(self, owner: str, n: int) -> None:
+        if n:
+            with self._lock:
+                left = self._claimed.pop(owner, 0) - n
+                if left > 0:
+                    self._claimed[owner] = left
 
     def reap(self) -> int:
         """Release what final transfers held; returns the blocks released."""

@@ -12,8 +12,11 @@ registered namespaces *per tenant* (a host key
 of the keys file; every holder of a shared secret is one tenant: `Access.connect` / `.begin`),
 so that one tenant cannot lock out another; `max_body` bytes per frame (`protocol.
 PRE_AUTH_MAX_BODY` before a verified HELLO), `max_block` bytes per block, `staging_size` bytes of
-staging per NIXL connection. An `accept` error (EMFILE: out of descriptors) is logged and
-retried after `ACCEPT_BACKOFF_S`; the agent keeps serving the connections it has.
+staging per NIXL connection, `max_quarantine` bytes per tenant held by its transfers that
+outlived their budget (`offload.agent.quarantine`: its NIXL requests are refused past it, and
+at most what is left of it goes straight into store slots). An `accept` error (EMFILE: out of
+descriptors) is logged and retried after `ACCEPT_BACKOFF_S`; the agent keeps serving the
+connections it has.
 A `SlotStore` with an arena (the DRAM tier, `MemoryStore(reserve>0)`) gets it registered with
 NIXL (`.direct()`), and its blocks move with no staging copy.
 """
@@ -48,7 +51,8 @@ class AgentServer:
                  max_pending: int = 16, max_body: int = protocol.DEFAULT_MAX_BODY,
                  staging_size: int = 64 << 20, io_timeout: float = 30.0,
                  idle_timeout: float = 3600.0, name: str | None = None,
-                 max_requests: int = 32, max_namespaces: int = 1024):
+                 max_requests: int = 32, max_namespaces: int = 1024,
+                 max_quarantine: int = 256 << 20):
         self.store = store
         self.access = access if isinstance(access, Access) else Access.shared(access)
         self.access.max_conns = max_clients
@@ -59,6 +63,7 @@ class AgentServer:
         self.transport = transport
         self.max_clients = max_clients
         self.max_pending = max_pending
+        self.max_quarantine = int(max_quarantine)
         self.max_body = int(max_body)
         self.staging_size = int(staging_size)
         self.max_block = min(staging_size // 2, max_body - (1 << 16))

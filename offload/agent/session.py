@@ -123,6 +123,7 @@ class Session:
     # ---------------------------------------------------------------- requests
     def _hello(self, ch: protocol.Channel, hello: protocol.Hello, req_id: int) -> None:
         self.host = hello.host          # a safe name: protocol.HOST_PATTERN
+        self.staged.owner = self.server.access.tenant(self.host)
         nixl_ok = False
         if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
             try:
@@ -252,6 +253,7 @@ class Session:
         if self.server.mover is not None:
             out["agent_nixl_peers"] = self.server.mover.peers()
             out["agent_quarantined_now"] = self.server.mover.quarantine.held()
+            out["agent_quarantined_bytes_now"] = self.server.mover.quarantine.held_bytes()
         return out
 
     def _check(self, req: protocol.Blocks) -> str | None:
@@ -281,6 +283,14 @@ class Session:
             if not self.server.mover.covers(peer, [d for ds in req.descs for d in ds]):
                 raise RequestError(f"descriptors outside the memory NIXL agent {peer} "
                                    "registered")
+            q, limit = self.server.mover.quarantine, self.server.max_quarantine
+            q.reap()
+            held = q.held_bytes(self.staged.owner)
+            if held >= limit:
+                self.server.count("rejected_quarantine")
+                raise RequestError(f"transfers of this host key that outlived their budget still "
+                                   f"hold {held} bytes in quarantine (--max-quarantine {limit}); "
+                                   "retry once NIXL reports them finished")
             return peer
         return None
 
@@ -306,7 +316,12 @@ class Session:
         present = store.exists_many(req.keys)
         ok = list(present)
         todo = [i for i, p in enumerate(present) if not p]
-        todo = direct_put(self.server.direct(), peer, req, todo, ok, deadline)
+        q, owner = self.server.mover.quarantine, self.staged.owner
+        allow = q.claim(owner, sum(req.sizes[i] for i in todo), self.server.max_quarantine)
+        try:
+            todo = direct_put(self.server.direct(), peer, req, todo, ok, deadline, owner, allow)
+        finally:
+            q.unclaim(owner, allow)
         if not todo:
             return ok
         self.staged.put(req, todo, ok, peer, deadline)
@@ -331,7 +346,12 @@ class Session:
         assert peer is not None and self.server.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
-        rest = direct_get(self.server.direct(), peer, req, ok, deadline)
+        q, owner = self.server.mover.quarantine, self.staged.owner
+        allow = q.claim(owner, sum(req.sizes), self.server.max_quarantine)
+        try:
+            rest = direct_get(self.server.direct(), peer, req, ok, deadline, owner, allow)
+        finally:
+            q.unclaim(owner, allow)
         if not rest:
             return ok, []
         self.staged.get(req, rest, ok, peer, deadline)

@@ -33,6 +33,7 @@ class StagedPath:
     def __init__(self, server: "AgentServer", conn_id: int):
         self.server = server
         self.conn_id = conn_id
+        self.owner = ""            # the connection's tenant: whose quarantine bound it counts in
         self.staging: "Staging | None" = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -75,7 +76,8 @@ class StagedPath:
         says the transfer is final; the next request gets fresh staging."""
         if not pending or self.staging is None:
             return
-        self._mover().quarantine.hold(pending[0], peer, 1, self.staging.close)
+        self._mover().quarantine.hold(pending[0], peer, 1, self.staging.close, owner=self.owner,
+                                      nbytes=2 * self.staging.half_size)
         self.server.count("staging_quarantined")
         self.staging = None
 

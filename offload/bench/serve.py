@@ -56,7 +56,8 @@ OPTIONS = (
     Option(("--dir",), "where the private store goes (default: $TMPDIR)", None, work_dir),
     Option(("--start-timeout",), "seconds a server start may take", 600.0, positive),
     Option(("--phases",), "which to measure", "cold,l1l2,l3", names("cold", "l1l2", "l3")),
-    Option(("--seed",), "seed of the prompts' token ids", 0, int),
+    Option(("--seed",), "seed of the prompts' token ids; 0: a new one each run, so a server "
+           "that saw earlier runs still starts cold", 0, int),
     JSON,
 )
 
@@ -168,11 +169,12 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                 result["rows"][str(n)]["l3"] = _row("l3", r, cold[n])
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data}
-    except RunError:
-        raise
-    except OSError as e:
-        raise RunError(f"bench serve: the server at {server.url} failed: {e}; log "
-                       f"{server.log}:\n{server.tail()}") from None
+    except (RunError, OSError) as e:
+        if server.proc is not None:        # the log goes with the scratch directory: show it
+            print(f"--- {server.log} (last lines) ---\n{server.tail()}", file=sys.stderr)
+        if isinstance(e, RunError):
+            raise
+        raise RunError(f"bench serve: the server at {server.url} failed: {e}") from None
     finally:
         for s in servers:
             s.stop()

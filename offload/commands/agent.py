@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
                    help="staging memory per NIXL connection, two halves (default 64MiB; the "
                         "largest block is half of it)")
+    p.add_argument("--max-quarantine", type=_size, default=Size(256 << 20), metavar="SIZE",
+                   help="memory that transfers past their deadline may hold, per host key (in "
+                        "all with a shared secret); its NIXL requests are refused past it "
+                        "(default 256MiB)")
     p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a started frame (and the whole handshake) may take to arrive")
     p.add_argument("--ready-file", metavar="FILE", help="write the listening port here when ready")
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                          max_clients=args.max_clients, max_pending=args.max_pending,
                          max_body=args.max_frame, staging_size=args.staging,
                          io_timeout=args.io_timeout, max_requests=args.max_requests,
-                         max_namespaces=args.max_namespaces)
+                         max_namespaces=args.max_namespaces,
+                         max_quarantine=args.max_quarantine)
     try:
         server.start()
     except OSError as e:

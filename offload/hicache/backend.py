@@ -17,7 +17,7 @@ threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages m
 between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
 (flat page tensors, `offload.hicache.legacy`). `clear` deletes every namespace of the rank;
 `describe_l3_object_layout` answers SGLang's L3 layout handshake (`offload.hicache.l3_layout`).
-`close` closes the store. `HICACHE_CAPABILITIES` tells SGLang (patches/0010-0014) what it may
+`close` closes the store. `HICACHE_CAPABILITIES` tells SGLang (patches/0010-0015) what it may
 ask beyond the base interface, as it grants Mooncake by name.
 
 Data path: every call returns per-page success; nothing raises into SGLang. A failed or corrupt
@@ -132,7 +132,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
     """SGLang HiCache storage backend over an `offload` block store (see the module docstring)."""
 
     # What SGLang may ask of this backend beyond the base interface; read from the class, before
-    # construction, by the capability gates of patches/0010-0014 (`has_capability`).
+    # construction, by the capability gates of patches/0010-0015 (`has_capability`).
     HICACHE_CAPABILITIES = frozenset({
         "zero_copy_v1",            # batch_get_v1 / batch_set_v1 by host page index
         "rank_sharded_draft",      # MHA draft pools of an MLA model, written by every TP rank
@@ -182,7 +182,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
 
     @property
     def storage_writer(self) -> bool:
-        """Whether SGLang's controller should back KV pages up on this rank (patches/0015)."""
+        """Whether SGLang's controller should back KV pages up on this rank (patches/0014)."""
         return self.is_writer
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

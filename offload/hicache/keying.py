@@ -7,15 +7,18 @@ Primitives (control path, pure functions of SGLang's `HiCacheStorageConfig` and 
   object per head group of `total heads / tp_lcm_size` heads, in absolute group order, so a TP2
   and a TP4 replica key the same heads identically (Mooncake's lcm-rank keys, SGLang's unified
   scheme's `_H{head_group}` coordinate). `KeyPlan.keys(page_hashes)` gives the block keys,
-  page-major / group-minor; `KeyPlan.blocks(pages, start)` the matching zero-copy buffers.
+  page-major / group-minor; `KeyPlan.blocks(chunks)` cuts one page's buffers into its objects.
+- `replica_plan(sc, host_pool, salt)`: the plan of an allocator-only MLA pool (MLA host dedup's
+  non-source ranks: no buffer; `allocator_only_mla(pool)` tells one).
 - `storage_writer(sc, dp_attention)`: whether this rank writes the KV pages (see below).
-- `metrics_rank(...)`: the rank that offsets the metrics port, distinct on one host.
+- `metrics_rank(sc, model_ranks())`: the rank that offsets the metrics port, distinct on a host.
 - `refuse_layout(host_pool)`: a `ConfigError` for a host layout we cannot serve, else None.
+- `group_ok`, `leading`: per-page flags from per-object flags; the leading run of hits.
 
 Writers: SGLang's `is_storage_writer` is TP rank == DCP rank for MLA. Without DP attention that
 TP rank is global, so under attention context parallelism (each CP rank holds a disjoint slice of
 every page, and the namespace carries the CP rank) only CP shard 0 would ever be written. Here the
-writer is attention-TP rank == DCP rank inside every CP shard (patches/0015 lets SGLang's
+writer is attention-TP rank == DCP rank inside every CP shard (patches/0014 lets SGLang's
 controller ask the backend). Head-split (lcm) keys need `page_head`, a zero-copy pool and heads
 divisible by the split; anything else is refused at attach.
 """

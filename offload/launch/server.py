@@ -5,8 +5,8 @@ Primitives:
 - `LaunchedServer.start(config, log, url, python, env, launch_args, extra)`: `python -m offload.cli
   launch --config FILE [LAUNCH_ARGS] [-- EXTRA]` in its own session (SGLang and its scheduler /
   detokenizer children share its process group), stdout and stderr to `log`;
-  `wait_ready(timeout)` polls `/model_info` until the server answers, its process exits
-  (RunError with the log's tail) or the time is up.
+  `wait_ready(timeout)` polls `/model_info` until SGLang answers, its process exits (RunError
+  naming the log; `tail()` reads its last lines) or the time is up.
 - `generate(prompt or token ids, max_new_tokens) -> Reply`: one greedy `/generate` request (text,
   or `input_ids` for an exact length with any model); the reply's text, token ids,
   `cached_tokens`, SGLang's breakdown (device / host / storage tokens) and the seconds to the
@@ -112,17 +112,17 @@ class LaunchedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RunError(f"the server exited with {self.proc.returncode} before it answered; "
-                               f"log {self.log}:\n{self.tail()}")
-            try:
+                raise RunError(f"the server exited with {self.proc.returncode} before it answered "
+                               f"(its log: {self.log})")
+            try:       # SGLang's answer names the model (not some other server on the port)
                 with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
-                    if r.status == 200:
+                    if r.status == 200 and "model_path" in json.loads(r.read() or b"{}"):
                         return
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, ValueError, TypeError):
                 pass
             time.sleep(0.5)
-        raise RunError(f"the server did not answer {self.url} within {timeout:.0f} s; log "
-                       f"{self.log}:\n{self.tail()}")
+        raise RunError(f"the server did not answer {self.url} within {timeout:.0f} s (its log: "
+                       f"{self.log})")
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 8, timeout: float = 600.0
                  ) -> Reply:

@@ -1,6 +1,6 @@
 """Issue 20, ranks: decode context parallel, one writer per attention-CP shard, metrics ports
 across DP-attention groups, and the L3 object-layout handshake; SGLang's own classes on CPU
-(with the patched SGLang of patches/0010-0014)."""
+(with the patched SGLang of patches/0010-0015)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""Issue 18, red team: a host that stalls its own NIXL endpoint cannot fill the agent's quarantine.
+
+Its PUTs' READs never finish (its process is stopped, UCX over TCP needs the target's progress),
+so every request past its budget leaves its slots quarantined. Before the bound, one tenant
+could hold the whole DRAM tier that way; now what its transfers hold is capped per host key
+(`--max-quarantine`) and another tenant keeps its service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from offload.agent import protocol
+from tests.agent.conftest import needs_nixl
+from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file
+
+# A host process owning a NIXL endpoint with registered memory; prints its metadata and address,
+# then every notification it receives (the proof nonce), until it is stopped.
+STALLED_HOST = """
+import sys, time
+import numpy as np
+from offload.agent import nixl_util
+a = nixl_util.make_agent("attacker")
+buf = np.full(int(sys.argv[1]), 0xEE, np.uint8)
+a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+print(a.get_agent_metadata().hex(), buf.ctypes.data, flush=True)
+while True:
+    for msgs in a.get_new_notifs().values():
+        for m in msgs:
+            print(bytes(m).hex(), flush=True)
+    time.sleep(0.01)
+"""
+
+BLOCK, BLOCKS = 1 << 20, 4
+LIMIT = 4 << 20
+
+
+@needs_nixl
+def test_a_stalled_host_cannot_fill_the_quarantine(tmp_path: Path, agent_factory, monkeypatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    agent = agent_factory("--memory", "--capacity", "256MiB", "--memory-reserve", "16MiB",
+                          "--keys-file", str(keys_file(tmp_path, SECRETS)),
+                          "--max-quarantine", str(LIMIT))
+    child = subprocess.Popen([sys.executable, "-c", STALLED_HOST, str(BLOCK * BLOCKS)],
+                             stdout=subprocess.PIPE, env=dict(os.environ), text=True)
+    victim = None
+    try:
+        assert child.stdout is not None
+        md, addr_s = child.stdout.readline().split()
+        addr = int(addr_s)
+        raw = Raw(agent, "attacker", bytes.fromhex(md))
+        assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl
+        note = bytes.fromhex(child.stdout.readline().strip())
+        nonce = note[len(protocol.PROOF_MAGIC) + protocol.PROOF_TAG_BYTES:]
+        assert raw.call(protocol.PROVE, protocol.Prove([nonce]))[0] == protocol.Empty()
+        child.send_signal(signal.SIGSTOP)          # its endpoint stops answering: READs hang
+        refused = 0
+        for r in range(8):
+            keys = [NS["attacker"].key(f"s{r}-{i}") for i in range(BLOCKS)]
+            reply = raw.call(protocol.PUT, protocol.Blocks(
+                keys=keys, sizes=[BLOCK] * BLOCKS, budget_ms=1,
+                descs=[[(addr + i * BLOCK, BLOCK)] for i in range(BLOCKS)]))[0]
+            refused += isinstance(reply, protocol.ErrorReply) and "quarantine" in reply.message
+        stats = raw.call(protocol.STATS, protocol.Empty())[0]
+        assert isinstance(stats, protocol.StatsReply)
+        held = stats.fields.get("agent_quarantined_bytes_now", 1 << 62)
+        assert held <= LIMIT + BLOCK * BLOCKS, f"{held} bytes quarantined, limit {LIMIT}"
+        assert refused >= 1 and stats.fields["agent_rejected_quarantine"] == refused
+        # Another tenant is not affected by what the attacker's transfers hold.
+        victim = host(agent, "victim")
+        pool = np.frombuffer(os.urandom(BLOCK), np.uint8).copy()
+        out = np.zeros(BLOCK, np.uint8)
+        victim.register_region(pool)
+        victim.register_region(out)
+        k = NS["victim"].key("v")
+        assert victim.put_many([k], [[memoryview(pool)]]) == [True]
+        assert victim.get_many([k], [[memoryview(out)]]) == [True]
+        assert np.array_equal(out, pool)
+    finally:
+        child.kill()
+        child.wait(10)
+        if victim is not None:
+            victim.close()
