@@ -6,7 +6,8 @@ agent keys file (per-host credentials) it must be the host's entry there and `se
 secret; it must match `protocol.HOST_PATTERN`. This process's NIXL agent is named `name/pid-id`
 (the agent accepts NIXL metadata only under the authenticated host's name, and uses it only once
 each connection proved the endpoint its own: `proof_nonces` collects the nonces the agent sends
-to this NIXL agent, which the connection echoes).
+to this NIXL agent, which the connection echoes, and `proof_area` holds the MAC of each, under
+the connection's key, in registered memory while the agent reads it back through the endpoint).
 Register the host KV pool once; then `put_many` / `get_many` on
 buffers inside it send only keys and (address, length) descriptors, and the agent moves the bytes
 itself with NIXL (READ from this host for a put, WRITE into it for a get), so this process copies
@@ -41,6 +42,8 @@ from offload.store.base import Buffer, StoreStats
 
 log = logging.getLogger(__name__)
 NIXL_BATCH_BYTES = 256 << 20      # bytes moved by one NIXL request (bounded work per deadline)
+PROOF_SLOTS = 16                  # connections of this process proving their endpoint at once
+_PROOF_SLOT = protocol.MAX_PROOF_NONCES * protocol.PROOF_MAC_BYTES
 
 
 class AgentStore:
@@ -69,7 +72,8 @@ class AgentStore:
         settings = ConnSettings(self.address, secret, self.host_name, transport, timeout_s)
         hooks = ConnHooks(is_down=lambda: time.monotonic() < self.down_until,
                           mark_down=self.mark_down, nixl_metadata=self.nixl_metadata,
-                          namespaces=self.namespaces, proof_nonces=self.proof_nonces)
+                          namespaces=self.namespaces, proof_nonces=self.proof_nonces,
+                          proof_area=self.proof_area)
         # Several connections so that a prefetch (get) need not wait behind a backup (put).
         self._conns = [AgentConn(settings, hooks) for _ in range(max(1, connections))]
         self._next = 0
@@ -78,6 +82,8 @@ class AgentStore:
         self._regs: list[Any] = []
         self._namespaces: dict[bytes, Namespace] = {}
         self._proofs: dict[bytes, list[bytes]] = {}   # proof tag -> nonces received (NIXL)
+        self._proof_area: Any = None                   # registered: proof MACs, one slot each
+        self._proof_free: list[int] = []
 
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: Any = None) -> "AgentStore":
@@ -110,12 +116,45 @@ class AgentStore:
         with self._lock:
             if self._nixl is None:
                 self._nixl = nixl_util.make_agent(self.nixl_name)
+                self._register_proof_area()
             self._regs.append(self._nixl.register_memory([(addr, size, 0, "")], "DRAM"))
             self._regions.append((addr, addr + size))
         for c in self._conns:     # the next request says hello again, with the new metadata
             with c.lock:
                 c.drop()
         self.down_until = 0.0
+
+    def _register_proof_area(self) -> None:
+        """Registered memory where a connection proving its endpoint puts its MACs (lock held)."""
+        import numpy as np
+
+        self._proof_area = np.zeros(PROOF_SLOTS * _PROOF_SLOT, np.uint8)
+        self._regs.append(self._nixl.register_memory(
+            [(self._proof_area.ctypes.data, self._proof_area.nbytes, 0, "")], "DRAM"))
+        self._proof_free = list(range(PROOF_SLOTS))
+
+    @contextmanager
+    def proof_area(self, macs: list[bytes]) -> Iterator[int | None]:
+        """Where `macs` lie, back to back, in registered memory while the agent reads them
+        (PROVE); None when every slot is in use or NIXL is not loaded."""
+        import numpy as np
+
+        with self._lock:
+            area = self._proof_area
+            i = self._proof_free.pop() if area is not None and self._proof_free else None
+        if i is None:
+            yield None
+            return
+        view = area[i * _PROOF_SLOT:(i + 1) * _PROOF_SLOT]
+        data = b"".join(macs)[:_PROOF_SLOT]
+        try:
+            view[:len(data)] = np.frombuffer(data, np.uint8)
+            yield int(area.ctypes.data) + i * _PROOF_SLOT
+        finally:
+            view[:] = 0
+            with self._lock:
+                if self._proof_area is area:
+                    self._proof_free.append(i)
 
     def _descs(self, bufs: Sequence[Any]) -> list[tuple[int, int]] | None:
         """(address, length) per buffer if all lie in registered memory, else None."""
@@ -337,4 +376,4 @@ class AgentStore:
                         log.debug("deregistering host memory: %s", e)
                 self._regs.clear()
                 self._regions.clear()
-                self._nixl = None
+                self._nixl = self._proof_area = None

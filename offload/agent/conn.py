@@ -2,11 +2,13 @@
 
 Primitives: `ConnSettings` (address, secret, host name, transport, timeout) and `ConnHooks` (what
 the connection asks of its store: is the agent marked down, mark it down, this host's NIXL
-metadata, its namespaces, the proof nonces its NIXL agent received), both handed in by the store;
+metadata, its namespaces, the proof nonces its NIXL agent received, registered memory to put
+their MACs in), both handed in by the store;
 `AgentConn(settings, hooks)`; `.lock` serialises its use; `.connect()` opens the connection
 (handshake, HELLO with this host's NIXL metadata — sent as METADATA after the HELLO when larger
 than the agent's pre-authentication limit — then PROVE: the nonce the agent sent to this host's
-NIXL endpoint, echoed; namespaces re-sent) unless open; `.request(op, msg, payload)` sends one
+NIXL endpoint, echoed, with the address where its MAC under this connection's key lies for the
+agent to read back; namespaces re-sent) unless open; `.request(op, msg, payload)` sends one
 frame and returns the decoded reply and its payload, all within `timeout_s` (one deadline per
 request, not per `recv`); `.drop()`. Any failure marks the agent down (`hooks.mark_down`) and
 raises `Down`; an ERROR reply raises `Refused` and keeps the connection.
@@ -19,7 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 from offload.agent import protocol
 from offload.agent.access import register_msg
@@ -53,6 +55,7 @@ class ConnHooks:
     nixl_metadata: Callable[[], bytes | None]
     namespaces: Callable[[], list[Namespace]]
     proof_nonces: Callable[[bytes, float], list[bytes]]
+    proof_area: Callable[[list[bytes]], ContextManager[int | None]]
 
 
 class AgentConn:
@@ -116,11 +119,18 @@ class AgentConn:
             log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
                         "the control connection", *self.settings.address)
             return False
-        try:
-            self._send(protocol.PROVE, protocol.Prove(nonces[-protocol.MAX_PROOF_NONCES:]))
-            return True
-        except Refused:
-            return False
+        nonces = nonces[-protocol.MAX_PROOF_NONCES:]
+        assert self.ch is not None
+        with self.hooks.proof_area([self.ch.proof(n) for n in nonces]) as addr:
+            if addr is None:
+                log.warning("agent %s:%d: no proof slot free; bytes travel on the control "
+                            "connection", *self.settings.address)
+                return False
+            try:
+                self._send(protocol.PROVE, protocol.Prove(nonces, addr))
+                return True
+            except Refused:
+                return False
 
     def request(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
                 ) -> tuple[protocol.Msg, memoryview]:

@@ -10,7 +10,10 @@ Primitives:
   names (a NIXL notification), `prove(name, md)` marks it usable once the host echoed it over
   its authenticated connection, `proven(name)`; newer metadata under the name is unproven again
   (a renamed copy of another host's metadata names that host's endpoint, which never tells the
-  presenter the nonce). `covers(name, descs)`: descriptors lie in memory the peer registered.
+  presenter the nonce). `read_back(name, addr, n, deadline, owner)`: `n` bytes of the peer's
+  registered memory, NIXL READ through its endpoint (how the proof is checked: the host writes
+  a MAC only it can compute there). `covers(name, descs)`: descriptors lie in memory the peer
+  registered.
   `.quarantine`: the memory its transfers past their deadline still hold
   (`offload.agent.quarantine`), freed for a peer's once NIXL forgot it.
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
@@ -38,6 +41,7 @@ from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
 from offload.agent.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
+ADDRESS_END = 1 << 64          # a descriptor must end below it: NIXL would wrap around
 
 
 class PeerError(Exception):
@@ -128,15 +132,48 @@ class Mover:
             return peer is not None and peer.proven
 
     def covers(self, name: str, descs: Sequence[tuple[int, int]]) -> bool:
-        """Whether every (address, length) lies in memory peer `name` registered (its metadata)."""
+        """Whether every (address, length) lies in memory peer `name` registered (its metadata).
+        An empty or wrapping descriptor never does (NIXL's own check computes the end modulo
+        2**64: a descriptor ending past 2**64 would pass it)."""
         if not descs:
             return True
+        if any(n <= 0 or a + n >= ADDRESS_END for a, n in descs):
+            return False
         try:
             dl = self.agent.get_xfer_descs([(a, n, 0) for a, n in descs], "DRAM")
             return bool(self.agent.check_remote_metadata(name, dl))
         except Exception as e:  # noqa: BLE001
             log.warning("checking descriptors of %s: %s", name, e)
             return False
+
+    def read_back(self, name: str, addr: int, n: int, deadline: float, owner: str
+                  ) -> bytes | None:
+        """`n` bytes at `addr` in the memory peer `name` registered, READ through its endpoint;
+        None if outside that memory or not read by `deadline` (its buffer then quarantined)."""
+        if not self.covers(name, [(addr, n)]):
+            return None
+        buf = mmap.mmap(-1, mmap.PAGESIZE)
+        base, _ = nixl_util.region_of(buf)
+        try:
+            reg = self.register(base, mmap.PAGESIZE)
+        except Exception as e:  # noqa: BLE001
+            log.warning("registering a proof buffer: %s", e)
+            buf.close()
+            return None
+
+        def close() -> None:
+            self.deregister(reg)
+            buf.close()
+
+        pending: list[Any] = []
+        ok = nixl_util.run_xfer(self.agent, "READ", [(base, n)], [(addr, n)], name, deadline,
+                                on_pending=pending.append)
+        if pending:
+            self.quarantine.hold(pending[0], name, 1, close, owner=owner, nbytes=mmap.PAGESIZE)
+            return None
+        data = buf[:n] if ok else None
+        close()
+        return data
 
     def peers(self) -> int:
         with self._lock:

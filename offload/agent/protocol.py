@@ -19,7 +19,10 @@ Primitives:
 - Proof of possession of a NIXL endpoint (version 2): the agent answers HELLO / METADATA that
   carry NIXL metadata with `nixl=True` only after it loaded the metadata and sent a fresh nonce
   to that endpoint as a NIXL notification (`PROOF_MAGIC | HelloReply.proof_tag | nonce`); the
-  host echoes it in PROVE over this channel, and only then are descriptors accepted.
+  host writes `Channel.proof(nonce)` (an HMAC under this connection's key) into memory it
+  registered and sends PROVE (the nonce, that address); the agent READs it back through the
+  endpoint, and only a match makes descriptors accepted. An observer who read the nonce on the
+  wire can echo it but cannot place the MAC in the endpoint's memory.
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
@@ -62,6 +65,8 @@ MAX_DESCS_PER_REQUEST = 32768
 PROOF_MAGIC = b"SGLP"               # a proof notification: magic | 16-byte tag | 32-byte nonce
 PROOF_TAG_BYTES = 16
 PROOF_NONCE_BYTES = 32
+PROOF_MAC_BYTES = 32                # `Channel.proof`: one per nonce of a PROVE, back to back
+PROOF_LABEL = b"sglang-offload-proof-v2"
 MAX_PROOF_NONCES = 8
 HOST_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$"   # no '/', spaces, quotes or control chars
 
@@ -168,10 +173,12 @@ class Metadata(Msg):
 
 
 class Prove(Msg):
-    """The nonces this host's NIXL agent received under the connection's proof tag."""
+    """The nonces this host's NIXL agent received under the connection's proof tag, and where
+    in its registered memory it wrote `Channel.proof` of each (`PROOF_MAC_BYTES` apart)."""
     nonces: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=PROOF_NONCE_BYTES,
                                                          max_length=PROOF_NONCE_BYTES)]],
                       msgspec.Meta(min_length=1, max_length=MAX_PROOF_NONCES)]
+    addr: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ErrorReply(Msg):
@@ -220,6 +227,10 @@ class Channel:
         self.max_body = max_body
         self._send_seq = 0
         self._recv_seq = 0
+
+    def proof(self, nonce: bytes) -> bytes:
+        """What the host writes into its registered memory for a proof nonce (PROVE)."""
+        return hmac.new(self._key, PROOF_LABEL + nonce, hashlib.sha256).digest()
 
     def _mac(self, direction: bytes, *parts: bytes | memoryview) -> bytes:
         h = hmac.new(self._key, direction, hashlib.sha256)

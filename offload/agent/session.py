@@ -13,7 +13,10 @@ Primitives: `Session(server, sock, peer).run()`. The first frame must be an auth
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
 - EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
-  (newer NIXL metadata of this connection; the peer it replaces is released).
+  (newer NIXL metadata of this connection; the peer it replaces is released), PROVE (the nonce
+  sent to the endpoint, echoed; the MAC of it under this connection's key, read back through
+  the endpoint at the address given). Requests with descriptors are refused while the host
+  key's quarantined transfers hold `server.max_quarantine` bytes.
 Keys of a namespace the host is not entitled to make the whole request refused (ERROR reply).
 A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
 with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
@@ -56,6 +59,7 @@ class Session:
         self.host = "?"
         self.admitted = False
         self.nixl_peer: str | None = None      # loaded; used only once proven (`_peer`)
+        self.ch: protocol.Channel | None = None
         self.proof_tag = os.urandom(protocol.PROOF_TAG_BYTES)
         self._challenge: tuple[str, bytes, bytes] | None = None    # (peer, nonce, metadata)
         self._described: set[bytes] = set()    # namespaces described to the store
@@ -75,6 +79,7 @@ class Session:
                          hello.host, why)
                 return
             self.admitted = True
+            self.ch = ch
             self._hello(ch, hello, frame.req_id)
             while not srv.stopping:
                 try:
@@ -152,14 +157,23 @@ class Session:
         self._challenge = (self.nixl_peer, nonce, loaded)
 
     def _prove(self, msg: protocol.Prove) -> None:
-        """One try per challenge: the nonce sent to the endpoint must come back."""
+        """One try per challenge: the nonce sent to the endpoint must come back, and the MAC of it
+        under this connection's key must be in the endpoint's memory where the host says."""
         c, self._challenge = self._challenge, None
         mover = self.server.mover
-        if c is None or mover is None or not any(hmac.compare_digest(n, c[1]) for n in msg.nonces) \
-                or not mover.prove(c[0], c[2]):
+        j = next((j for j, n in enumerate(msg.nonces) if c is not None and
+                  hmac.compare_digest(n, c[1])), None)
+        mac = None
+        if c is not None and mover is not None and j is not None and self.ch is not None:
+            mac = mover.read_back(c[0], msg.addr + j * protocol.PROOF_MAC_BYTES,
+                                  protocol.PROOF_MAC_BYTES,
+                                  time.monotonic() + self.server.io_timeout, self.staged.owner)
+        if c is None or mover is None or mac is None or self.ch is None \
+                or not hmac.compare_digest(mac, self.ch.proof(c[1])) or not mover.prove(c[0], c[2]):
             self.server.count("proofs_failed")
             raise RequestError("the NIXL endpoint of this connection is not proven (no pending "
-                               "challenge, a wrong nonce, or newer metadata meanwhile)")
+                               "challenge, a wrong nonce, its MAC not found in the endpoint's "
+                               "memory, or newer metadata meanwhile)")
         self.server.count("proofs")
         log.info("host %s (%s): NIXL endpoint %s proven", self.host, self.peer, c[0])
 

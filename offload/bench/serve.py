@@ -1,13 +1,16 @@
 """`sglang-offload bench serve`: time to first token of a real server, cold vs from each cache tier.
 
-For each prompt length (exact, as `input_ids`, so any model serves it): the prompt sent cold (a
-fresh store, nothing cached), sent again (an L1/L2 hit: SGLang's device and host pools), and -
-after a restart on the same store, L1/L2 empty - sent a third time (an L3 hit from the offload
-store). Each reply's cached tokens and its greedy output (which must equal the cold one) are
-recorded, and the store's blocks and bytes. Ratios are to the cold prefill measured in the same
-run. The server: started from `--config FILE` through `sglang-offload launch` (a free loopback
-port and a private store under `--dir`, removed at the end), or one already
-running at `--url` (no restart there: cold and L1/L2 only; fresh prompts make the cold row cold).
+For each prompt length (exact, as `input_ids`, so any model serves it), `--repeat` different
+prompts, each sent cold (a fresh store, nothing cached), sent again (an L1/L2 hit: SGLang's
+device and host pools), and - after a restart on the same store, L1/L2 empty - sent a third time
+(an L3 hit from the offload store); the median of the tries is reported, with every try. Each
+reply's cached tokens and its greedy output (which must equal the cold one) are recorded, and
+the store's blocks and bytes. Ratios are to the cold prefill measured in the same run. A short
+warm-up prompt goes through each phase first (the first load from the store pays one-off costs:
+its time is reported apart, `first_l3_request_s`). The server: started from `--config FILE`
+through `sglang-offload launch` (a free loopback port and a private store under `--dir`, removed
+at the end), or one already running at `--url` (no restart there: cold and L1/L2 only; fresh
+prompts make the cold row cold).
 
 Note, printed with the result: SGLang's `torch_native` attention (the CPU backend) recomputes
 attention over the whole prompt even when the prefix is cached
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +36,8 @@ from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
 
+PHASES = ("cold", "l1l2", "l3")
+WARM = 512            # tokens of the warm-up prompt, sent through each phase before any timing
 TORCH_NATIVE_NOTE = ("SGLang's torch_native attention recomputes attention over the whole prompt "
                      "even when the prefix is cached (srt/layers/attention/"
                      "torch_native_backend.py:128-172): a hit saves the cached tokens' "
@@ -53,6 +59,8 @@ OPTIONS = (
     Option(("--lengths",), "prompt lengths in tokens (comma-separated; on a GPU host up to "
            "131072)", "2048,4096,8192", _lengths),
     Option(("--max-new-tokens",), "tokens generated per request (greedy)", 8, count),
+    Option(("--repeat",), "prompts per length (each through every phase; medians reported)", 3,
+           count),
     Option(("--dir",), "where the private store goes (default: $TMPDIR)", None, work_dir),
     Option(("--start-timeout",), "seconds a server start may take", 600.0, positive),
     Option(("--phases",), "which to measure", "cold,l1l2,l3", names("cold", "l1l2", "l3")),
@@ -74,15 +82,6 @@ def _prompt(length: int, seed: int) -> list[int]:
     """Token ids in [10, 250): every model's vocabulary has them (the demo's byte tokens)."""
     r = random.Random(seed * 1_000_003 + length)
     return [r.randrange(10, 250) for _ in range(length)]
-
-
-def _row(name: str, r: Reply, cold: Reply | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"ttft_s": round(r.ttft_s, 4), "cached_tokens": r.cached_tokens,
-                           "cached_details": r.details}
-    if cold is not None and name != "cold":
-        row["same_output"] = r.output_ids == cold.output_ids
-        row["speedup"] = round(cold.ttft_s / r.ttft_s, 3) if r.ttft_s > 0 else None
-    return row
 
 
 def _config(src: str, store: Path, port: int) -> Path:
@@ -124,21 +123,32 @@ def run(args: Args) -> Outcome:
     return Outcome(result, 1 if bad else 0)
 
 
+def _summary(replies: list[Reply], cold: list[Reply] | None) -> dict[str, Any]:
+    """The median time to first token of a phase's tries, with what every try got."""
+    out: dict[str, Any] = {"ttft_s": round(statistics.median(r.ttft_s for r in replies), 4),
+                           "ttft_tries_s": [round(r.ttft_s, 4) for r in replies],
+                           "cached_tokens": min(r.cached_tokens for r in replies),
+                           "cached_details": replies[0].details}
+    if cold is not None:
+        out["same_output"] = all(r.output_ids == c.output_ids for r, c in zip(replies, cold))
+    return out
+
+
 def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed: int,
              result: dict[str, Any]) -> None:
     store = work / "store"
-    prompts = {n: _prompt(n, seed) for n in lengths}
-    cold: dict[int, Reply] = {}
+    prompts = {n: [_prompt(n, seed + 7919 * k) for k in range(args.repeat)] for n in lengths}
+    warm = _prompt(WARM, seed - 1)
     if args.url:
         server = LaunchedServer.at(args.url)
-        servers = [server]
         cfg, url = Path(), args.url
     else:
         port = free_port()
         cfg = _config(args.config, store, port)
         url = f"http://127.0.0.1:{port}"
         server = LaunchedServer.start(cfg, work / "server-1.log", url)
-        servers = [server]
+    servers = [server]
+    tries: dict[str, dict[int, list[Reply]]] = {p: {n: [] for n in lengths} for p in PHASES}
     try:
         if not args.url:
             server.wait_ready(args.start_timeout)
@@ -149,24 +159,36 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                                                      "page_size", "model_path")}
         if info.get("attention_backend") == "torch_native":
             result["note"] = TORCH_NATIVE_NOTE
+        for _ in range(2):                       # warm-up: the cold and the L1/L2 path once
+            server.generate(warm, args.max_new_tokens)
         for n in lengths:
-            cold[n] = server.generate(prompts[n], args.max_new_tokens)
-            result["rows"][str(n)]["cold"] = _row("cold", cold[n], None)
-            if "l1l2" in phases:
-                r = server.generate(prompts[n], args.max_new_tokens)
-                result["rows"][str(n)]["l1l2"] = _row("l1l2", r, cold[n])
+            for ids in prompts[n]:
+                tries["cold"][n].append(server.generate(ids, args.max_new_tokens))
+                if "l1l2" in phases:
+                    tries["l1l2"][n].append(server.generate(ids, args.max_new_tokens))
             print(f"  {n} tokens: cold and L1/L2 done", file=sys.stderr)
         if "l3" in phases:
             page = int(result["server"].get("page_size") or 64)
-            pages = sum((n - 1) // page for n in lengths)
-            wait_store(store, pages)
+            wait_store(store, sum((n - 1) // page * args.repeat for n in lengths)
+                       + (WARM - 1) // page)
             server.stop()
             server = LaunchedServer.start(cfg, work / "server-2.log", url)
             servers.append(server)
             server.wait_ready(args.start_timeout)
+            # the first load from the store pays one-off costs (SGLang JIT-loads its hash
+            # extension); it is timed and reported, not counted in the rows
+            result["first_l3_request_s"] = round(server.generate(warm, args.max_new_tokens)
+                                                 .ttft_s, 3)
             for n in lengths:
-                r = server.generate(prompts[n], args.max_new_tokens)
-                result["rows"][str(n)]["l3"] = _row("l3", r, cold[n])
+                tries["l3"][n] = [server.generate(ids, args.max_new_tokens) for ids in prompts[n]]
+        for n in lengths:
+            row = result["rows"][str(n)]
+            row["cold"] = _summary(tries["cold"][n], None)
+            for p in ("l1l2", "l3"):
+                if tries[p][n]:
+                    row[p] = _summary(tries[p][n], tries["cold"][n])
+                    row[p]["speedup"] = (round(row["cold"]["ttft_s"] / row[p]["ttft_s"], 3)
+                                         if row[p]["ttft_s"] > 0 else None)
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data}
     except (RunError, OSError) as e:
@@ -221,19 +243,23 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
     for i, p in enumerate(phases):
         xs = [j + i * width for j in range(len(lengths))]
         ys = [result["rows"][n].get(p, {}).get("ttft_s", 0) for n in lengths]
-        bars = ax1.bar(xs, ys, width, label=labels[p], hatch="//" if p == "cold" else "")
+        color = f"C{PHASES.index(p)}"                 # one color per phase in both panels
+        bars = ax1.bar(xs, ys, width, label=labels[p], color=color,
+                       hatch="//" if p == "cold" else "")
         ax1.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize="x-small", padding=2)
         if p != "cold":
             sp = [result["rows"][n].get(p, {}).get("speedup") or 0 for n in lengths]
-            b2 = ax2.bar(xs, sp, width, label=labels[p])
+            b2 = ax2.bar(xs, sp, width, label=labels[p], color=color)
             ax2.bar_label(b2, labels=[f"{y:.2f}x" for y in sp], fontsize="x-small", padding=2)
-    for ax, ylabel in ((ax1, "time to first token (s)"), (ax2, "speed-up over cold")):
+    for ax, ylabel, where in ((ax1, "time to first token (s)", "upper left"),
+                              (ax2, "speed-up over cold", "lower right")):
         ax.set_xticks([j + width * (len(phases) - 1) / 2 for j in range(len(lengths))],
                       [f"{int(n) // 1024}K" if int(n) >= 1024 else n for n in lengths])
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc=where)
         ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.15)
     ax2.axhline(1.0, color="black", linewidth=0.8)
     srv = result.get("server", {})
     fig.suptitle(title or f"sglang-offload bench serve: {srv.get('device')}, attention "

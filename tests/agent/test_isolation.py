@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,27 @@ def test_renamed_metadata_replay_reads_none_of_the_victims_memory(tenants) -> No
 
 
 @needs_nixl
+def test_a_nonce_read_on_the_wire_proves_nothing(tenants) -> None:
+    """An observer of the storage network reads the nonce the agent sends to the victim's endpoint
+    for the attacker's replayed metadata, and echoes it. Before the MAC read back, that proved the
+    victim's endpoint to the attacker: it then read the victim's pool into its own block."""
+    agent, victim, pool, md = tenants
+    bad = Raw(agent, "attacker", renamed(md, "attacker/replayed"))
+    assert isinstance(bad.info, protocol.HelloReply)
+    sniffed = victim.proof_nonces(bad.info.proof_tag, time.monotonic() + 5)   # the wire's bytes
+    assert sniffed, "the nonce never reached the victim's endpoint"
+    for addr in (pool.ctypes.data, pool.ctypes.data + 5 * PAGE):     # where the victim's bytes lie
+        reply, _ = bad.call(protocol.PROVE, protocol.Prove(sniffed, addr))
+        assert isinstance(reply, protocol.ErrorReply) and "not proven" in reply.message
+    ka = NS["attacker"].key("sniffed")
+    reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[ka], sizes=[PAGE],
+                                                      descs=[[(pool.ctypes.data, PAGE)]]))
+    assert refused_or_false(reply)
+    reply, data = bad.call(protocol.GET, protocol.Blocks(keys=[ka], sizes=[PAGE]))
+    assert reply.ok == [False] and bytes(data) != pool[:PAGE].tobytes()   # type: ignore[attr-defined]
+
+
+@needs_nixl
 def test_forged_descriptors_write_nothing_into_the_victims_memory(tenants) -> None:
     """The attacker stores its own block inline, then GETs it with descriptors that point at the
     victim's KV pool, through the replayed metadata."""
@@ -137,7 +159,7 @@ def test_an_endpoint_is_proven_again_after_each_metadata_update(tenants) -> None
     bad = Raw(agent, "attacker", mine.get_agent_metadata())
     info = bad.info
     assert isinstance(info, protocol.HelloReply) and info.nixl
-    reply, _ = bad.call(protocol.PROVE, protocol.Prove([os.urandom(32)]))     # a guess
+    reply, _ = bad.call(protocol.PROVE, protocol.Prove([os.urandom(32)], buf.ctypes.data))  # a guess
     assert isinstance(reply, protocol.ErrorReply)
     # A new challenge (METADATA), answered from what its own endpoint received: proven.
     bad.call(protocol.METADATA, protocol.Metadata(mine.get_agent_metadata()))
@@ -149,7 +171,8 @@ def test_an_endpoint_is_proven_again_after_each_metadata_update(tenants) -> None
         return bool(got)
 
     assert wait_for(nonce, 5)
-    assert bad.call(protocol.PROVE, protocol.Prove(got[-1:]))[0] == protocol.Empty()
+    buf[:32] = np.frombuffer(bad.ch.proof(got[-1]), np.uint8)   # its MAC, for the agent to read
+    assert bad.call(protocol.PROVE, protocol.Prove(got[-1:], buf.ctypes.data))[0] == protocol.Empty()
     ka = NS["attacker"].key("own")
     reply, _ = bad.call(protocol.PUT, protocol.Blocks(keys=[ka], sizes=[PAGE],
                                                       descs=[[(buf.ctypes.data, PAGE)]]))
@@ -298,3 +321,23 @@ def test_aborted_staging_transfer_never_lands_in_a_later_block(tmp_path: Path, a
         assert wrong == 0, f"{wrong} blocks were stored or served with another request's bytes"
     finally:
         s.close()
+
+
+@needs_nixl
+def test_descriptors_that_wrap_or_straddle_are_outside_the_registered_memory() -> None:
+    """NIXL's own check computes a descriptor's end modulo 2**64: (2**64 - 8, 16) 'lay in' any
+    registered region before the agent refused wrapping descriptors itself."""
+    from offload.agent import nixl_util
+    from offload.agent.mover import Mover
+
+    host_agent = nixl_util.make_agent("wrap-host")
+    buf = np.zeros(4 * PAGE, np.uint8)
+    host_agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    mover = Mover("wrap-agent")
+    peer = mover.add_peer(host_agent.get_agent_metadata(), 1, "wrap-host")
+    b, n = buf.ctypes.data, buf.nbytes
+    assert mover.covers(peer, [(b, n)]) and mover.covers(peer, [(b + PAGE, PAGE), (b, 8)])
+    for bad in ([(2**64 - 8, 16)], [(b + 8, 2**64 - 8)], [(b + n - 8, 16)], [(b - 8, 16)],
+                [(b, 0)], [(b, 8), (b + n, 8)]):
+        assert not mover.covers(peer, bad), bad
+    mover.drop_peer(peer, 1)

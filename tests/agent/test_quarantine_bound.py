@@ -20,8 +20,9 @@ from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
 from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file
 
-# A host process owning a NIXL endpoint with registered memory; prints its metadata and address,
-# then every notification it receives (the proof nonce), until it is stopped.
+# A host process owning a NIXL endpoint with registered memory: prints its metadata and address,
+# then the notification it receives (the proof nonce), then writes the proof's MAC it is given
+# at that address.
 STALLED_HOST = """
 import sys, time
 import numpy as np
@@ -30,11 +31,14 @@ a = nixl_util.make_agent("attacker")
 buf = np.full(int(sys.argv[1]), 0xEE, np.uint8)
 a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
 print(a.get_agent_metadata().hex(), buf.ctypes.data, flush=True)
-while True:
-    for msgs in a.get_new_notifs().values():
-        for m in msgs:
-            print(bytes(m).hex(), flush=True)
+notes = []
+while not notes:
+    notes = [bytes(m) for msgs in a.get_new_notifs().values() for m in msgs]
     time.sleep(0.01)
+print(notes[0].hex(), flush=True)
+buf[:32] = np.frombuffer(bytes.fromhex(sys.stdin.readline()), np.uint8)
+print("ok", flush=True)
+time.sleep(600)
 """
 
 BLOCK, BLOCKS = 1 << 20, 4
@@ -48,17 +52,21 @@ def test_a_stalled_host_cannot_fill_the_quarantine(tmp_path: Path, agent_factory
                           "--keys-file", str(keys_file(tmp_path, SECRETS)),
                           "--max-quarantine", str(LIMIT))
     child = subprocess.Popen([sys.executable, "-c", STALLED_HOST, str(BLOCK * BLOCKS)],
-                             stdout=subprocess.PIPE, env=dict(os.environ), text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ),
+                             text=True)
     victim = None
     try:
-        assert child.stdout is not None
+        assert child.stdout is not None and child.stdin is not None
         md, addr_s = child.stdout.readline().split()
         addr = int(addr_s)
         raw = Raw(agent, "attacker", bytes.fromhex(md))
         assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl
         note = bytes.fromhex(child.stdout.readline().strip())
         nonce = note[len(protocol.PROOF_MAGIC) + protocol.PROOF_TAG_BYTES:]
-        assert raw.call(protocol.PROVE, protocol.Prove([nonce]))[0] == protocol.Empty()
+        child.stdin.write(raw.ch.proof(nonce).hex() + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+        assert raw.call(protocol.PROVE, protocol.Prove([nonce], addr))[0] == protocol.Empty()
         child.send_signal(signal.SIGSTOP)          # its endpoint stops answering: READs hang
         refused = 0
         for r in range(8):

@@ -42,7 +42,8 @@ def test_plot_of_a_result(tmp_path: Path) -> None:
 def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -> None:
     cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
     res = subprocess.run([sys.executable, "-m", "offload.cli", "bench", "serve", "--config",
-                          str(cfg), "--lengths", "512", "--dir", str(tmp_path), "--json"],
+                          str(cfg), "--lengths", "512", "--repeat", "1", "--dir", str(tmp_path),
+                          "--json"],
                          capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "UCX_MODULES": "^ib"})
     assert res.returncode == 0, res.stderr[-4000:]

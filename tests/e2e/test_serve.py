@@ -68,14 +68,6 @@ def _assert_l3_hit(r: Reply, cold: Reply) -> None:
     assert r.details.get("storage", 0) > 0, r.details
 
 
-def test_restart_serves_the_repeated_prompt_from_l3(seeded: Seed, servers, tmp_path: Path) -> None:
-    s = servers(_copy(seeded, tmp_path))
-    _assert_l3_hit(s.generate(seeded.prompts[0]), seeded.cold[0])
-    again = s.generate(seeded.prompts[0])                    # now from L1/L2, same tokens
-    assert again.output_ids == seeded.cold[0].output_ids
-    assert again.cached_tokens == full_pages(seeded.cold[0].prompt_tokens)
-
-
 def _corrupt_one_block(store: Path) -> None:
     """Flip bytes in the middle of the first slab file's data (a block of the seeded prompts)."""
     slabs = sorted(p for p in store.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20)
@@ -100,10 +92,14 @@ def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_
     assert wait_metric(s, "sglang_offload_checksum_failures_total", "", 1, timeout=60) >= 1
 
 
-def test_sigkill_mid_write_back_then_restart_serves_correct_output(
+def test_restart_serves_from_l3_and_sigkill_mid_write_back_loses_nothing(
         seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
     store = _copy(seeded, tmp_path)
-    s = servers(store, name="before-kill")
+    s = servers(store, name="restart")                        # a restart: L1 and L2 are empty
+    _assert_l3_hit(s.generate(seeded.prompts[0]), seeded.cold[0])
+    again = s.generate(seeded.prompts[0])                    # now from L1/L2, same tokens
+    assert again.output_ids == seeded.cold[0].output_ids
+    assert again.cached_tokens == full_pages(seeded.cold[0].prompt_tokens)
     before = store_blocks(store)
     long = prompt(4 * TOKENS, 3)
     cold = s.generate(long)                  # its write-back starts as the reply is sent
