@@ -39,7 +39,8 @@ PATHS = ("cpu", "gds", "dpu")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # StoreStats counters exported as Prometheus counters: field -> (family attribute, label extra)
-_COUNTED = ("hits", "misses", "bytes_read", "bytes_written", "checksum_failures", "evictions")
+_COUNTED = ("hits", "misses", "bytes_read", "bytes_written", "checksum_failures", "evictions",
+            "damaged_rows", "index_busy")
 
 
 def multiprocess_dir() -> str | None:
@@ -66,6 +67,12 @@ class TierMetrics:
                                          tier, registry=reg)
         self.evictions = Counter(PREFIX + "evictions", "blocks evicted to keep the capacity cap",
                                  tier, registry=reg)
+        self.damaged_rows = Counter(PREFIX + "damaged_rows",
+                                    "index rows that failed the range checks (a miss, dropped)",
+                                    tier, registry=reg)
+        self.index_busy = Counter(PREFIX + "index_busy",
+                                  "data-path index waits past their deadline (a miss or a skip)",
+                                  tier, registry=reg)
         self.load_seconds = Histogram(PREFIX + "load_seconds",
                                       "time of one batch load (HiCache prefetch call)", ["path"],
                                       buckets=LATENCY_BUCKETS, registry=reg)
@@ -94,7 +101,8 @@ class TierMetrics:
         self.accepted = Counter(PREFIX + "worth_it_accepted_pages",
                                 "hit pages reported to SGLang for loading", registry=reg)
         for t in TIERS:  # every series exists from the start (rate() needs a first sample)
-            for fam in (self.hits, self.misses, self.checksum_failures, self.evictions):
+            for fam in (self.hits, self.misses, self.checksum_failures, self.evictions,
+                        self.damaged_rows, self.index_busy):
                 fam.labels(t)
             for d in ("read", "write"):
                 self.bytes.labels(t, d)

@@ -1,6 +1,7 @@
 """`sglang-offload bench store`: the block store against the raw disk it sits on, in one run.
 
-Measures, for block sizes 256 KiB ... 16 MiB: durable put (data fdatasync'ed and indexed), cold get
+Measures, for block sizes 256 KiB ... 16 MiB: durable put (timed until `flush()` returns: data
+fdatasync'ed and committed to the index, visible to every process), cold get
 (O_DIRECT, so the page cache is bypassed; on a buffered fallback the slabs are dropped from the page
 cache first) and warm get (the same blocks read again), each in GB/s and as a ratio to the raw
 O_DIRECT sequential bandwidth of the same directory, measured again beside each try (a shared or
@@ -101,6 +102,10 @@ def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> di
                 ks = keys[i:i + batch]
                 if not all(store.put_many(ks, [[v] for v in views[:len(ks)]])):
                     raise RuntimeError(f"put failed at block size {size}")
+            # put_many returns once the bytes are written; the store's promise is "visible once
+            # durable", so the put figure is time-to-durable: the last group commit counts too.
+            if not store.flush():
+                raise RuntimeError(f"put not made durable at block size {size}")
 
         def get() -> None:
             for i in range(0, n, batch):

@@ -37,12 +37,14 @@ def describe(backend: Any, sidecar_pool_specs: Sequence[Any], swa_trailing_pages
     if sc.attn_cp_size > 1 or sc.dcp_size > 1:
         return _disabled("Context-parallel shards are not enumerated by the offload layout",
                          page_size)
-    ranks = range(1 if sc.is_mla_model else sc.tp_size)
+    ranks = [replace(sc, tp_rank=r) for r in range(sc.tp_size)]
+    # Rank r's KV plan: MLA (and an anchor without pages) is one namespace for every rank.
+    shared = sc.is_mla_model or backend.pages is None
+    plans = [backend.plan if shared else kv_plan(
+        rank, backend.mem_pool_host, backend.pages, backend.cfg.store.salt) for rank in ranks]
     pools: list[dict] = []
     if backend.plan is not None:
-        digests = backend.plan.digests if sc.is_mla_model else [   # MLA: one shared namespace
-            d for r in ranks for d in kv_plan(replace(sc, tp_rank=r), backend.mem_pool_host,
-                                              backend.pages, backend.cfg.store.salt).digests]
+        digests = [d for plan in plans for d in plan.digests]
         pools.append({"pool": KV, "hit_policy": "all_pages",
                       "namespaces": _unique_hex(digests)})
     specs = {pool_str(s.pool_name): s for s in sidecar_pool_specs}
@@ -51,8 +53,9 @@ def describe(backend: Any, sidecar_pool_specs: Sequence[Any], swa_trailing_pages
         spec = specs.get(name)
         policy = pool_str(spec.hit_policy) if spec is not None else (
             "trailing_pages" if name in trailing else "all_pages")
-        digests = [build_pool(name, pool.host, backend.namespace, replace(sc, tp_rank=r),
-                              backend.is_writer)[0].digest for r in range(sc.tp_size)]
+        digests = [build_pool(name, pool.host, plan.namespaces[0] if plan is not None else
+                              backend.namespace, rank, backend.is_writer)[0].digest
+                   for rank, plan in zip(ranks, plans)]
         entry: dict[str, Any] = {"pool": name, "hit_policy": policy,
                                  "namespaces": _unique_hex(digests)}
         if policy == "trailing_pages":

@@ -50,6 +50,9 @@ class StoreStats:
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    damaged_rows: int = 0         # index rows that failed the range checks (a miss each, dropped)
+    index_busy: int = 0           # data-path index waits past their deadline (a miss / a skip)
+    bytes_reserved: int = 0       # slots held ahead for this process's puts (in bytes_used)
     extra: dict[str, object] = field(default_factory=dict)
 
 

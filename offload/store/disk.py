@@ -27,7 +27,8 @@ A slab found missing later (a read, a write, a sync) is dropped the same way.
 The data path (put/get/exists/delete) never raises (`never_raises`): it returns per-block flags and
 logs why. It never waits on the index longer than `DATA_LOCK_TIMEOUT_S` (`index_access.py`: reads
 and writes go through separate connections, so gets go on while a write waits); past that a read
-is a miss and a write is skipped, counted in `stats().extra["index_busy"]`.
+is a miss and a write is skipped, counted in `stats().index_busy`; an index row that fails the
+range checks is a miss for that block and dropped, counted in `stats().damaged_rows`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from offload.store.base import Buffer, StoreStats, never_raises, total_len
 from offload.store.commit import Committer
 from offload.store.disk_admin import DiskAdmin
 from offload.store.disk_slots import SlotAccess
+from offload.store.disk_spare import Spare
 from offload.store.disk_write import DiskWrites
 from offload.store.index import Freed, Index, Location
 from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
@@ -97,13 +99,16 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._touched: set[bytes] = set()
         self._last_touch_flush = time.monotonic()
         self._orphans: list[Location] = []  # pending slots of failed commits (under wlock)
+        self._spare = Spare()                  # reserved slots not written yet (under _lock)
+        self._written_back: list[Location] = []   # written slots to give back (under wlock)
+        self._not_ours: set[tuple[int, int]] = set()
         self.rebuilt_from: str | None = None
         self._ix = IndexAccess(self._open_index, lock_timeout_s)
         self._seq, keys = self._ix.reader.committed_keys()
         self._keys: set[bytes] = set(keys)
         self._commits = Committer(
             lambda segs: coalesce.sync_segments(self._slabs, self._pool, segs),
-            self._commit, self._committed, pending_bytes)
+            self._commit_reserved, self._committed, pending_bytes)
         self._closed = False
 
     @property
@@ -132,6 +137,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
             self._seq = -1
             if not self._ix.reopen(self._lock):
                 return False
+            self._spare.clear()   # the new index holds no reservation of ours
         got = self._ix.reader.changes_since(self._seq) if self._seq >= 0 else None
         if got is None:
             self._seq, keys = self._ix.reader.committed_keys()
@@ -153,6 +159,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
             self._slabs.forget(seg, sb)
             with self._lock:
                 self._keys.difference_update(gone)
+                self._spare.drop_segment(seg)
             log.error("slab %s is missing: its %d blocks are dropped", self._slabs.path(seg, sb),
                       len(gone))
 
@@ -227,10 +234,10 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         """Drop corrupt blocks, missing slabs and record last use: never waited for (a busy
         index leaves them for the next get)."""
         def run(index: Index) -> None:
-            if corrupt:
-                index.drop_corrupt(corrupt, self._free_slot)
+            if corrupt:   # a row kept (not the one read: put again meanwhile) stays a key
+                gone = index.drop_corrupt(corrupt, self._free_slot)
                 with self._lock:
-                    self._keys.difference_update(loc.key for loc in corrupt)
+                    self._keys.difference_update(gone)
             self._drop_missing(index)
             if touch:
                 self._flush_touches(index)
@@ -278,9 +285,12 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         with self._lock:
             blocks, used, cap = self._ix.reader.usage()
             s = StoreStats(**vars(self._stats))
+            spare = self._spare.nbytes()
         s.blocks, s.bytes_used, s.capacity = blocks, used, cap
+        s.damaged_rows, s.index_busy = self._ix.bad_rows, self._ix.busy
+        s.bytes_reserved = spare
         s.extra = {"o_direct": self.o_direct, "directory": self.directory,
-                   "rebuilt_from": self.rebuilt_from, "index_busy": self._ix.busy}
+                   "rebuilt_from": self.rebuilt_from}
         return s
 
     def close(self) -> None:
@@ -292,11 +302,22 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
                       "as a dead process's slots)")
         try:
             self._ix.write(self._flush_touches, control=True)
+            self._ix.write(self._give_back, control=True)
         except (sqlite3.Error, StoreError) as e:
-            log.warning("could not record last use times: %s", e)
+            log.warning("could not record last use times or give back reserved slots (the "
+                        "next open reclaims them): %s", e)
         self._pool.shutdown(wait=True)
         self._slabs.close()
         self._ix.close()
+
+    def _give_back(self, index: Index) -> None:
+        """This process's reserved slots back to the index (under the write lock)."""
+        with self._lock:
+            spare = self._spare.clear()
+        index.return_reserved(spare, self._owner, self._free_slot, punch=False)
+        written, self._written_back = self._written_back, []
+        index.return_reserved([(loc.slot_bytes, loc.seg, loc.slot) for loc in written],
+                              self._owner, self._free_slot, punch=True)
 
     def __enter__(self) -> "DiskStore":
         return self

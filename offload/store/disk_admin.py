@@ -81,10 +81,11 @@ class DiskAdmin:
             if corrupt:
                 still = self._ix.write(lambda index: index.drop_corrupt([loc], self._free_slot),
                                        control=True)
+                gone = still if isinstance(still, list) else []
                 with self._lock:
-                    self._keys.discard(loc.key)
-                    self._stats.checksum_failures += int(still)  # type: ignore[arg-type]
-                return bool(still)
+                    self._keys.difference_update(gone)
+                    self._stats.checksum_failures += len(gone)
+                return bool(gone)
             with self._lock:
                 return bool(self._ix.reader.locate([loc.key]))
 

@@ -23,8 +23,10 @@ from offload.store import coalesce, slab, slot_format
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
 from offload.store.commit import BUSY as COMMIT_BUSY
 from offload.store.commit import Batch, Committer
+from offload.store.disk_spare import RANGE_BYTES, RANGE_SHARE, Spare
 from offload.store.index import Allocation, Freed, Index, Location
 from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, IndexAccess
+from offload.store.index_schema import Reserved
 
 log = logging.getLogger("offload.store.disk")
 
@@ -54,6 +56,9 @@ class DiskWrites:
     _commits: Committer
     _orphans: list[Location]
     _owner: str
+    _spare: Spare                        # this process's reserved, never written slots
+    _written_back: list[Location]        # written reserved slots to give back (under wlock)
+    _not_ours: set[tuple[int, int]]      # (seg, slot) whose commit found the slot taken back
 
     def _refresh_keys(self) -> bool:
         raise NotImplementedError
@@ -95,23 +100,16 @@ class DiskWrites:
             log.warning("put: %d blocks skipped: the index commits fall behind", len(items))
             self._stats.put_skipped += len(items)
             return result
-        alloc = self._ix.write(self._allocate(items))
-        if alloc is BUSY:
+        new = self._slots_for(items)
+        if new is None:
             log.warning("put: %d blocks skipped: the index is busy", len(items))
             self._stats.put_skipped += len(items)
             return result
-        assert isinstance(alloc, Allocation)
-        for k in alloc.present:
-            for i in where[k]:
-                result[i] = True
-        for k, why in alloc.skipped.items():
-            log.warning("block %s not stored: %s", k.hex()[:16], why)
-            self._stats.put_skipped += 1
-        outcomes = coalesce.write_batch(self._slabs, self._pool, alloc.new,
-                                        [bufs_of[loc.key] for loc in alloc.new], time.time_ns(),
+        outcomes = coalesce.write_batch(self._slabs, self._pool, new,
+                                        [bufs_of[loc.key] for loc in new], time.time_ns(),
                                         self.cfg.io_threads, sync=False)
         batch = Batch([], [])
-        for loc, (err, csum) in zip(alloc.new, outcomes):
+        for loc, (err, csum) in zip(new, outcomes):
             if err:
                 log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
                 self._stats.put_skipped += 1
@@ -125,6 +123,55 @@ class DiskWrites:
         if batch.locs or batch.failed:
             self._commits.submit(batch)
         return result
+
+    def _slots_for(self, items: list[tuple[bytes, int, int, int]]) -> list[Location] | None:
+        """Slots for (key, length, slot_bytes, _) items: from this process's reserved range, with
+        one reservation transaction only when the range runs out (None: the index is busy; a
+        block with no room is skipped, counted)."""
+        want: dict[int, int] = {}
+        for _, _, sb, _ in items:
+            want[sb] = want.get(sb, 0) + 1
+        with self._lock:
+            got = {sb: self._spare.take(sb, n) for sb, n in want.items()}
+        short = {sb: n - len(got[sb]) for sb, n in want.items() if len(got[sb]) < n}
+        why: dict[int, str] = {}
+        if short:
+            extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE))
+            res = self._ix.write(self._reserve({sb: (n, extra // sb) for sb, n in short.items()}))
+            if res is BUSY:
+                with self._lock:     # the slots taken stay this process's, for the next put
+                    self._spare.add(got)
+                return None
+            assert isinstance(res, Reserved)
+            why = res.short
+            with self._lock:
+                for sb, n in short.items():
+                    slots = res.slots.get(sb, [])
+                    got[sb] += slots[:n]
+                    self._spare.add({sb: slots[n:]})
+        new = []
+        for k, length, sb, _ in items:
+            if got[sb]:
+                seg, slot = got[sb].pop(0)
+                new.append(Location(k, seg, slot, sb, length, 0))
+            else:
+                log.warning("block %s not stored: %s", k.hex()[:16], why.get(sb, "no slot"))
+                self._stats.put_skipped += 1
+        return new
+
+    def _reserve(self, wants: dict[int, tuple[int, int]]) -> Callable[[Index], Reserved]:
+        """Reserve a range of slots for this process (under the write lock)."""
+        def run(index: Index) -> Reserved:
+            res = index.reserve(
+                wants, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
+                free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
+                segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
+                free_slot=self._free_slot, release=self._orphans, give_back=self._written_back)
+            self._orphans, self._written_back = [], []
+            self._stats.evictions += res.evicted
+            self._drop_missing(index)
+            return res
+        return run
 
     def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
         """Reserve slots (under the write lock; the key set refreshed)."""
@@ -164,7 +211,44 @@ class DiskWrites:
             self._orphans += mine
         return why
 
+    def _commit_reserved(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
+        """The committer's transaction for put slots (from the reserved range): '' done,
+        COMMIT_BUSY (retried), else why it failed (the slots are then given back, now or with
+        the next reservation). A slot no longer this process's is lost (see `_committed`)."""
+        def run(index: Index) -> list[Location]:
+            lost = index.commit_reserved(good, free, self._owner, self._free_slot)
+            self._drop_missing(index)
+            return lost
+
+        try:
+            lost = self._ix.write(run)
+            if lost is BUSY:
+                return COMMIT_BUSY
+            assert isinstance(lost, list)
+            self._not_ours.update((loc.seg, loc.slot) for loc in lost)
+            return ""
+        except (sqlite3.Error, OSError) as e:
+            why = f"index commit failed: {e}"
+        mine = [(loc.slot_bytes, loc.seg, loc.slot) for loc, _ in good] + \
+            [(loc.slot_bytes, loc.seg, loc.slot) for loc in free]
+        try:
+            if self._ix.write(lambda index: index.return_reserved(
+                    mine, self._owner, self._free_slot, punch=True)) is not BUSY:
+                return why
+        except (sqlite3.Error, OSError) as e:
+            log.warning("%d written slots not given back yet (%s): the next reservation does",
+                        len(mine), e)
+        with self._ix.wlock:
+            self._written_back += [loc for loc, _ in good] + free
+        return why
+
     def _committed(self, done: list[Location], lost: list[Location], why: str) -> None:
+        if self._not_ours:   # their slots were taken back (a rebuild, a reclaim): not stored
+            gone = [loc for loc in done if (loc.seg, loc.slot) in self._not_ours]
+            self._not_ours.difference_update((loc.seg, loc.slot) for loc in gone)
+            done = [loc for loc in done if loc not in gone]
+            lost = lost + gone
+            why = why or "its slot was no longer this process's"
         with self._lock:
             self._keys.update(loc.key for loc in done)
             self._stats.puts += len(done)

@@ -6,11 +6,12 @@ opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B p
 schema and row types are in `index_schema.py`; the `changes` log lets every process keep an
 in-memory set of committed keys up to date with one indexed query.
 
-Lifecycle of a block: `allocate` (state PENDING, owned by this process, its slot counted against the
-capacity; one unsynced transaction per batch) -> bytes written and made durable by the caller ->
-`finish` (state COMMITTED, visible; one synced transaction per batch, which also makes the
-reservation durable) or its slot freed. Pending rows of dead processes are reclaimed on open and
-under pressure. Every call costs a few statements per batch, not per block.
+Lifecycle of a block (`index_alloc.py`, mixed in): its slot is held first — from a range of slots
+the process reserved ahead (`reserve`, the put path) or as a PENDING row (`allocate`, the slot
+path) — counted against the capacity; the bytes are written and made durable by the caller; then
+one synced transaction per group makes it COMMITTED, visible (`commit_reserved` / `finish`), or
+its slot is freed. What dead processes held is reclaimed on open and under pressure. Here: reads,
+deletes, corrupt-row drops, tombstones, segments, the rebuild's bulk insert and maintenance.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from offload.store import cachedir
+from offload.store.index_alloc import IndexAlloc
 from offload.store.index_repair import ROW, checked, drop_bad, retry_tombstones
 from offload.store.index_schema import (
     CHANGES_KEPT,
@@ -30,7 +32,6 @@ from offload.store.index_schema import (
     MAX_VARS,
     OP_COMMIT,
     OP_DELETE,
-    PENDING,
     SCHEMA,
     SCHEMA_VERSION,
     SIDE_FILES,
@@ -40,12 +41,11 @@ from offload.store.index_schema import (
     Txn,
     signed,
 )
-from offload.store.owner import owner_alive
 
 log = logging.getLogger(__name__)
 
 
-class Index:
+class Index(IndexAlloc):
     """One SQLite connection; callers serialise access (DiskStore holds a lock)."""
 
     def __init__(self, path: str):
@@ -157,113 +157,28 @@ class Index:
 
     # ---- writes -------------------------------------------------------------------------------
 
-    def allocate(self, items: Sequence[tuple[bytes, int, int, int]], owner: str, *,
-                 high: float, low: float, free_bytes: Callable[[], int], min_free: int,
-                 segment_size: int, create_segment: Callable[[int, int, int], None],
-                 free_slot: Callable[[Freed], None],
-                 release: Sequence[Location] = ()) -> Allocation:
-        """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed.
-
-        One transaction, with a handful of statements per batch (not per block), and not synced:
-        a reservation lost in a power cut only leaves free slots (its blocks were never
-        visible); the `finish` that makes them visible syncs the log, reservation included.
-        `release`: this process's pending slots whose commit failed and whose release failed too
-        (e.g. disk full): freed first, in the same transaction, so their keys are storable again.
-        """
-        res = Allocation([], [], {}, [], 0)
-        now = time.time()
-        with self.txn(durable=False):
-            if release:
-                self._release(release, free_slot)
-            states = self._states([k for k, *_ in items])
-            todo = []
-            for item in items:
-                st = states.get(item[0])
-                if st == COMMITTED:
-                    res.present.append(item[0])
-                elif st == PENDING:
-                    res.skipped[item[0]] = "being written by another process"
-                else:
-                    todo.append(item)
-                    states[item[0]] = PENDING
-            need = sum(sb for _, _, sb, _ in todo)
-            if not todo:
-                return res
-            cap, used = self._meta("capacity"), self._meta("used")
-            fs_free = free_bytes()
-            shortfall = max(used + need - int(high * cap), min_free + need - fs_free, 0)
-            if shortfall > 0:
-                target = max(used + need - int(low * cap), min_free + need - fs_free)
-                res.evicted, res.freed = self._evict(target, free_slot)
-                used = self._meta("used")
-                fs_free += sum(f.slot_bytes for f in res.freed)
-            by_size: dict[int, list[tuple[bytes, int, int]]] = {}
-            taken = 0
-            for key, length, sb, csum in todo:
-                if used + sb > cap or fs_free - sb < min_free:
-                    res.skipped[key] = (f"store full (used {used} + {sb} > capacity {cap})"
-                                        if used + sb > cap else
-                                        f"file system full ({fs_free} bytes free, keeping "
-                                        f"{min_free})")
-                    continue
-                by_size.setdefault(sb, []).append((key, length, csum))
-                used += sb
-                fs_free -= sb
-                taken += sb
-            rows = []
-            for sb, group in by_size.items():
-                for (key, length, csum), (seg, slot) in zip(
-                        group, self._take_slots(sb, len(group), segment_size, create_segment)):
-                    rows.append((key, seg, slot, length, sb, signed(csum), PENDING, owner, now,
-                                 now))
-                    res.new.append(Location(key, seg, slot, sb, length, csum))
-            self.db.executemany("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)", rows)
-            self._add_used(taken)
-        return res
-
-    def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
-        out: dict[bytes, int] = {}
-        for i in range(0, len(keys), MAX_VARS):
-            chunk = keys[i:i + MAX_VARS]
-            q = f"SELECT key, state FROM blocks WHERE key IN ({','.join('?' * len(chunk))})"
-            out.update(self.db.execute(q, chunk).fetchall())
-        return out
-
-    def _take_slots(self, sb: int, n: int, segment_size: int,
-                    create_segment: Callable[[int, int, int], None]) -> list[tuple[int, int]]:
-        """n slots of `sb` bytes: freed ones first (in slab order), then the unused tails of
-        segments (consecutive, so a batch is written with few calls), then new segments."""
-        out: list[tuple[int, int]] = self.db.execute(
-            "SELECT seg, slot FROM free_slots WHERE slot_bytes=? ORDER BY seg, slot LIMIT ?",
-            (sb, n)).fetchall()
-        self.db.executemany("DELETE FROM free_slots WHERE slot_bytes=? AND seg=? AND slot=?",
-                            ((sb, seg, slot) for seg, slot in out))
-        while len(out) < n:
-            row = self.db.execute("SELECT seg, next_slot, nslots FROM segments WHERE slot_bytes=? "
-                                  "AND next_slot < nslots LIMIT 1", (sb,)).fetchone()
-            if row is None:
-                nslots = max(1, segment_size // sb)
-                seg = self.db.execute("SELECT coalesce(max(seg), 0) + 1 FROM segments").fetchone()[0]
-                create_segment(seg, sb, nslots)
-                self.db.execute("INSERT INTO segments VALUES(?,?,?,0)", (seg, sb, nslots))
-                row = (seg, 0, nslots)
-            seg, first, nslots = row
-            k = min(n - len(out), nslots - first)
-            self.db.execute("UPDATE segments SET next_slot=? WHERE seg=?", (first + k, seg))
-            out += [(seg, slot) for slot in range(first, first + k)]
-        return out
-
     def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
                    free_slot: Callable[[Freed], None]) -> list[Freed]:
-        """Delete rows (key, seg, slot, slot_bytes, state): slots freed, used bytes returned.
+        """Delete rows (key, seg, slot, slot_bytes, state): slots freed (`_recycle`), used bytes
+        returned."""
+        rows = list(rows)
+        if rows:
+            self.db.executemany("DELETE FROM blocks WHERE key=?", ((r[0],) for r in rows))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
+            self._add_used(-sum(r[3] for r in rows))
+        return self._recycle([(sb, seg, slot) for _, seg, slot, sb, _ in rows], free_slot)
+
+    def _recycle(self, slots: Sequence[tuple[int, int, int]],
+                 free_slot: Callable[[Freed], None]) -> list[Freed]:
+        """Punch (slot_bytes, seg, slot) slots and list them free (used bytes: the caller's).
 
         `free_slot` punches the slot (its header stops naming the block) or raises OSError; a
         slot it could not punch becomes a tombstone, never handed out, retried on a later free."""
-        rows = list(rows)
         if self.tombstones_pending:
             self.tombstones_pending = retry_tombstones(self.db, free_slot)
         freed, stuck = [], []
-        for _, seg, slot, sb, _ in rows:
+        for sb, seg, slot in slots:
             f = Freed(seg, slot, sb)
             try:
                 free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
@@ -273,82 +188,18 @@ class Index:
                     log.error("could not punch or zero freed slots (%s): kept as tombstones, "
                               "retried later", e)
             freed.append(f)
-        if rows:
-            self.db.executemany("DELETE FROM blocks WHERE key=?", ((r[0],) for r in rows))
+        if slots:
             gone = set(stuck)
             self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)",
-                                (r for r in ((sb, seg, slot) for _, seg, slot, sb, _ in rows)
-                                 if r not in gone))
+                                (r for r in slots if r not in gone))
             if stuck:
                 self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", stuck)
                 self.tombstones_pending = True
-            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
-                                ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
-            self._add_used(-sum(r[3] for r in rows))
         return freed
 
     def tombstoned(self) -> list[tuple[int, int, int]]:
         """(slot_bytes, seg, slot) of freed slots whose hole punch has not succeeded yet."""
         return self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
-
-    def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
-        freed: list[Freed] = []
-        self._reclaim_dead(free_slot, freed)
-        got = sum(f.slot_bytes for f in freed)
-        evicted = 0
-        while got < target:
-            rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE "
-                                   "state=1 ORDER BY atime LIMIT 64").fetchall()
-            if not rows:
-                break
-            chosen = []
-            for row in rows:
-                if got >= target:
-                    break
-                chosen.append(row)
-                got += row[3]
-            freed += self._free_rows(chosen, free_slot)
-            evicted += len(chosen)
-        return evicted, freed
-
-    def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
-        rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state, owner FROM blocks "
-                               "WHERE state=0").fetchall()
-        dead = [r[:5] for r in rows if not owner_alive(r[5])]
-        out += self._free_rows(dead, free_slot)
-
-    def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
-        out: list[Freed] = []
-        with self.txn():
-            self._reclaim_dead(free_slot, out)
-        return len(out)
-
-    def finish(self, committed: Sequence[tuple[bytes, int]], failed: Sequence[Location],
-               touched: Sequence[bytes], free_slot: Callable[[Freed], None]) -> None:
-        """Make written blocks visible; free the slots of blocks whose write failed."""
-        now = time.time()
-        with self.txn():
-            self.db.executemany("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
-                                "key=? AND state=0", ((signed(c), now, k) for k, c in committed))
-            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
-                                ((k, OP_COMMIT) for k, _ in committed))
-            self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
-                             for loc in failed), free_slot)
-            self._touch(touched, now)
-            self._trim_changes()
-
-    def _release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
-        rows = []
-        for loc in locs:
-            rows += self.db.execute(
-                "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
-                "AND slot=? AND +state=0", (loc.key, loc.seg, loc.slot)).fetchall()
-        return len(self._free_rows(rows, free_slot))
-
-    def release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
-        """Free pending slots (a failed commit): only rows still pending at that exact slot."""
-        with self.txn(durable=False):
-            return self._release(locs, free_slot)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         with self.txn():
@@ -368,10 +219,11 @@ class Index:
                     f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
             return len(self._free_rows(rows, free_slot))
 
-    def drop_corrupt(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+    def drop_corrupt(self, locs: Sequence[Location],
+                     free_slot: Callable[[Freed], None]) -> list[bytes]:
         """Delete blocks found corrupt, only if the index still holds the very row that was read:
         the same slot, checksum and generation (`created`). A block deleted and put again into
-        the same slot meanwhile is another row, and stays."""
+        the same slot meanwhile is another row, and stays. Returns the keys whose row went."""
         with self.txn():
             rows = []
             for loc in locs:
@@ -379,7 +231,8 @@ class Index:
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
                     "AND slot=? AND csum=? AND created=? AND +state=1",
                     (loc.key, loc.seg, loc.slot, signed(loc.csum), loc.created)).fetchall()
-            return len(self._free_rows(rows, free_slot))
+            self._free_rows(rows, free_slot)
+            return [r[0] for r in rows]
 
     def segment_names(self) -> set[tuple[int, int]]:
         """(seg, slot_bytes) of every segment the index names, dropped ones included."""
@@ -399,11 +252,14 @@ class Index:
             self.db.execute("DELETE FROM blocks WHERE seg=?", (seg,))
             self.db.execute("DELETE FROM free_slots WHERE seg=?", (seg,))
             self.db.execute("DELETE FROM tombstones WHERE seg=?", (seg,))
+            held = self.db.execute("SELECT coalesce(sum(slot_bytes), 0) FROM reserved WHERE seg=?",
+                                   (seg,)).fetchone()[0]
+            self.db.execute("DELETE FROM reserved WHERE seg=?", (seg,))
             self.db.execute("UPDATE segments SET nslots=0, next_slot=0 WHERE seg=?", (seg,))
             gone = [k for k, _, state in rows if state == COMMITTED]
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((k, OP_DELETE) for k in gone))
-            self._add_used(-sum(sb for _, sb, _ in rows))
+            self._add_used(-sum(sb for _, sb, _ in rows) - held)
         return gone
 
     def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:

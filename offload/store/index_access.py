@@ -49,6 +49,7 @@ class IndexAccess:
         self._open_writer = open_writer
         self.wlock = threading.Lock()
         self.busy = 0
+        self._bad_before = 0   # damaged rows seen by connections closed since (a reopen)
         self.writer, self.reader = self._open(timeout_s)
 
     def _open(self, timeout_s: float) -> tuple[Index, Index]:
@@ -81,12 +82,18 @@ class IndexAccess:
                 if not self.replaced():
                     return True
                 writer, reader = self._open(DATA_LOCK_TIMEOUT_S)  # StoreError: the caller misses
+                self._bad_before = self.bad_rows
                 self.writer.close()
                 self.reader.close()
                 self.writer, self.reader = writer, reader
                 return True
         finally:
             self.wlock.release()
+
+    @property
+    def bad_rows(self) -> int:
+        """Index rows that failed the range checks since this store opened (each dropped)."""
+        return self._bad_before + self.writer.bad_rows + self.reader.bad_rows
 
     def write(self, fn: Callable[[Index], T], control: bool = False,
               wait: float = DATA_LOCK_TIMEOUT_S) -> T | Busy:

@@ -1,15 +1,17 @@
 """The disk index's schema, row types and transactions (used by `index.py`; no queries here).
 
 Tables: `blocks` (key -> segment, slot, length, checksum, state, last use), `segments` (slot size and
-fill of each slab file), `free_slots`, `changes` (an append-only log of commits and deletions),
+fill of each slab file), `free_slots`, `reserved` (slots held by a live process for its next puts,
+counted in `used`; `index_alloc.py`), `changes` (an append-only log of commits and deletions),
 `meta` (schema version, capacity, bytes used) and `namespaces`. A checksum is an unsigned 64-bit
 value stored as SQLite's signed integer (`signed` / `unsigned`).
 
 Primitives: `SCHEMA`, the states `PENDING` / `COMMITTED`, the change ops, `Location` (where a block
 is; `created` is the row's generation, so a cleanup deletes only the row it read), `Freed` (a slot
-given back), `Allocation` (what `Index.allocate` did), `Txn` (BEGIN IMMEDIATE .. COMMIT, or ROLLBACK
-on an exception; `durable=False` commits without syncing the log), `row_problem` (the range checks
-every row read back passes before it addresses a slab).
+given back), `Allocation` (what `Index.allocate` did), `Reserved` (what `Index.reserve` did),
+`Txn` (BEGIN IMMEDIATE .. COMMIT, or ROLLBACK on an exception; `durable=False` commits without
+syncing the log), `row_problem` (the range checks every row read back passes before it addresses
+a slab).
 
 `tombstones` holds freed slots whose hole punch (or header zeroing) failed: their header may still
 name the deleted block, so they are never handed out and a rebuild does not bring them back; the
@@ -51,6 +53,9 @@ CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, key BL
   op INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS tombstones(slot_bytes INTEGER NOT NULL, seg INTEGER NOT NULL,
   slot INTEGER NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS reserved(slot_bytes INTEGER NOT NULL, seg INTEGER NOT NULL,
+  slot INTEGER NOT NULL, owner TEXT NOT NULL, PRIMARY KEY(slot_bytes, seg, slot)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS reserved_owner ON reserved(owner);
 CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT NOT NULL)
   WITHOUT ROWID;
 """
@@ -115,6 +120,14 @@ class Allocation:
     skipped: dict[bytes, str]    # key -> why not stored (busy, full)
     freed: list[Freed]           # evicted slots (already hole-punched by the caller's callback)
     evicted: int
+
+
+@dataclass
+class Reserved:
+    slots: dict[int, list[tuple[int, int]]]   # slot_bytes -> (seg, slot) now held by the process
+    short: dict[int, str]        # slot_bytes -> why fewer slots than needed (full)
+    evicted: int
+    freed: list[Freed]           # evicted slots (already hole-punched by the caller's callback)
 
 
 class Txn:

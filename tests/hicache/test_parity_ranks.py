@@ -185,6 +185,28 @@ def test_l3_object_layout_is_the_same_on_every_rank(tmp_path):
             b.close()
 
 
+@pytest.mark.parametrize("family", ["swa", "mamba", "indexer"])
+def test_l3_layout_with_sidecars_merges_across_ranks(tmp_path, family):
+    from tests.hicache.test_pools import _attach
+
+    extra = hp.extra(str(tmp_path / "kv"))
+    ranks = [_attach(family, extra, tp_rank=r, tp_size=2)[0] for r in (0, 1)]
+    try:
+        layouts = [b.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=2,
+                                               page_size=b.mem_pool_host.page_size)
+                   for b in ranks]
+        merged = hs.merge_l3_layouts(layouts)
+        assert merged["enabled"], merged
+        by_pool = {p["pool"]: p for p in merged["hicache_object_layout"]["pools"]}
+        for b in ranks:
+            pool = next(iter(b.pools.values()))
+            assert pool.digest.hex() in by_pool[pool.name]["namespaces"]
+            assert b.namespace.digest().hex() in by_pool["kv"]["namespaces"]
+    finally:
+        for b in ranks:
+            b.close()
+
+
 def test_mla_host_dedup_replica_reports_the_source_ranks_blocks(tmp_path):
     """MLA host dedup (patches/0015 admits us): rank 1's host pool has no buffer; it reports
     what rank 0 stored and moves no bytes (rank 0 loads and broadcasts them)."""

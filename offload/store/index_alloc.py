@@ -1,0 +1,357 @@
+"""Where new blocks go, mixed into `Index`: slots reserved, made visible, given back, reclaimed.
+
+Two ways to hold slots before a block is visible:
+- **Ranges** (the put path, `DiskStore.put_many`): `reserve` hands a process slots of given sizes
+  in one unsynced transaction (rows of `reserved`, owned by the process, counted in `used`): what
+  its puts need now and, without evicting for them, up to a range ahead (~256 MiB), which its next
+  puts take with no index transaction at all. `commit_reserved` (the group committer's synced
+  transaction) turns written slots into committed rows, but only slots this process still holds
+  (a rebuild or a reclaim may have taken them back: such a block is lost, never made visible);
+  a key another process committed meanwhile keeps its row, and this copy's slot is freed.
+  `return_reserved` gives slots back (unused ones as they are; written ones punched first).
+- **Pending rows** (the slot path of GDS: `allocate` -> `finish` / `release`): a `blocks` row in
+  state PENDING per key, owned by the process.
+Both are reclaimed from dead processes (`reclaim_dead`: on open, by `cache verify`, and before
+evicting under pressure); their slots are punched first, since a dead writer may have written them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Callable, Iterable, Sequence
+
+from offload.store.index_schema import (
+    COMMITTED,
+    MAX_VARS,
+    OP_COMMIT,
+    PENDING,
+    Allocation,
+    Freed,
+    Location,
+    Reserved,
+    Txn,
+    signed,
+)
+from offload.store.owner import owner_alive
+
+Slot = tuple[int, int, int]          # (slot_bytes, seg, slot)
+
+
+class IndexAlloc:
+    # provided by Index
+    db: sqlite3.Connection
+    tombstones_pending: bool
+
+    def txn(self, write: bool = True, durable: bool = True) -> Txn:
+        raise NotImplementedError
+
+    def _meta(self, name: str) -> int:
+        raise NotImplementedError
+
+    def _add_used(self, delta: int) -> None:
+        raise NotImplementedError
+
+    def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
+                   free_slot: Callable[[Freed], None]) -> list[Freed]:
+        raise NotImplementedError
+
+    def _recycle(self, slots: Sequence[Slot], free_slot: Callable[[Freed], None]) -> list[Freed]:
+        raise NotImplementedError
+
+    def _trim_changes(self) -> None:
+        raise NotImplementedError
+
+    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+        raise NotImplementedError
+
+    # ---- room -----------------------------------------------------------------------------------
+
+    def _make_room(self, need: int, high: float, low: float, free_bytes: Callable[[], int],
+                   min_free: int, free_slot: Callable[[Freed], None]
+                   ) -> tuple[int, int, int, int, list[Freed]]:
+        """Evict (down to the low watermark) if `need` more bytes pass the high one or the file
+        system's reserve: (capacity, used, fs free, evicted, freed) after it."""
+        cap, used = self._meta("capacity"), self._meta("used")
+        fs_free = free_bytes()
+        evicted, freed = 0, list[Freed]()
+        shortfall = max(used + need - int(high * cap), min_free + need - fs_free, 0)
+        if need and shortfall > 0:
+            target = max(used + need - int(low * cap), min_free + need - fs_free)
+            evicted, freed = self._evict(target, free_slot)
+            used = self._meta("used")
+            fs_free += sum(f.slot_bytes for f in freed)
+        return cap, used, fs_free, evicted, freed
+
+    # ---- ranges (the put path) ------------------------------------------------------------------
+
+    def reserve(self, wants: dict[int, tuple[int, int]], owner: str, *, high: float, low: float,
+                free_bytes: Callable[[], int], min_free: int, segment_size: int,
+                create_segment: Callable[[int, int, int], None],
+                free_slot: Callable[[Freed], None], release: Sequence[Location] = (),
+                give_back: Sequence[Location] = ()) -> Reserved:
+        """Per slot size: `need` slots for puts under way (evicting as `allocate` does) and up to
+        `extra` more ahead, only from room under the high watermark. One unsynced transaction
+        (a reservation lost in a power cut only leaves free slots). `release`: pending rows, and
+        `give_back`: written reserved slots, of this process's failed commits (freed first)."""
+        with self.txn(durable=False):
+            if release:
+                self._release(release, free_slot)
+            if give_back:
+                self._unreserve([(loc.slot_bytes, loc.seg, loc.slot) for loc in give_back], owner,
+                                free_slot, punch=True)
+            need = sum(sb * n for sb, (n, _) in wants.items())
+            cap, used, fs_free, evicted, freed = self._make_room(need, high, low, free_bytes,
+                                                                 min_free, free_slot)
+            res = Reserved({}, {}, evicted, freed)
+            taken = 0
+            for sb, (n, extra) in sorted(wants.items()):
+                k = 0
+                while k < n and used + sb <= cap and fs_free - sb >= min_free:
+                    k, used, fs_free = k + 1, used + sb, fs_free - sb
+                if k < n:
+                    res.short[sb] = (f"store full (used {used} + {sb} > capacity {cap})"
+                                     if used + sb > cap else
+                                     f"file system full ({fs_free} bytes free, keeping "
+                                     f"{min_free})")
+                else:
+                    ahead = max(0, min(extra, (int(high * cap) - used) // sb,
+                                       (fs_free - min_free) // sb))
+                    k, used, fs_free = k + ahead, used + ahead * sb, fs_free - ahead * sb
+                if not k:
+                    continue
+                slots = self._take_slots(sb, k, segment_size, create_segment)
+                self.db.executemany("INSERT INTO reserved VALUES(?,?,?,?)",
+                                    ((sb, seg, slot, owner) for seg, slot in slots))
+                res.slots[sb] = slots
+                taken += k * sb
+            self._add_used(taken)
+        return res
+
+    def commit_reserved(self, good: Sequence[tuple[Location, int]], failed: Sequence[Location],
+                        owner: str, free_slot: Callable[[Freed], None]) -> list[Location]:
+        """Make written, synced slots visible (one synced transaction) and free the slots of
+        failed writes. Returns the blocks not made visible because their slot is no longer this
+        process's (a rebuild or a reclaim took it): lost, their slots left alone."""
+        now = time.time()
+        lost, spare, done = [], [], []
+        with self.txn():
+            for loc, csum in good:
+                if not self._unhold(loc, owner):
+                    lost.append(loc)
+                    continue
+                cur = self.db.execute(
+                    "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
+                    (loc.key, loc.seg, loc.slot, loc.length, loc.slot_bytes, signed(csum), now,
+                     now))
+                if cur.rowcount == 1:
+                    done.append(loc.key)
+                else:   # stored by another process meanwhile: this copy's slot goes
+                    spare.append((loc.slot_bytes, loc.seg, loc.slot))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((k, OP_COMMIT) for k in done))
+            held = [(loc.slot_bytes, loc.seg, loc.slot) for loc in failed]
+            self._unreserve(held, owner, free_slot, punch=True)
+            self._recycle(spare, free_slot)
+            self._add_used(-sum(sb for sb, _, _ in spare))
+            self._trim_changes()
+        return lost
+
+    def return_reserved(self, slots: Sequence[Slot], owner: str,
+                        free_slot: Callable[[Freed], None], punch: bool) -> int:
+        """Give back slots this process holds (`punch`: they may hold written bytes)."""
+        with self.txn(durable=False):
+            return self._unreserve(slots, owner, free_slot, punch)
+
+    def _unhold(self, loc: Location, owner: str) -> bool:
+        cur = self.db.execute("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND slot=? AND "
+                              "owner=?", (loc.slot_bytes, loc.seg, loc.slot, owner))
+        return cur.rowcount == 1
+
+    def _unreserve(self, slots: Sequence[Slot], owner: str | None,
+                   free_slot: Callable[[Freed], None], punch: bool) -> int:
+        """Free reserved slots still held by `owner` (None: whoever holds them)."""
+        mine = []
+        for sb, seg, slot in slots:
+            q = "DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND slot=?"
+            args: tuple[object, ...] = (sb, seg, slot)
+            if owner is not None:
+                q, args = q + " AND owner=?", args + (owner,)
+            if self.db.execute(q, args).rowcount == 1:
+                mine.append((sb, seg, slot))
+        if punch:
+            self._recycle(mine, free_slot)
+        else:   # never written: free as they are
+            self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", mine)
+        self._add_used(-sum(sb for sb, _, _ in mine))
+        return len(mine)
+
+    # ---- pending rows (the slot path) ----------------------------------------------------------
+
+    def allocate(self, items: Sequence[tuple[bytes, int, int, int]], owner: str, *,
+                 high: float, low: float, free_bytes: Callable[[], int], min_free: int,
+                 segment_size: int, create_segment: Callable[[int, int, int], None],
+                 free_slot: Callable[[Freed], None],
+                 release: Sequence[Location] = ()) -> Allocation:
+        """Reserve slots for (key, length, slot_bytes, csum) items, evicting LRU blocks if needed.
+
+        One transaction, with a handful of statements per batch (not per block), and not synced:
+        a reservation lost in a power cut only leaves free slots (its blocks were never
+        visible); the `finish` that makes them visible syncs the log, reservation included.
+        `release`: this process's pending slots whose commit failed and whose release failed too
+        (e.g. disk full): freed first, in the same transaction, so their keys are storable again.
+        """
+        res = Allocation([], [], {}, [], 0)
+        now = time.time()
+        with self.txn(durable=False):
+            if release:
+                self._release(release, free_slot)
+            states = self._states([k for k, *_ in items])
+            todo = []
+            for item in items:
+                st = states.get(item[0])
+                if st == COMMITTED:
+                    res.present.append(item[0])
+                elif st == PENDING:
+                    res.skipped[item[0]] = "being written by another process"
+                else:
+                    todo.append(item)
+                    states[item[0]] = PENDING
+            need = sum(sb for _, _, sb, _ in todo)
+            if not todo:
+                return res
+            cap, used, fs_free, res.evicted, res.freed = self._make_room(
+                need, high, low, free_bytes, min_free, free_slot)
+            by_size: dict[int, list[tuple[bytes, int, int]]] = {}
+            taken = 0
+            for key, length, sb, csum in todo:
+                if used + sb > cap or fs_free - sb < min_free:
+                    res.skipped[key] = (f"store full (used {used} + {sb} > capacity {cap})"
+                                        if used + sb > cap else
+                                        f"file system full ({fs_free} bytes free, keeping "
+                                        f"{min_free})")
+                    continue
+                by_size.setdefault(sb, []).append((key, length, csum))
+                used += sb
+                fs_free -= sb
+                taken += sb
+            rows = []
+            for sb, group in by_size.items():
+                for (key, length, csum), (seg, slot) in zip(
+                        group, self._take_slots(sb, len(group), segment_size, create_segment)):
+                    rows.append((key, seg, slot, length, sb, signed(csum), PENDING, owner, now,
+                                 now))
+                    res.new.append(Location(key, seg, slot, sb, length, csum))
+            self.db.executemany("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)", rows)
+            self._add_used(taken)
+        return res
+
+    def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for i in range(0, len(keys), MAX_VARS):
+            chunk = keys[i:i + MAX_VARS]
+            q = f"SELECT key, state FROM blocks WHERE key IN ({','.join('?' * len(chunk))})"
+            out.update(self.db.execute(q, chunk).fetchall())
+        return out
+
+    def _take_slots(self, sb: int, n: int, segment_size: int,
+                    create_segment: Callable[[int, int, int], None]) -> list[tuple[int, int]]:
+        """n slots of `sb` bytes: freed ones first (in slab order), then the unused tails of
+        segments (consecutive, so a batch is written with few calls), then new segments."""
+        out: list[tuple[int, int]] = self.db.execute(
+            "SELECT seg, slot FROM free_slots WHERE slot_bytes=? ORDER BY seg, slot LIMIT ?",
+            (sb, n)).fetchall()
+        self.db.executemany("DELETE FROM free_slots WHERE slot_bytes=? AND seg=? AND slot=?",
+                            ((sb, seg, slot) for seg, slot in out))
+        while len(out) < n:
+            row = self.db.execute("SELECT seg, next_slot, nslots FROM segments WHERE slot_bytes=? "
+                                  "AND next_slot < nslots LIMIT 1", (sb,)).fetchone()
+            if row is None:
+                nslots = max(1, segment_size // sb)
+                seg = self.db.execute("SELECT coalesce(max(seg), 0) + 1 FROM segments").fetchone()[0]
+                create_segment(seg, sb, nslots)
+                self.db.execute("INSERT INTO segments VALUES(?,?,?,0)", (seg, sb, nslots))
+                row = (seg, 0, nslots)
+            seg, first, nslots = row
+            k = min(n - len(out), nslots - first)
+            self.db.execute("UPDATE segments SET next_slot=? WHERE seg=?", (first + k, seg))
+            out += [(seg, slot) for slot in range(first, first + k)]
+        return out
+
+    def finish(self, committed: Sequence[tuple[bytes, int]], failed: Sequence[Location],
+               touched: Sequence[bytes], free_slot: Callable[[Freed], None]) -> None:
+        """Make written blocks visible; free the slots of blocks whose write failed."""
+        now = time.time()
+        with self.txn():
+            self.db.executemany("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
+                                "key=? AND state=0", ((signed(c), now, k) for k, c in committed))
+            self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
+                                ((k, OP_COMMIT) for k, _ in committed))
+            self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
+                             for loc in failed), free_slot)
+            self._touch(touched, now)
+            self._trim_changes()
+
+    def _release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        rows = []
+        for loc in locs:
+            rows += self.db.execute(
+                "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
+                "AND slot=? AND +state=0", (loc.key, loc.seg, loc.slot)).fetchall()
+        return len(self._free_rows(rows, free_slot))
+
+    def release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        """Free pending slots (a failed commit): only rows still pending at that exact slot."""
+        with self.txn(durable=False):
+            return self._release(locs, free_slot)
+
+    # ---- eviction and dead processes ------------------------------------------------------------
+
+    def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
+        freed: list[Freed] = []
+        self._reclaim_dead(free_slot, freed)
+        got = sum(f.slot_bytes for f in freed)
+        evicted = 0
+        while got < target:
+            rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE "
+                                   "state=1 ORDER BY atime LIMIT 64").fetchall()
+            if not rows:
+                break
+            chosen = []
+            for row in rows:
+                if got >= target:
+                    break
+                chosen.append(row)
+                got += row[3]
+            freed += self._free_rows(chosen, free_slot)
+            evicted += len(chosen)
+        return evicted, freed
+
+    def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
+        rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state, owner FROM blocks "
+                               "WHERE state=0").fetchall()
+        dead = [r[:5] for r in rows if not owner_alive(r[5])]
+        out += self._free_rows(dead, free_slot)
+        for (owner,) in self.db.execute("SELECT DISTINCT owner FROM reserved").fetchall():
+            if owner_alive(owner):
+                continue
+            slots = self.db.execute("SELECT slot_bytes, seg, slot FROM reserved WHERE owner=?",
+                                    (owner,)).fetchall()
+            self.db.execute("DELETE FROM reserved WHERE owner=?", (owner,))
+            out += self._recycle(slots, free_slot)   # a dead writer may have written them
+            self._add_used(-sum(sb for sb, _, _ in slots))
+
+    def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
+        """Free the pending rows and reserved slots of dead processes: how many slots."""
+        out: list[Freed] = []
+        with self.txn():
+            self._reclaim_dead(free_slot, out)
+        return len(out)
+
+    def reserved_bytes(self) -> int:
+        """Bytes of slots reserved by processes and not yet written (counted in `used`)."""
+        return int(self.db.execute(
+            "SELECT coalesce(sum(slot_bytes), 0) FROM reserved").fetchone()[0])
+
+
+__all__ = ["IndexAlloc", "Slot"]
