@@ -16,7 +16,7 @@ Primitives:
   must increase by one (no replay, no reorder). The body length is checked against `max_body`
   *before* the body is read. The body is `u32 meta length | msgpack meta | raw payload`; the meta is
   decoded with msgspec into the op's typed Struct (no pickle, unknown fields rejected).
-- Proof of possession of a NIXL endpoint (version 2): the agent answers HELLO / METADATA that
+- Proof of possession of a NIXL endpoint (version 3): the agent answers HELLO / METADATA that
   carry NIXL metadata with `nixl=True` only after it loaded the metadata and sent a fresh nonce
   to that endpoint as a NIXL notification (`PROOF_MAGIC | HelloReply.proof_tag | nonce`); the
   host writes `Channel.proof(nonce)` (an HMAC under this connection's key) into memory it
@@ -47,7 +47,8 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 2                        # 2: PROVE (proof of possession of a NIXL endpoint)
+VERSION = 3                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
+                                   # is read back from the endpoint's memory (`Prove.addr`)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"

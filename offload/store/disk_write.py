@@ -215,8 +215,10 @@ class DiskWrites:
         """The committer's transaction for put slots (from the reserved range): '' done,
         COMMIT_BUSY (retried), else why it failed (the slots are then given back, now or with
         the next reservation). A slot no longer this process's is lost (see `_committed`)."""
-        def run(index: Index) -> list[Location]:
-            lost = index.commit_reserved(good, free, self._owner, self._free_slot)
+        def run(index: Index) -> list[Location]:   # slots of an earlier failure go back too
+            lost = index.commit_reserved(good, free + self._written_back, self._owner,
+                                         self._free_slot)
+            self._written_back = []
             self._drop_missing(index)
             return lost
 

@@ -95,3 +95,26 @@ def test_a_stalled_host_cannot_fill_the_quarantine(tmp_path: Path, agent_factory
         child.wait(10)
         if victim is not None:
             victim.close()
+
+
+def test_claims_and_holdings_of_one_owner_stay_within_its_bound() -> None:
+    """What a request may leave in quarantine is what the bound leaves after the owner's held
+    transfers and its other requests' claims; another owner's are not counted."""
+    from offload.agent.quarantine import Quarantine
+
+    class Proc:                      # every transfer still running
+        def check_xfer_state(self, h: str) -> str:
+            return "PROC"
+
+        def release_xfer_handle(self, h: str) -> None:
+            pass
+
+    q = Quarantine(Proc())
+    assert q.claim("a", 6, 10) == 6 and q.claim("a", 6, 10) == 4 and q.claim("b", 10, 10) == 10
+    q.hold("h1", "peer-a", 1, lambda: None, owner="a", nbytes=6)
+    q.unclaim("a", 6)                # the first request ended, its transfer quarantined
+    q.unclaim("a", 4)
+    assert q.held_bytes("a") == 6 and q.held_bytes() == 6 and q.claim("a", 10, 10) == 4
+    q.unclaim("a", 4)
+    q.unclaim("b", 10)
+    assert q.drop_peer("peer-a", lambda: None) == 1 and q.claim("a", 10, 10) == 10
