@@ -169,7 +169,7 @@ def summary(p: LaunchCommand, config_file: str) -> str:
     if (off.get("redis") or {}).get("url"):
         tiers.append(f"shared Redis {redact(off)['redis']['url']}")
     lines = [f"sglang-offload launch: {config_file}",
-             f"  path: {d.path} (requested {d.requested}): {d.reasons[0] if d.reasons else ''}",
+             f"  path: {d.path} (requested {d.requested}): " + "; ".join(d.reasons),
              f"  store: {store['path']} (capacity {store['capacity']}, namespace salt "
              f"{'set' if store.get('salt') else 'unset'})",
              "  tiers: " + " -> ".join(tiers),

@@ -83,8 +83,10 @@ def _found(data: dict[str, dict[str, object]], name: str) -> str | None:
 def check_interpreter(exe: str, timeout: float = 30.0) -> Interpreter:
     """What `exe` imports of SGLang and sglang-offload, judged against the pins."""
     want_sglang, want_ours = pinned()
-    fix = (f"install the distribution into it ({exe} -m pip install sglang-offload, "
-           "docs/install.md) or pass --python EXE: the interpreter that has both")
+    from offload.hw.pyside import checkout
+
+    fix = (f"install both into it (`{exe} -m pip install -e '{checkout()}'` and the patched "
+           "SGLang wheel, docs/install.md) or pass --python EXE: the interpreter that has both")
     data, why = _ask(exe, timeout)
     if data is None:
         return Interpreter(exe, None, None, f"--python {exe}: cannot ask it what it imports: "

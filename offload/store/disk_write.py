@@ -133,10 +133,12 @@ class DiskWrites:
             want[sb] = want.get(sb, 0) + 1
         with self._lock:
             got = {sb: self._spare.take(sb, n) for sb, n in want.items()}
+            self._still_held(got)
         short = {sb: n - len(got[sb]) for sb, n in want.items() if len(got[sb]) < n}
         why: dict[int, str] = {}
         if short:
-            extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE))
+            extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
+                               self.cfg.segment_size))   # ahead: at most one new slab file
             res = self._ix.write(self._reserve({sb: (n, extra // sb) for sb, n in short.items()}))
             if res is BUSY:
                 with self._lock:     # the slots taken stay this process's, for the next put
@@ -158,6 +160,22 @@ class DiskWrites:
                 log.warning("block %s not stored: %s", k.hex()[:16], why.get(sb, "no slot"))
                 self._stats.put_skipped += 1
         return new
+
+    def _still_held(self, got: dict[int, list[tuple[int, int]]]) -> None:
+        """Keep only range slots whose reservation the index still holds (one read, never
+        waiting on a writer): a slab dropped or an index rebuilt by another process takes them
+        back. Caller holds the state lock. (The commit checks again: a slot taken back between
+        here and there is a lost block, never a wrong one.)"""
+        try:
+            for sb, slots in got.items():
+                if slots:
+                    held = self._ix.reader.held(self._owner, sb, slots)
+                    if len(held) < len(slots):
+                        for seg in {seg for seg, slot in slots if (seg, slot) not in held}:
+                            self._spare.drop_segment(seg)
+                        got[sb] = [s for s in slots if s in held]
+        except sqlite3.Error as e:
+            log.debug("reserved range not checked (%s): the commit checks it", e)
 
     def _reserve(self, wants: dict[int, tuple[int, int]]) -> Callable[[Index], Reserved]:
         """Reserve a range of slots for this process (under the write lock)."""

@@ -130,32 +130,50 @@ class IndexAlloc:
 
     def commit_reserved(self, good: Sequence[tuple[Location, int]], failed: Sequence[Location],
                         owner: str, free_slot: Callable[[Freed], None]) -> list[Location]:
-        """Make written, synced slots visible (one synced transaction) and free the slots of
-        failed writes. Returns the blocks not made visible because their slot is no longer this
-        process's (a rebuild or a reclaim took it): lost, their slots left alone."""
+        """Make written, synced slots visible (one synced transaction, a few statements per
+        batch) and free the slots of failed writes. Returns the blocks not made visible because
+        their slot is no longer this process's (a rebuild or a reclaim took it): lost, their slots
+        left alone."""
         now = time.time()
-        lost, spare, done = [], [], []
         with self.txn():
-            for loc, csum in good:
-                if not self._unhold(loc, owner):
-                    lost.append(loc)
-                    continue
-                cur = self.db.execute(
-                    "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
-                    (loc.key, loc.seg, loc.slot, loc.length, loc.slot_bytes, signed(csum), now,
-                     now))
-                if cur.rowcount == 1:
-                    done.append(loc.key)
-                else:   # stored by another process meanwhile: this copy's slot goes
-                    spare.append((loc.slot_bytes, loc.seg, loc.slot))
+            held: set[tuple[int, int, int]] = set()
+            by_size: dict[int, list[tuple[int, int]]] = {}
+            for loc, _ in good:
+                by_size.setdefault(loc.slot_bytes, []).append((loc.seg, loc.slot))
+            for sb, slots in by_size.items():
+                held.update((sb, seg, slot) for seg, slot in self.held(owner, sb, slots))
+            mine = [(loc, c) for loc, c in good if (loc.slot_bytes, loc.seg, loc.slot) in held]
+            lost = [loc for loc, _ in good if (loc.slot_bytes, loc.seg, loc.slot) not in held]
+            self.db.executemany("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND slot=?",
+                                ((loc.slot_bytes, loc.seg, loc.slot) for loc, _ in mine))
+            before = self.db.total_changes
+            self.db.executemany(
+                "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
+                ((loc.key, loc.seg, loc.slot, loc.length, loc.slot_bytes, signed(c), now, now)
+                 for loc, c in mine))
+            spare: list[tuple[int, int, int]] = []
+            done = [loc.key for loc, _ in mine]
+            if self.db.total_changes - before < len(mine):   # some stored by another process
+                where = {k: (seg, slot) for k, seg, slot in self._where(done)}
+                done = [loc.key for loc, _ in mine if where.get(loc.key) == (loc.seg, loc.slot)]
+                spare = [(loc.slot_bytes, loc.seg, loc.slot) for loc, _ in mine
+                         if where.get(loc.key) != (loc.seg, loc.slot)]
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((k, OP_COMMIT) for k in done))
-            held = [(loc.slot_bytes, loc.seg, loc.slot) for loc in failed]
-            self._unreserve(held, owner, free_slot, punch=True)
-            self._recycle(spare, free_slot)
+            self._unreserve([(loc.slot_bytes, loc.seg, loc.slot) for loc in failed], owner,
+                            free_slot, punch=True)
+            self._recycle(spare, free_slot)   # this copy of a block stored elsewhere meanwhile
             self._add_used(-sum(sb for sb, _, _ in spare))
             self._trim_changes()
         return lost
+
+    def _where(self, keys: Sequence[bytes]) -> list[tuple[bytes, int, int]]:
+        out: list[tuple[bytes, int, int]] = []
+        for i in range(0, len(keys), MAX_VARS):
+            chunk = keys[i:i + MAX_VARS]
+            out += self.db.execute(f"SELECT key, seg, slot FROM blocks WHERE key IN "
+                                   f"({','.join('?' * len(chunk))})", chunk).fetchall()
+        return out
 
     def return_reserved(self, slots: Sequence[Slot], owner: str,
                         free_slot: Callable[[Freed], None], punch: bool) -> int:
@@ -163,10 +181,17 @@ class IndexAlloc:
         with self.txn(durable=False):
             return self._unreserve(slots, owner, free_slot, punch)
 
-    def _unhold(self, loc: Location, owner: str) -> bool:
-        cur = self.db.execute("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND slot=? AND "
-                              "owner=?", (loc.slot_bytes, loc.seg, loc.slot, owner))
-        return cur.rowcount == 1
+    def held(self, owner: str, slot_bytes: int,
+             slots: Sequence[tuple[int, int]]) -> set[tuple[int, int]]:
+        """Which of these (seg, slot) of one size `owner` still holds (a read)."""
+        out: set[tuple[int, int]] = set()
+        for seg in sorted({seg for seg, _ in slots}):
+            mine = [slot for sg, slot in slots if sg == seg]
+            rows = self.db.execute(
+                "SELECT slot FROM reserved WHERE slot_bytes=? AND seg=? AND slot BETWEEN ? AND ? "
+                "AND owner=?", (slot_bytes, seg, min(mine), max(mine), owner)).fetchall()
+            out.update((seg, r[0]) for r in rows)
+        return out
 
     def _unreserve(self, slots: Sequence[Slot], owner: str | None,
                    free_slot: Callable[[Freed], None], punch: bool) -> int:

@@ -1,12 +1,17 @@
 """The family beyond MHA, end to end — issue 17.
 
-An MLA model (DeepSeek-V2 architecture, `offload.demo.mla`: random weights, made here) served on
-the CPU by a real SGLang server started through `sglang-offload launch`, HiCache on and the tier
-as L3: SGLang's MLA KV pool and MLA host pool, one store block per page holding every layer's
-latent row (`kv_lora_rank` + RoPE) of the page's 64 tokens. A prompt served cold is written back;
-after a restart the same prompt comes back from L3 (`cached_tokens` = the prompt less its last
-partial page, SGLang's breakdown naming the storage tier, "HiCache prefetch success ... loaded=N"
-in the log) with the same greedy tokens and log-probabilities. Needs patches/0006.
+Two families beyond plain MHA, each a demo checkpoint made here (random weights), served on the
+CPU by a real SGLang server started through `sglang-offload launch`, HiCache on and the tier as
+L3, one start and one restart per family:
+- MLA (DeepSeek-V2 architecture, `offload.demo.mla`): SGLang's MLA KV pool and MLA host pool, one
+  store block per page holding every layer's latent row (`kv_lora_rank` + RoPE). Needs
+  patches/0006.
+- hybrid sliding-window attention (Mellum, `offload.demo.swa`): the full and SWA KV pools, the SWA
+  host pool stored as the `swa` sidecar for the trailing pages of a prefix. Needs patches/0007
+  (without it the restart answers other tokens: the sliding layers read the wrong slots).
+A prompt served cold is written back; after a restart the same prompt comes back from L3
+(`cached_tokens` = the prompt less its last partial page, all from storage, "HiCache prefetch
+success ... loaded=N" in the log) with the same greedy tokens and log-probabilities.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from offload.demo import DemoSpec
+from offload.demo.mla import write_mla_demo
+from offload.demo.swa import WINDOW, write_swa_demo
 from offload.launch.server import LaunchedServer, free_port, wait_store
 from tests.e2e.conftest import PAGE, deployment, full_pages, needs_serving, prompt
 
@@ -26,14 +34,11 @@ pytestmark = needs_serving
 TOKENS = 1200
 
 
-@pytest.fixture(scope="module")
-def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from offload.demo import DemoSpec
-    from offload.demo.mla import write_mla_demo
-
-    out = tmp_path_factory.mktemp("mla-model")
-    write_mla_demo(out, DemoSpec())
-    return out
+# family -> (the demo writer, a line its pools log at attach, sidecar blocks a prompt adds)
+FAMILIES = {
+    "mla": (write_mla_demo, f"{4 * PAGE * (128 + 64) * 2}-byte pages", 0),  # 4 layers x latent
+    "swa": (write_swa_demo, "offload: pool swa (MHATokenToKVPoolHost", WINDOW // PAGE),
+}
 
 
 def _start(tmp: Path, model: Path, store: Path, name: str) -> LaunchedServer:
@@ -65,22 +70,23 @@ def _ask(server: LaunchedServer, text: str) -> dict[str, Any]:
             "details": dict(meta.get("cached_tokens_details") or {})}
 
 
-def test_mla_restart_serves_the_repeated_prompt_from_l3(mla_model: Path, tmp_path: Path) -> None:
-    from offload.demo.mla import KV_LORA_RANK, ROPE_DIM
-
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path) -> None:
+    write, pools_line, sidecar = FAMILIES[family]
+    model = tmp_path / f"{family}-model"
+    write(model, DemoSpec())
     store, text = tmp_path / "store", prompt(TOKENS, 11)
-    first = _start(tmp_path, mla_model, store, "mla-cold")
+    first = _start(tmp_path, model, store, f"{family}-cold")
     try:
         cold = _ask(first, text)
         assert cold["cached"] == 0, cold
-        pages = full_pages(cold["prompt_tokens"]) // PAGE
-        assert wait_store(store, pages) >= pages, first.tail()
+        blocks = full_pages(cold["prompt_tokens"]) // PAGE + sidecar    # KV + the window's pages
+        assert wait_store(store, blocks) >= blocks, first.tail()
     finally:
         first.stop()
-    page_bytes = 4 * PAGE * (KV_LORA_RANK + ROPE_DIM) * 2       # DemoSpec: 4 layers, bf16
-    assert f"{page_bytes}-byte pages" in first.tail(400)        # the MLA host pool's page
+    assert pools_line in first.tail(400)                    # the family's own pools
 
-    second = _start(tmp_path, mla_model, store, "mla-restart")
+    second = _start(tmp_path, model, store, f"{family}-restart")
     try:
         hit = _ask(second, text)
     finally:

@@ -55,10 +55,12 @@ def test_python_without_sglang_or_offload_is_refused(capsys, tmp_path: Path) -> 
                            "--root", str(HOSTS / "cpu-box"), "--python", str(PYTHONS / "bare"))
     assert rc == 1 and out == ""
     sg, ours = pinned()
+    from offload.hw.pyside import checkout
+
     assert err == [f"error: --python {PYTHONS / 'bare'} cannot import sglang {sg} and "
-                   f"sglang-offload {ours}; install the distribution into it ({PYTHONS / 'bare'} "
-                   "-m pip install sglang-offload, docs/install.md) or pass --python EXE: the "
-                   "interpreter that has both"]
+                   f"sglang-offload {ours}; install both into it (`{PYTHONS / 'bare'} -m pip "
+                   f"install -e '{checkout()}'` and the patched SGLang wheel, docs/install.md) "
+                   "or pass --python EXE: the interpreter that has both"]
 
 
 def test_python_at_other_versions_is_refused(tmp_path: Path) -> None:
