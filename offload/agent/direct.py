@@ -1,13 +1,15 @@
 """Zero-copy moves for a store with an arena (the DRAM tier): NIXL moves blocks straight between
 host memory and the store's slots, with no staging copy.
 
-Primitives: `Direct(store, arena, agent, quarantine, count)`: what the moves need, handed in by
-the server (`AgentServer.direct()`). `direct_put(direct, peer, req, todo, ok, deadline, owner,
+Primitives: `Direct(store, arena, agent, quarantine, count, pool)`: what the moves need, handed in
+by the server (`AgentServer.direct()`). `direct_put(direct, peer, req, todo, ok, deadline, owner,
 allow)` NIXL READs
 a PUT's blocks into slots from `reserve_slots`, then `commit_slots` (the store checksums each
 block) / `abort_slots`; `direct_get(...)` WRITEs a GET's blocks from slots held by `pin_slots` (the
 store verifies each block's checksum first), then `unpin_slots`. Blocks are posted to NIXL in
-chunks of about `CHUNK_BYTES`, so the store checksums one chunk while NIXL moves the next. Each
+chunks of about `CHUNK_BYTES`, and the store checksums (put: after its READ completed) or verifies
+(get: before its WRITE is posted) one chunk on the mover's checksum pool while this thread moves
+another (with UCX over TCP, posting a transfer copies its bytes in this thread). Each
 returns the blocks it left to the staging path, sets `ok[i]`, and never raises. A transfer still
 running at its deadline keeps its slots reserved / pinned in the mover's `Quarantine` until NIXL
 says it is final: no slot is reused while a late transfer could still land in it or read it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -43,6 +46,7 @@ class Direct:
     agent: Any
     quarantine: Quarantine
     count: Callable[[str, int], None]
+    pool: Executor | None = None    # where the store's checksums run (`_later`)
 
 
 def _descs(arena: Arena, req: "Blocks", i: int, s: "Slot | None"
@@ -63,16 +67,20 @@ def _descs(arena: Arena, req: "Blocks", i: int, s: "Slot | None"
     return local, remote
 
 
-CHUNK_BYTES = 4 << 20      # blocks posted per NIXL transfer: the store checksums one chunk while
-                           # NIXL moves the next
+CHUNK_BYTES = 4 << 20      # blocks per NIXL transfer: the store checksums one chunk while NIXL
+                           # moves the next
+AHEAD = 2                  # chunks of a PUT posted beyond the one being waited on
 
 
 class _Chunks:
-    """A request's direct blocks, posted to NIXL a chunk at a time, each waited on in order."""
+    """A request's direct blocks in chunks of about `CHUNK_BYTES`, posted to NIXL (`post`, or
+    `wait(ahead)` keeping `ahead` chunks posted beyond the one it waits on) and waited on in
+    order."""
 
     def __init__(self, d: Direct, op: str, peer: str, deadline: float, owner: str):
         self.d, self.op, self.peer, self.deadline, self.owner = d, op, peer, deadline, owner
-        self.posted: list[tuple[list[int], list["Slot"], Any]] = []
+        self.chunks: list[tuple[list[int], list["Slot"], list, list]] = []   # closed chunks
+        self.handles: list[Any] = []          # of the chunks posted so far (None: not posted)
         self._cur: tuple[list[int], list["Slot"], list, list] = ([], [], [], [])
         self._bytes = 0
 
@@ -84,27 +92,36 @@ class _Chunks:
         rem += remote
         self._bytes += slot.length
         if self._bytes >= CHUNK_BYTES:
-            self.post()
+            self.close()
 
-    def post(self) -> None:
-        idx, slots, loc, rem = self._cur
-        if not idx:
-            return
+    def close(self) -> None:
+        """End the current chunk (the next block starts a new one)."""
+        if self._cur[0]:
+            self.chunks.append(self._cur)
         self._cur, self._bytes = ([], [], [], []), 0
-        handle = None
-        if time.monotonic() < self.deadline:
-            try:
-                handle = nixl_util.start_xfer(self.d.agent, self.op, loc, rem, self.peer)
-            except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
-                log.warning("nixl %s with %s failed: %s", self.op, self.peer, e)
-        self.posted.append((idx, slots, handle))
 
-    def wait(self, release: Callable[[list["Slot"]], None]
+    def post(self, upto: int | None = None) -> None:
+        """Post the closed chunks not posted yet, up to chunk `upto` (excluded)."""
+        upto = len(self.chunks) if upto is None else min(upto, len(self.chunks))
+        while len(self.handles) < upto:
+            _, _, loc, rem = self.chunks[len(self.handles)]
+            handle = None
+            if time.monotonic() < self.deadline:
+                try:
+                    handle = nixl_util.start_xfer(self.d.agent, self.op, loc, rem, self.peer)
+                except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
+                    log.warning("nixl %s with %s failed: %s", self.op, self.peer, e)
+            self.handles.append(handle)
+
+    def wait(self, release: Callable[[list["Slot"]], None], ahead: int | None = None
              ) -> Iterator[tuple[list[int], list["Slot"]]]:
         """Each chunk that completed, in order; the others' slots go to `release` (now, or once
-        a transfer that outlived the deadline is final: quarantined)."""
-        self.post()
-        for idx, slots, handle in self.posted:
+        a transfer that outlived the deadline is final: quarantined). Chunks not posted yet are
+        posted as it goes, `ahead` beyond the one waited on (all at once if None)."""
+        self.close()
+        for k, (idx, slots, _, _) in enumerate(self.chunks):
+            self.post(None if ahead is None else k + 1 + ahead)
+            handle = self.handles[k]
             pending: list[Any] = []
             good = handle is not None and nixl_util.wait_xfer(
                 self.d.agent, handle, self.deadline, on_pending=pending.append)
@@ -117,6 +134,30 @@ class _Chunks:
                 self.d.count("blocks_quarantined", len(slots))
             else:
                 release(slots)
+
+
+def _later(d: Direct, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    """`fn(*args)` on the checksum pool (inline without one): the store's checksums of one chunk
+    run there while this thread moves the next chunk (with UCX over TCP the mover's own thread
+    copies the bytes: done in turn, the two would add up)."""
+    if d.pool is not None:
+        return d.pool.submit(fn, *args)
+    fut: "Future[Any]" = Future()
+    fut.set_result(fn(*args))
+    return fut
+
+
+def _by_bytes(idx: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """`idx` cut in runs of about `limit` bytes (a run ends once it reaches `limit`)."""
+    out: list[list[int]] = [[]]
+    total = 0
+    for i in idx:
+        out[-1].append(i)
+        total += sizes[i]
+        if total >= limit:
+            out.append([])
+            total = 0
+    return [g for g in out if g]
 
 
 def _within(req: "Blocks", idx: list[int], allow: int) -> tuple[list[int], list[int]]:
@@ -151,8 +192,10 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
             chunks.add(i, s, *descs)      # type: ignore[arg-type]
     if unused:
         store.abort_slots(unused)
-    for idx, done in chunks.wait(store.abort_slots):
-        for i, f in zip(idx, store.commit_slots(done)):
+    commits = [(idx, done, _later(d, store.commit_slots, done))
+               for idx, done in chunks.wait(store.abort_slots, AHEAD)]
+    for idx, done, fut in commits:
+        for i, f in zip(idx, fut.result()):
             ok[i] = f
         d.count("bytes_nixl_in", sum(s.length for s in done))
         d.count("blocks_direct_in", len(done))
@@ -163,22 +206,30 @@ def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool]
                deadline: float, owner: str = "", allow: int = 1 << 62) -> list[int]:
     """NIXL WRITEs stored blocks straight from their pinned slots; returns the blocks left for
     the staging path (past `allow` bytes too). Blocks are pinned (the store verifies their
-    checksums) a chunk at a time, while NIXL writes the chunks before."""
+    checksums) a chunk at a time on the checksum pool, up to two chunks ahead of the one NIXL
+    writes; a chunk is posted only once pinned and verified."""
     if peer is None or d is None:
         return list(range(len(req.keys)))
     store = d.store
     d.quarantine.reap()
     todo, rest = _within(req, list(range(len(req.keys))), allow)
     chunks = _Chunks(d, "WRITE", peer, deadline, owner)
-    for i in todo:
-        (s,) = store.pin_slots([req.keys[i]])
-        descs = _descs(d.arena, req, i, s)
-        if descs is None:
-            rest.append(i)
-            if s is not None:
-                store.unpin_slots([s], [False])
-        else:
-            chunks.add(i, s, *descs)      # type: ignore[arg-type]
+    groups = _by_bytes(todo, req.sizes, CHUNK_BYTES)
+    pins = [_later(d, store.pin_slots, [req.keys[i] for i in g]) for g in groups[:2]]
+    for g, group in enumerate(groups):
+        slots = pins[g].result()      # pinned and verified while NIXL wrote the chunks before
+        if g + 2 < len(groups):
+            pins.append(_later(d, store.pin_slots, [req.keys[i] for i in groups[g + 2]]))
+        for i, s in zip(group, slots):
+            descs = _descs(d.arena, req, i, s)
+            if descs is None:
+                rest.append(i)
+                if s is not None:
+                    store.unpin_slots([s], [False])
+            else:
+                chunks.add(i, s, *descs)      # type: ignore[arg-type]
+        chunks.close()
+        chunks.post()
 
     def failed(slots: list["Slot"]) -> None:
         store.unpin_slots(slots, [False] * len(slots))

@@ -15,7 +15,8 @@ Primitives:
   a MAC only it can compute there). `covers(name, descs)`: descriptors lie in memory the peer
   registered.
   `.quarantine`: the memory its transfers past their deadline still hold
-  (`offload.agent.quarantine`), freed for a peer's once NIXL forgot it.
+  (`offload.agent.quarantine`), freed for a peer's once NIXL forgot it. `.pool`: threads for the
+  DRAM tier's checksums, overlapped with the transfers (`offload.agent.direct`).
 - `Staging(mover, size)`: an anonymous, page-aligned mapping registered with NIXL once, split in
   two halves for double buffering (NIXL moves one half while the store reads/writes the other).
   Page alignment lets an O_DIRECT store use it without a bounce buffer.
@@ -33,6 +34,7 @@ import logging
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -41,6 +43,7 @@ from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
 from offload.agent.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
+SUM_THREADS = 2               # checksum threads (xxh3 frees the GIL): about a core each
 ADDRESS_END = 1 << 64          # a descriptor must end below it: NIXL would wrap around
 
 
@@ -61,6 +64,9 @@ class Mover:
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
         self.quarantine = Quarantine(self.agent)
+        # Where the DRAM tier's checksums run while a session's thread moves the next chunk
+        # (`offload.agent.direct`); its threads start on first use.
+        self.pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="agent-sums")
         self._lock = threading.Lock()
         # host NIXL name -> peer. A host may hold several connections; the peer is forgotten
         # when the last one closes.

@@ -119,7 +119,8 @@ class AgentServer:
         arena = self.arena()
         if arena is None or self.mover is None or not isinstance(self.store, SlotStore):
             return None
-        return Direct(self.store, arena, self.mover.agent, self.mover.quarantine, self.count)
+        return Direct(self.store, arena, self.mover.agent, self.mover.quarantine, self.count,
+                      self.mover.pool)
 
     # ---------------------------------------------------------------- connections
     def admit(self, host: str) -> str | None:

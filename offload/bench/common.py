@@ -60,9 +60,9 @@ class Outcome:
 
 
 JSON = Option(("--json",), "print one JSON object", flag=True)
-PLOT = Option(("--plot",), "draw the result as an image: throughput per path beside the "
-              "baseline, against block size (bars when there is one size); the directory must "
-              "exist, the extension names the format", None, plot_file, metavar="OUT.png")
+PLOT = Option(("--plot",), "draw the result as an image (each target's --help says what it "
+              "shows: offload.commands.bench.PLOTS); the directory must exist, the extension "
+              "names the format", None, plot_file, metavar="OUT.png")
 log = logging.getLogger("offload.bench")
 
 

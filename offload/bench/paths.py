@@ -2,7 +2,8 @@
 
 For each block size (2-16 MiB): raw O_DIRECT disk bandwidth (`rawdisk`), NIXL's own loopback
 bandwidth (a second process READs / WRITEs this process's registered memory with nothing else in
-the way), then
+the way; one such call before each call of the dpu path, the same bytes, so that a shared
+machine's load weighs on the path and its baseline alike), then
 - cpu: `CpuStagingPath` over a `DiskStore` (ratio to raw disk);
 - dpu: `AgentStore` against a real agent process on loopback (UCX), with the agent's store in DRAM
   (ratio to NIXL loopback: the protocol's overhead) and on disk (ratio to raw disk);
@@ -43,9 +44,11 @@ OPTIONS = (
 )
 
 
-def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag: bytes
-            ) -> dict[str, float]:
-    """Put then get `total` bytes in calls of `batch` blocks; GB/s and host CPU s/GB."""
+def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag: bytes,
+            beside: "Loopback | None" = None) -> dict[str, Any]:
+    """Put then get `total` bytes in calls of `batch` blocks; GB/s and host CPU s/GB. With
+    `beside`, each timed call follows one call of that baseline moving the same bytes (its GB/s
+    are returned as `beside`): the load of a shared machine then weighs on both alike."""
     rounds = max(1, total // (size * batch))
     blocks = [[buf[i * size:(i + 1) * size]] for i in range(batch)]
     keys = [[tag + r.to_bytes(8, "big") + i.to_bytes(8, "big") + bytes(16 - len(tag))
@@ -57,61 +60,86 @@ def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag:
     store.delete_many(warm)
     wall = {"put": 0.0, "get": 0.0}
     cpu = {"put": 0.0, "get": 0.0}
+    base = {"put": 0.0, "get": 0.0}
     failed = 0
     for op, fn in (("put", store.put_many), ("get", store.get_many)):
         for r in range(rounds):
+            if beside is not None:
+                base[op] += beside.round(op)
             w, c, flags = timed_cpu(lambda: fn(keys[r], blocks))
             wall[op] += w
             cpu[op] += c
             failed += not all(flags)
     gb = rounds * batch * size / 1e9
-    return {"put_gbps": gb / wall["put"], "get_gbps": gb / wall["get"],
-            "cpu_s_per_gb": (cpu["put"] + cpu["get"]) / (2 * gb), "failed_calls": failed}
+    out: dict[str, Any] = {"put_gbps": gb / wall["put"], "get_gbps": gb / wall["get"],
+           "cpu_s_per_gb": (cpu["put"] + cpu["get"]) / (2 * gb), "failed_calls": failed}
+    if beside is not None:
+        out["beside"] = {"put_gbps": gb / base["put"], "get_gbps": gb / base["get"]}
+    return out
 
 
 def nixl_peer_main() -> None:
-    """The loopback baseline's other process: READ then WRITE the host's memory, timed."""
+    """The loopback baseline's other process: for each line "put" / "get" on stdin, one READ /
+    WRITE of the host's `batch` blocks, its seconds printed."""
     from offload.agent import nixl_util
 
     req = json.loads(sys.stdin.readline())
     agent = nixl_util.make_agent(f"bench-peer-{os.getpid()}")
     peer = agent.add_remote_agent(bytes.fromhex(req["md"]))
-    size, batch, rounds = req["size"], req["batch"], req["rounds"]
+    size, batch = req["size"], req["batch"]
     local = mmap.mmap(-1, size * batch)
     base, _ = nixl_util.region_of(local)
     agent.register_memory([(base, size * batch, 0, "")], "DRAM")
     ldesc = [(base + i * size, size) for i in range(batch)]
     rdesc = [(req["addr"] + i * size, size) for i in range(batch)]
-    out = {}
     for op in ("READ", "WRITE"):
         nixl_util.run_xfer(agent, op, ldesc, rdesc, peer, time.monotonic() + 60)   # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        op = {"put": "READ", "get": "WRITE"}[line.strip()]
         t0 = time.perf_counter()
-        for _ in range(rounds):
-            if not nixl_util.run_xfer(agent, op, ldesc, rdesc, peer, time.monotonic() + 60):
-                out["error"] = f"{op} failed"
-        out[op] = rounds * batch * size / (time.perf_counter() - t0) / 1e9
-    print(json.dumps(out), flush=True)
+        ok = nixl_util.run_xfer(agent, op, ldesc, rdesc, peer, time.monotonic() + 60)
+        print(time.perf_counter() - t0 if ok else -1.0, flush=True)
 
 
-def nixl_loopback(buf: memoryview, size: int, batch: int, total: int) -> dict[str, float]:
-    from offload.agent import nixl_util
+class Loopback:
+    """NIXL's own loopback bandwidth, a call at a time: a second process READs (put) / WRITEs
+    (get) `batch` blocks of this process's registered memory with nothing else in the way."""
 
-    agent = nixl_util.make_agent(f"bench-host-{os.getpid()}")
-    addr, n = nixl_util.region_of(buf)
-    reg = agent.register_memory([(addr, n, 0, "")], "DRAM")
-    code = "from offload.bench.paths import nixl_peer_main; nixl_peer_main()"
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        out, _ = p.communicate(json.dumps({
-            "md": agent.get_agent_metadata().hex(), "addr": addr, "size": size, "batch": batch,
-            "rounds": max(1, total // (size * batch))}) + "\n", timeout=600)
-        res = json.loads(out.strip().splitlines()[-1])
-    finally:
-        if p.poll() is None:
-            p.kill()
-        agent.deregister_memory(reg)
-    return {"put_gbps": res["READ"], "get_gbps": res["WRITE"]}
+    def __init__(self, buf: memoryview, size: int, batch: int):
+        from offload.agent import nixl_util
+
+        self._agent = nixl_util.make_agent(f"bench-host-{os.getpid()}-{time.monotonic_ns()}")
+        addr, n = nixl_util.region_of(buf)
+        self._reg = self._agent.register_memory([(addr, n, 0, "")], "DRAM")
+        code = "from offload.bench.paths import nixl_peer_main; nixl_peer_main()"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._in, self._out = self._proc.stdin, self._proc.stdout
+        self._in.write(json.dumps({"md": self._agent.get_agent_metadata().hex(), "addr": addr,
+                                   "size": size, "batch": batch}) + "\n")
+        self._in.flush()
+        if self._out.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the NIXL loopback peer did not start")
+
+    def round(self, op: str) -> float:
+        """Seconds of one call's worth of bytes moved for `op` ("put" or "get")."""
+        self._in.write(op + "\n")
+        self._in.flush()
+        t = float(self._out.readline() or -1)
+        if t < 0:
+            raise RuntimeError(f"NIXL loopback {op} failed")
+        return t
+
+    def close(self) -> None:
+        try:
+            self._in.close()
+            self._proc.wait(20)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+        self._agent.deregister_memory(self._reg)
 
 
 class Agent:
@@ -193,25 +221,32 @@ def _dpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[s
 
     out: dict[str, Any] = {}
     try:
-        out["nixl_loopback"] = nixl_loopback(buf, size, batch, total)
+        loopback = Loopback(buf, size, batch)
     except Exception as e:  # noqa: BLE001 - a benchmark reports what it could not measure
         return {"dpu": {"skipped": f"NIXL loopback failed: {e}"}}
     secret = os.urandom(16).hex()
     staging = str(max(64 << 20, 4 * size))
-    for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30)),
-                                      "--memory-reserve", str(2 * total)]),
-                             ("dpu_disk", ["--store", tempfile.mkdtemp(prefix=f"agent-{size}-",
-                                                                       dir=tmp),
-                                           "--capacity", str(2 * total + (64 << 20))])):
-        agent = Agent([*store_args, "--staging", staging], secret, tmp)
-        client = AgentStore(agent.address, secret.encode(), timeout_s=120)
-        try:
-            client.register_region(buf)
-            out[name] = measure(client, size, total, batch, buf, b"dpu")
-            out[name]["nixl_bytes"] = client.stats().extra.get("agent_bytes_nixl_in", 0)
-        finally:
-            client.close()
-            agent.stop()
+    try:
+        for name, store_args in (("dpu", ["--memory", "--capacity", str(2 * total + (1 << 30)),
+                                          "--memory-reserve", str(2 * total)]),
+                                 ("dpu_disk", ["--store", tempfile.mkdtemp(
+                                     prefix=f"agent-{size}-", dir=tmp),
+                                     "--capacity", str(2 * total + (64 << 20))])):
+            agent = Agent([*store_args, "--staging", staging], secret, tmp)
+            client = AgentStore(agent.address, secret.encode(), timeout_s=120)
+            try:
+                client.register_region(buf)
+                # dpu: NIXL loopback a call at a time beside each call (its baseline).
+                out[name] = measure(client, size, total, batch, buf, b"dpu",
+                                    loopback if name == "dpu" else None)
+                out[name]["nixl_bytes"] = client.stats().extra.get("agent_bytes_nixl_in", 0)
+                if "beside" in out[name]:
+                    out["nixl_loopback"] = out[name].pop("beside")
+            finally:
+                client.close()
+                agent.stop()
+    finally:
+        loopback.close()
     return out
 
 

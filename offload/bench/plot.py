@@ -3,9 +3,11 @@
 Primitives:
 - `draw(result, out, title)`: the dispatcher (`offload.commands.bench`) draws the result a
   benchmark's `run` returned (the dict it prints with `--json`) when `--plot out.png` was given.
-- `series(result)`: the lines of any bench result (`store`, `paths`, `hicache`, `redis`; the kind
-  is recognised from its shape): `Series(name, op, xs, ys, baseline)` with block sizes in bytes
-  and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are drawn dashed.
+- `series(result)`: the lines of a throughput result (`store`, `paths`, `hicache`, `redis`; the
+  kind is recognised from its shape, `kind_of`): `Series(name, op, xs, ys, baseline)` with block
+  sizes in bytes and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are dashed.
+- A `bench serve` result is not throughput: `draw` gives it two bar panels per prompt length
+  (time to first token cold / L1/L2 hit / L3 hit, and the hits' speed-up over cold).
 - The drawing: two panels (read, write); lines over a log-2 block-size axis when the result has
   several block sizes, one bar per series (baselines hatched, values written on the bars) when it
   has one (`bench hicache`, a one-size run); matplotlib with the Agg backend (headless), imported
@@ -43,6 +45,9 @@ class Series:
 
 
 def kind_of(result: dict[str, Any]) -> str:
+    if not isinstance(result, dict):
+        raise OffloadError("not a bench result: expected a JSON object, the --json output of "
+                           "bench store, paths, hicache, redis or serve")
     if isinstance(result.get("sizes"), list) and "raw" in result:
         return "store"
     if isinstance(result.get("sizes"), dict):
@@ -51,8 +56,12 @@ def kind_of(result: dict[str, Any]) -> str:
         return "hicache"
     if isinstance(result.get("rows"), list):
         return "redis"
+    if isinstance(result.get("rows"), dict) and all(
+            isinstance(r, dict) and isinstance(r.get("cold"), dict)
+            for r in result["rows"].values()) and result["rows"]:
+        return "serve"
     raise OffloadError("not a bench result: expected the --json output of bench store, paths, "
-                       "hicache or redis")
+                       "hicache, redis or serve")
 
 
 def _collect(lines: dict[tuple[str, str], Series], name: str, op: str, x: int, y: Any,
@@ -63,6 +72,8 @@ def _collect(lines: dict[tuple[str, str], Series], name: str, op: str, x: int, y
 
 def series(result: dict[str, Any]) -> list[Series]:
     kind = kind_of(result)
+    if kind == "serve":
+        raise OffloadError("a bench serve result holds times to first token, not throughput")
     lines: dict[tuple[str, str], Series] = {}
     if kind == "store":
         rows = result["sizes"]
@@ -106,7 +117,7 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
     """Write the plot of `result` to `out` (the format named by its extension); returns `out`."""
     import matplotlib.pyplot as plt
 
-    fig = figure(result, title)
+    fig = serve_figure(result, title) if kind_of(result) == "serve" else figure(result, title)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -150,6 +161,55 @@ def figure(result: dict[str, Any], title: str | None = None) -> Any:
     fig.suptitle(title or f"sglang-offload bench {kind}: {what}")
     fig.tight_layout()
     return fig
+
+
+SERVE_PHASES = {"cold": "cold (prefill)", "l1l2": "L1/L2 hit", "l3": "L3 hit (after restart)"}
+
+
+def serve_figure(result: dict[str, Any], title: str | None = None) -> Any:
+    """A `bench serve` result: bars per prompt length, time to first token (cold, L1/L2, L3) and
+    the hits' speed-up over cold."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    lengths = list(rows)
+    phases = [p for p in SERVE_PHASES if any(p in r for r in rows.values())]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(phases)
+    for i, p in enumerate(phases):
+        xs = [j + i * width for j in range(len(lengths))]
+        ys = [_number(rows[n].get(p, {}).get("ttft_s")) for n in lengths]
+        color = f"C{list(SERVE_PHASES).index(p)}"          # one color per phase in both panels
+        bars = ax1.bar(xs, ys, width, label=SERVE_PHASES[p], color=color,
+                       hatch="//" if p == "cold" else "")
+        ax1.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize="x-small", padding=2)
+        if p != "cold":
+            sp = [_number(rows[n].get(p, {}).get("speedup")) for n in lengths]
+            b2 = ax2.bar(xs, sp, width, label=SERVE_PHASES[p], color=color)
+            ax2.bar_label(b2, labels=[f"{y:.2f}x" for y in sp], fontsize="x-small", padding=2)
+    for ax, ylabel, where in ((ax1, "time to first token (s)", "upper left"),
+                              (ax2, "speed-up over cold", "lower right")):
+        ax.set_xticks([j + width * (len(phases) - 1) / 2 for j in range(len(lengths))],
+                      [f"{int(n) // 1024}K" if str(n).isdigit() and int(n) >= 1024 else str(n)
+                       for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize="small", loc=where)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.15)
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    srv = result.get("server") or {}
+    fig.suptitle(title or f"sglang-offload bench serve: {srv.get('device')}, attention "
+                 f"{srv.get('attention_backend')}")
+    fig.tight_layout()
+    return fig
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) else 0.0
 
 
 def _bars(ax: Any, lines: list[Series], colors: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ Note, printed with the result: SGLang's `torch_native` attention (the CPU backen
 attention over the whole prompt even when the prefix is cached
 (srt/layers/attention/torch_native_backend.py:128-172): a hit saves the cached tokens' QKV
 projections and MLPs but not their attention, so on CPU the gain is understated.
-`draw(result, out)`: two bar panels per length (time to first token; speed-up over cold).
+`--plot` and `bench plot` draw the result with `offload.bench.plot` (bars per length: time to
+first token per phase, speed-up over cold).
 """
 
 from __future__ import annotations
@@ -227,44 +228,3 @@ def _print(result: dict[str, Any]) -> None:
     if result.get("note"):
         print(f"note: {result['note']}")
 
-
-def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
-    """Bars per prompt length: time to first token (cold, L1/L2, L3) and speed-up over cold."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    lengths = list(result["rows"])
-    phases = [p for p in ("cold", "l1l2", "l3") if any(p in r for r in result["rows"].values())]
-    labels = {"cold": "cold (prefill)", "l1l2": "L1/L2 hit", "l3": "L3 hit (after restart)"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / len(phases)
-    for i, p in enumerate(phases):
-        xs = [j + i * width for j in range(len(lengths))]
-        ys = [result["rows"][n].get(p, {}).get("ttft_s", 0) for n in lengths]
-        color = f"C{PHASES.index(p)}"                 # one color per phase in both panels
-        bars = ax1.bar(xs, ys, width, label=labels[p], color=color,
-                       hatch="//" if p == "cold" else "")
-        ax1.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize="x-small", padding=2)
-        if p != "cold":
-            sp = [result["rows"][n].get(p, {}).get("speedup") or 0 for n in lengths]
-            b2 = ax2.bar(xs, sp, width, label=labels[p], color=color)
-            ax2.bar_label(b2, labels=[f"{y:.2f}x" for y in sp], fontsize="x-small", padding=2)
-    for ax, ylabel, where in ((ax1, "time to first token (s)", "upper left"),
-                              (ax2, "speed-up over cold", "lower right")):
-        ax.set_xticks([j + width * (len(phases) - 1) / 2 for j in range(len(lengths))],
-                      [f"{int(n) // 1024}K" if int(n) >= 1024 else n for n in lengths])
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize="small", loc=where)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.margins(y=0.15)
-    ax2.axhline(1.0, color="black", linewidth=0.8)
-    srv = result.get("server", {})
-    fig.suptitle(title or f"sglang-offload bench serve: {srv.get('device')}, attention "
-                 f"{srv.get('attention_backend')}")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

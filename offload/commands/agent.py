@@ -56,24 +56,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "set it to --capacity to preallocate the whole tier before serving")
     p.add_argument("--transport", choices=["ucx", "tcp"], default="ucx",
                    help="ucx: NIXL moves the bytes (RDMA, or UCX over TCP); tcp: no NIXL, bytes "
-                        "travel on the control connection")
+                        "travel on the control connection (default ucx)")
     p.add_argument("--secret-file", metavar="FILE",
                    help="shared secret (mode 600); default: $SGLANG_OFFLOAD_SECRET")
     p.add_argument("--keys-file", metavar="FILE",
                    help="per-host credentials (TOML, mode 600; see docs/deploy/agent.md); "
                         "replaces the shared secret")
-    p.add_argument("--max-clients", type=int, default=64,
+    p.add_argument("--max-clients", type=int, default=64, metavar="N",
                    help="authenticated connections at once, per host key of --keys-file (in all "
-                        "with a shared secret)")
-    p.add_argument("--max-requests", type=int, default=32,
-                   help="requests in progress at once, per host key (in all with a shared secret)")
-    p.add_argument("--max-namespaces", type=int, default=1024,
+                        "with a shared secret; default 64)")
+    p.add_argument("--max-requests", type=int, default=32, metavar="N",
+                   help="requests in progress at once, per host key (in all with a shared "
+                        "secret; default 32)")
+    p.add_argument("--max-namespaces", type=int, default=1024, metavar="N",
                    help="namespaces registered at once, per host key (in all with a shared "
-                        "secret); a host's expire when its last connection closes")
-    p.add_argument("--max-pending", type=int, default=16,
-                   help="connections still authenticating at once (more are closed at accept)")
+                        "secret); a host's expire when its last connection closes (default 1024)")
+    p.add_argument("--max-pending", type=int, default=16, metavar="N",
+                   help="connections still authenticating at once (more are closed at accept; "
+                        "default 16)")
     p.add_argument("--max-frame", type=_size, default=Size(protocol.DEFAULT_MAX_BODY), metavar="SIZE",
-                   help="largest request or reply frame (default 64MiB)")
+                   help="largest request or reply frame (default 64MiB; 64KiB before a "
+                        "verified HELLO)")
     p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
                    help="staging memory per NIXL connection, two halves (default 64MiB; the "
                         "largest block is half of it)")
@@ -82,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "all with a shared secret); its NIXL requests are refused past it "
                         "(default 256MiB)")
     p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds a started frame (and the whole handshake) may take to arrive")
+                   help="seconds a started frame (and the whole handshake) may take to arrive "
+                        "(default 30)")
     p.add_argument("--ready-file", metavar="FILE", help="write the listening port here when ready")
 
 

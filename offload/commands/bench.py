@@ -4,13 +4,15 @@ Each benchmark module declares its options as data (`OPTIONS`: `offload.bench.co
 turned into argparse flags here by `add_options`, each value checked by its `type` while parsing,
 so a bad one is an `error:` line before any work) and has `run(args) -> Outcome` (its result and
 exit code). Every target but `plot` also takes `--plot OUT.png` (checked before the run: the
-directory exists and is writable, matplotlib writes the format), which hands the result to
-`offload.bench.plot.draw`. `bench plot RESULT.json --plot OUT.png` draws a result saved with `--json`.
+directory exists and is writable, matplotlib writes the format; its help says what that target's
+plot shows, `PLOTS`), which hands the result to `offload.bench.plot.draw`. `bench plot RESULT.json
+--plot OUT.png` draws a result saved with `--json`, whichever target made it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
@@ -35,6 +37,16 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("offload.bench.serve", "time to first token of a real server: cold vs L1/L2 vs L3"),
     "plot": ("offload.bench.plot", "plot a saved --json result (--plot OUT.png)"),
 }
+# what `--plot` draws, per target (the help of its --plot)
+PLOTS: dict[str, str] = {
+    "store": "block store put / cold get / warm get vs the raw O_DIRECT disk, GB/s against block "
+             "size",
+    "hicache": "our backend vs SGLang's file backend vs the raw disk, GB/s at the page size (bars)",
+    "redis": "the Redis tier vs raw redis-py, GB/s against block size (bars for one size)",
+    "paths": "each transfer path vs raw disk and NIXL loopback, GB/s against block size",
+    "serve": "time to first token per prompt length (cold, L1/L2 hit, L3 hit) and the hits' "
+             "speed-up over cold, as bars",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", choices=sorted(BENCHES), help="what to measure")
     p.add_argument("options", nargs=argparse.REMAINDER,
                    help="options of that benchmark (bench TARGET --help), and --plot OUT.png to "
-                        "draw the result beside its baseline")
+                        "draw the result (what it shows: bench TARGET --help)")
 
 
 def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
@@ -74,7 +86,12 @@ def parser_of(target: str) -> argparse.ArgumentParser:
     module = importlib.import_module(BENCHES[target][0])
     bp = argparse.ArgumentParser(prog=f"sglang-offload bench {target}",
                                  description=BENCHES[target][1])
-    add_options(bp, module.OPTIONS if target == "plot" else (*module.OPTIONS, PLOT))
+    if target == "plot":
+        add_options(bp, module.OPTIONS)
+    else:
+        help_text = (f"draw the result as an image: {PLOTS[target]}; the directory must exist, "
+                     "the extension names the format")
+        add_options(bp, (*module.OPTIONS, dataclasses.replace(PLOT, help=help_text)))
     return bp
 
 
@@ -87,6 +104,5 @@ def run(args: argparse.Namespace) -> int:
     if out:
         if outcome.result is None:
             raise RunError(f"bench {args.target} produced no result to plot")
-        draw = getattr(module, "draw", plot.draw)      # a target with its own kind of plot
-        print(f"plot: {draw(outcome.result, out)}", file=sys.stderr)
+        print(f"plot: {plot.draw(outcome.result, out)}", file=sys.stderr)
     return int(outcome.rc)

@@ -85,8 +85,10 @@ def check_interpreter(exe: str, timeout: float = 30.0) -> Interpreter:
     want_sglang, want_ours = pinned()
     from offload.hw.pyside import checkout
 
-    fix = (f"install both into it (`{exe} -m pip install -e '{checkout()}'` and the patched "
-           "SGLang wheel, docs/install.md) or pass --python EXE: the interpreter that has both")
+    top = checkout()
+    fix = (f"install both into it as docs/install.md does (`{exe} -m pip install -e "
+           f"'{top}[sglang]'`, then the patched SGLang wheel: `{exe} {top}/distro/"
+           "install_patched.py`) or pass --python EXE: the interpreter that has both")
     data, why = _ask(exe, timeout)
     if data is None:
         return Interpreter(exe, None, None, f"--python {exe}: cannot ask it what it imports: "

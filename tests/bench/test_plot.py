@@ -1,4 +1,5 @@
-"""`bench ... --plot out.png`: throughput vs block size per path with the raw baseline (Agg)."""
+"""`bench ... --plot out.png` and `bench plot`: throughput vs block size per path with the raw
+baseline, and a `bench serve` result's times to first token (Agg)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ HICACHE = {"page_bytes": 8 << 20, "raw": {"write_gbps": 2.0, "read_gbps": 3.0},
            "offload": {"write_gbps": 1.8, "read_gbps": 2.7}}
 REDIS = {"url": "redis://x", "rows": [{"block": 1 << 20, "raw_set": 1.0, "ours_set": 0.9,
                                        "raw_get": 1.2, "ours_get": 1.1}]}
+SERVE = {"lengths": [2048, 4096], "max_new_tokens": 8, "seed": 1,
+         "rows": {"2048": {"cold": {"ttft_s": 1.0, "cached_tokens": 0},
+                           "l1l2": {"ttft_s": 0.5, "speedup": 2.0, "same_output": True},
+                           "l3": {"ttft_s": 0.6, "speedup": 1.67, "same_output": True}},
+                  "4096": {"cold": {"ttft_s": 2.5, "cached_tokens": 0},
+                           "l1l2": {"ttft_s": 1.0, "speedup": 2.5, "same_output": True}}},
+         "server": {"device": "cpu", "attention_backend": "torch_native"}}
 
 
 def _lines(result):
@@ -113,3 +121,38 @@ def test_one_block_size_is_a_bar_chart_and_several_are_lines():
         assert all(ax.lines and not ax.patches for ax in fig.axes)
     finally:
         plt.close(fig)
+
+
+def test_a_saved_bench_serve_result_draws(tmp_path, capsys):
+    """`bench plot` draws what `bench serve --json` saved (before: 'not a bench result')."""
+    assert plot.kind_of(SERVE) == "serve"
+    saved = tmp_path / "serve.json"
+    saved.write_text(json.dumps(SERVE))
+    out = tmp_path / "serve.png"
+    assert main(["bench", "plot", str(saved), "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG) and capsys.readouterr().out.strip() == str(out)
+    fig = plot.serve_figure(SERVE)
+    try:
+        ttft, speedup = fig.axes
+        assert sorted(p.get_height() for p in ttft.patches) == [0, 0.5, 0.6, 1.0, 1.0, 2.5]
+        assert sorted(p.get_height() for p in speedup.patches) == [0, 1.67, 2.0, 2.5]
+        assert [t.get_text() for t in ttft.get_xticklabels()] == ["2K", "4K"]
+        assert fig.get_suptitle() == "sglang-offload bench serve: cpu, attention torch_native"
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    for bad in ({"rows": {}}, {"rows": {"2048": {"l3": {}}}}, [1, 2]):
+        with pytest.raises(OffloadError, match="not a bench result"):
+            plot.kind_of(bad)
+
+
+@pytest.mark.parametrize("target,shows", [("store", "GB/s against block size"),
+                                          ("hicache", "at the page size"),
+                                          ("serve", "time to first token")])
+def test_plot_help_says_what_each_target_draws(target, shows, capsys):
+    assert main(["bench", target, "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    plot_help = help_text[help_text.index("--plot OUT.png draw"):]
+    assert shows in plot_help
+    assert ("GB/s" in plot_help) == (target != "serve")

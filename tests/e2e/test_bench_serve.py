@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from offload import cli
-from offload.bench.serve import TORCH_NATIVE_NOTE, draw
+from offload.bench.plot import draw
+from offload.bench.serve import TORCH_NATIVE_NOTE
 from tests.e2e.conftest import deployment, full_pages, needs_serving
 
 

@@ -58,9 +58,10 @@ def test_python_without_sglang_or_offload_is_refused(capsys, tmp_path: Path) -> 
     from offload.hw.pyside import checkout
 
     assert err == [f"error: --python {PYTHONS / 'bare'} cannot import sglang {sg} and "
-                   f"sglang-offload {ours}; install both into it (`{PYTHONS / 'bare'} -m pip "
-                   f"install -e '{checkout()}'` and the patched SGLang wheel, docs/install.md) "
-                   "or pass --python EXE: the interpreter that has both"]
+                   f"sglang-offload {ours}; install both into it as docs/install.md does "
+                   f"(`{PYTHONS / 'bare'} -m pip install -e '{checkout()}[sglang]'`, then the "
+                   f"patched SGLang wheel: `{PYTHONS / 'bare'} {checkout()}/distro/"
+                   "install_patched.py`) or pass --python EXE: the interpreter that has both"]
 
 
 def test_python_at_other_versions_is_refused(tmp_path: Path) -> None:

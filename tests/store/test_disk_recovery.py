@@ -150,7 +150,7 @@ def test_slab_fd_cache_is_bounded(tmp_path):
     d = tmp_path / "cache"
     with open_store(d, segment_size=SLOT, max_open_slabs=3, io_threads=4) as s:  # a slab per block
         assert put(s, range(20)) == [True] * 20
-        assert len(slabs_of(d)) == 20
+        assert len(slabs_of(d)) in (20, 21)    # + at most one slab reserved ahead
         assert exact(s, range(20))
         assert s._slabs.open_count() <= 3
         assert open_slab_fds(d) <= 3 + 6  # + index.db, -wal, -shm of the writer and the reader

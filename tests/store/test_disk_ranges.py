@@ -1,0 +1,71 @@
+"""Reserved ranges: a process's puts take slots it reserved ahead, with no index transaction of
+their own; the cap counts the range (reported apart), a dead process's range is reclaimed at the
+next open, and two processes storing one key both succeed with one copy kept. Real files and a
+real second process."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from offload.store.index import Index
+from tests.store.blocks import key
+from tests.store.test_disk import open_store, worker
+from tests.store.test_disk_write_path import SIZE, exact, put
+
+SLOT = SIZE + 4096
+
+
+def reserved_rows(d) -> int:
+    db = sqlite3.connect(d / "index.db")
+    try:
+        return db.execute("SELECT count(*) FROM reserved").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_puts_take_the_reserved_range_without_an_index_transaction(tmp_path, monkeypatch):
+    calls: list[int] = []
+    real = Index.reserve
+
+    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Index, "reserve", counting)
+    with open_store(tmp_path) as s:
+        assert put(s, range(8)) == [True] * 8 and len(calls) == 1
+        for i in range(8, 64, 8):                     # the rest of the range: no reservation
+            assert put(s, range(i, i + 8)) == [True] * 8
+        assert len(calls) == 1
+        assert s.flush() and exact(s, range(64))
+        st = s.stats()
+        assert st.bytes_reserved > 0                  # what is left of the range ...
+        assert st.bytes_used == 64 * SLOT + st.bytes_reserved   # ... counted against the cap
+    assert reserved_rows(tmp_path) == 0               # close gives the range back
+    with open_store(tmp_path) as s:
+        assert s.stats().bytes_used == 64 * SLOT and exact(s, range(64))
+
+
+def test_a_dead_processs_range_is_reclaimed_at_the_next_open(tmp_path):
+    p = worker("write", tmp_path, start=0, stop=8, size=SIZE, batch=8, die=True)
+    out, _ = p.communicate(timeout=120)
+    assert '"ok": [true, true, true, true, true, true, true, true]' in out, out
+    assert p.returncode == 0 and reserved_rows(tmp_path) > 0   # died holding its range
+    with open_store(tmp_path) as s:
+        assert reserved_rows(tmp_path) == 0
+        st = s.stats()
+        assert st.bytes_used == 8 * SLOT and st.bytes_reserved == 0 and exact(s, range(8))
+
+
+def test_two_stores_putting_one_key_keep_one_copy(tmp_path):
+    with open_store(tmp_path) as a, open_store(tmp_path) as b:
+        assert put(a, [0, 1]) == [True, True]
+        assert put(b, [1, 2]) == [True, True]          # b does not know of a's block 1 yet
+        assert a.flush() and b.flush()
+        assert exact(a, [0, 1, 2]) and exact(b, [0, 1, 2])
+        assert a.exists_many([key(i) for i in range(3)]) == [True] * 3
+        sa, sb = a.stats(), b.stats()
+        assert sa.blocks == 3
+        assert sa.bytes_used == 3 * SLOT + sa.bytes_reserved + sb.bytes_reserved   # one copy
+    with open_store(tmp_path) as s:
+        assert s.stats().bytes_used == 3 * SLOT and exact(s, range(3))
