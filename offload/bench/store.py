@@ -84,10 +84,13 @@ class Steps:
 
 def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> dict[str, float]:
     from offload.store.disk import DiskStore
+    from offload.store.disk_spare import RANGE_BYTES, RANGE_SHARE
 
     d = os.path.join(root, f"store-{size}")
     n = max(batch, total // size)
-    store = DiskStore(StoreConfig(path=d, capacity=Size(4 * n * size + (1 << 30)),
+    # a cap of a real cache's order (nothing evicted; slots reserved ahead in full ranges)
+    cap = max(4 * n * size + (1 << 30), RANGE_SHARE * RANGE_BYTES)
+    store = DiskStore(StoreConfig(path=d, capacity=Size(cap),
                                   io_threads=threads, min_free=Size(0)))
     src = mmap.mmap(-1, size * batch)
     src.write(os.urandom(1 << 20) * (size * batch >> 20) if size >= 1 << 20

@@ -8,8 +8,10 @@ the next open if the process dies, and are forgotten when the index is rebuilt b
 (the new index holds no reservation of ours) or their slab is dropped.
 
 Sizing: a reservation asks for what the put needs plus up to `RANGE_BYTES` (or a `RANGE_SHARE`th
-of the capacity, if less) ahead, and gets the part ahead only from room under the high watermark:
-it never evicts a block for slots nobody asked for yet.
+of the capacity, or one slab file, if less) ahead, and gets the part ahead only from room under the
+high watermark: it never evicts a block for slots nobody asked for yet. Slots held ahead by other
+processes count against the cap, so a small cache shared by many processes keeps most of it for
+blocks: eight processes hold at most an eighth per slot size.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import bisect
 
 RANGE_BYTES = 256 << 20   # slots reserved ahead per slot size: one index transaction per ~256 MiB
-RANGE_SHARE = 16          # ... and at most this fraction of the capacity
+RANGE_SHARE = 64          # ... and at most this fraction of the capacity (8 TP ranks: 1/8)
 
 
 class Spare:
