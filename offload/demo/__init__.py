@@ -6,9 +6,12 @@ here on a built-in word list (tokenizer.json, tokenizer_config.json). SGLang and
 it like any HuggingFace checkpoint. The text it generates is gibberish; the KV path (prefill, the
 radix cache, HiCache's host pool, the offload tier) is the real one. Same spec, same bytes.
 `spec`: the sizes and their checks; `tokenizer`: the tokenizer; `checkpoint`: the files.
+Other families on the same files (`FAMILIES`, `--family`): `mla` (DeepSeek-V2 latent attention)
+and `swa` (Mellum, hybrid sliding-window).
 """
 
 from offload.demo.checkpoint import write_demo
+from offload.demo.families import FAMILIES, Family
 from offload.demo.spec import DemoSpec
 
-__all__ = ["DemoSpec", "write_demo"]
+__all__ = ["FAMILIES", "DemoSpec", "Family", "write_demo"]

@@ -31,7 +31,7 @@ SERVING_DEPS = ("fastapi", "uvicorn", "uvloop", "partial_json_parser", "xgrammar
 def serving_missing() -> str | None:
     missing = [m for m in ("sglang", *SERVING_DEPS) if importlib.util.find_spec(m) is None]
     return (f"SGLang's serving dependencies are not installed ({', '.join(missing)}): "
-            "scripts/install.sh --cpu") if missing else None
+            "install them with `bash scripts/install.sh`") if missing else None
 
 
 needs_serving = pytest.mark.skipif(serving_missing() is not None, reason=serving_missing() or "")

@@ -24,9 +24,8 @@ from typing import Any
 
 import pytest
 
-from offload.demo import DemoSpec
-from offload.demo.mla import write_mla_demo
-from offload.demo.swa import WINDOW, write_swa_demo
+from offload.demo import FAMILIES, DemoSpec
+from offload.demo.swa import WINDOW
 from offload.launch.server import LaunchedServer, free_port, wait_store
 from tests.e2e.conftest import PAGE, deployment, full_pages, needs_serving, prompt
 
@@ -34,10 +33,11 @@ pytestmark = needs_serving
 TOKENS = 1200
 
 
-# family -> (the demo writer, a line its pools log at attach, sidecar blocks a prompt adds)
-FAMILIES = {
-    "mla": (write_mla_demo, f"{4 * PAGE * (128 + 64) * 2}-byte pages", 0),  # 4 layers x latent
-    "swa": (write_swa_demo, "offload: pool swa (MHATokenToKVPoolHost", WINDOW // PAGE),
+# family (written as `demo-model --family` does) -> (a line its pools log at attach, sidecar
+# blocks a prompt adds)
+SERVED = {
+    "mla": (f"{4 * PAGE * (128 + 64) * 2}-byte pages", 0),  # 4 layers x latent
+    "swa": ("offload: pool swa (MHATokenToKVPoolHost", WINDOW // PAGE),
 }
 
 
@@ -70,11 +70,11 @@ def _ask(server: LaunchedServer, text: str) -> dict[str, Any]:
             "details": dict(meta.get("cached_tokens_details") or {})}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(SERVED))
 def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path) -> None:
-    write, pools_line, sidecar = FAMILIES[family]
+    pools_line, sidecar = SERVED[family]
     model = tmp_path / f"{family}-model"
-    write(model, DemoSpec())
+    FAMILIES[family].write(model, DemoSpec())
     store, text = tmp_path / "store", prompt(TOKENS, 11)
     first = _start(tmp_path, model, store, f"{family}-cold")
     try:
