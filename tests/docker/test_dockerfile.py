@@ -14,6 +14,8 @@ import pytest
 
 dockerfile = pytest.importorskip("dockerfile")
 
+from tests.launch.helpers import fake_python  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
@@ -109,14 +111,12 @@ def test_entrypoint_reports_then_dry_runs_launch(tmp_path: Path) -> None:
     out = res.stdout
     assert out.index("sglang-offload detect: this machine") < out.index("sglang-offload launch:")
     command = out.rstrip().splitlines()[-1]
-    assert "-m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct" in command
+    assert "-m sglang.launch_server --model-path /tmp/sglang-offload-demo" in command
     assert command.endswith("--port 30001")
 
 
 def test_entrypoint_execs_launch_and_other_commands(tmp_path: Path) -> None:
-    fake = tmp_path / "fake-python"
-    fake.write_text('#!/bin/sh\necho "sglang started: $*"\n')
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path / "fake-python", 'echo "sglang started: $*"\n')
     res = run_entrypoint(tmp_path, SGLANG_OFFLOAD_PYTHON=str(fake),
                          SGLANG_OFFLOAD_CONFIG=str(REPO / "configs" / "cpu-dev.yaml"))
     assert res.returncode == 0, res.stderr

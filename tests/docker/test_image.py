@@ -115,7 +115,7 @@ def test_entrypoint_detects_then_dry_runs_launch(image: Buildah) -> None:
     assert "path: cpu" in out
     assert "checked with snapshot of SGLang 0.5.23's parser" in out
     command = out.rstrip().splitlines()[-1]
-    assert command.startswith("python3 -m sglang.launch_server --model-path Qwen/")
+    assert "python3 -m sglang.launch_server --model-path /tmp/sglang-offload-demo" in command
     assert "--hicache-storage-backend dynamic" in command and command.endswith("--port 30001")
 
 

@@ -34,3 +34,15 @@ def write(tmp_path: Path, text: str, name: str = "deploy.yaml") -> Path:
     p = tmp_path / name
     p.write_text(text)
     return p
+
+
+def fake_python(path: Path, body: str) -> Path:
+    """A stand-in interpreter at PATH: it answers launch's interpreter probe (`-c`) with the pins,
+    and runs the shell BODY for any other command line (SGLang's start)."""
+    from offload.launch.interpreter import pinned
+
+    probe = json.dumps({"sglang": {"found": True, "version": pinned()[0]},
+                        "offload": {"found": True, "version": pinned()[1]}})
+    path.write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && echo '{probe}' && exit 0\n{body}")
+    path.chmod(0o755)
+    return path

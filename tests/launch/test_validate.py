@@ -17,7 +17,7 @@ from offload.errors import ConfigError
 from offload.hicache.contract import SGLANG_KEYS as SGLANG_EXTRA_KEYS
 from offload.launch import argspec as launch_argspec
 from offload.launch.sglang_args import check_sglang
-from tests.launch.helpers import CONFIGS, REPO, dry_run, run_cli, write
+from tests.launch.helpers import CONFIGS, REPO, dry_run, fake_python, run_cli, write
 
 BASE = "sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n  page-size: 64\n"
 
@@ -164,14 +164,7 @@ def test_snapshot_stands_in_when_sglang_cannot_import(monkeypatch) -> None:
 
 def test_launch_execs_sglang_in_place(tmp_path) -> None:
     """Without --dry-run the process becomes the SGLang command (same PID, same argv)."""
-    from offload.launch.interpreter import pinned
-
-    fake = tmp_path / "python"      # answers launch's interpreter probe (-c) with the pins
-    probe = json.dumps({"sglang": {"found": True, "version": pinned()[0]},
-                        "offload": {"found": True, "version": pinned()[1]}})
-    fake.write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && echo '{probe}' && exit 0\n"
-                    'echo "pid=$$"\nfor a in "$@"; do echo "arg=$a"; done\n')
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path / "python", 'echo "pid=$$"\nfor a in "$@"; do echo "arg=$a"; done\n')
     cfg = write(tmp_path, BASE + "offload:\n  store: {path: " + str(tmp_path / "c") + "}\n")
     code = ("import os, sys; from offload import cli; print(f'pid={os.getpid()}', flush=True); "
             "sys.exit(cli.main(sys.argv[1:]))")
