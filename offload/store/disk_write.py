@@ -139,10 +139,15 @@ class DiskWrites:
         if short:
             extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
                                self.cfg.segment_size))   # ahead: at most one new slab file
-            res = self._ix.write(self._reserve({sb: (n, extra // sb) for sb, n in short.items()}))
+            res: object = BUSY
+            try:
+                res = self._ix.write(self._reserve({sb: (n, extra // sb)
+                                                    for sb, n in short.items()}))
+            finally:
+                if res is BUSY:   # busy or failed: the slots taken stay this process's
+                    with self._lock:
+                        self._spare.add(got)
             if res is BUSY:
-                with self._lock:     # the slots taken stay this process's, for the next put
-                    self._spare.add(got)
                 return None
             assert isinstance(res, Reserved)
             why = res.short
