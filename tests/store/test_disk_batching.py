@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from offload.store import coalesce, slab, slot_format
+from offload.store import coalesce, disk_write, slab, slot_format
 from offload.store.index import Location
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
@@ -45,7 +45,7 @@ def _aligned_blocks(ks: list[bytes], size: int = SIZE) -> tuple[mmap.mmap, list[
 
 
 def _put_statements(tmp_path, n: int) -> list[str]:
-    with open_store(tmp_path / f"s{n}") as s:
+    with open_store(tmp_path / f"s{n}", 1 << 34) as s:   # a range ahead of 256 MiB
         assert s.put_many([key(-1)], [[data(key(-1), SIZE)]]) == [True]  # the slab exists
         log: list[str] = []
         s._index.db = _Counting(s._index.db, log)  # type: ignore[assignment]
@@ -56,10 +56,14 @@ def _put_statements(tmp_path, n: int) -> list[str]:
     return log
 
 
-def test_a_put_costs_the_same_index_statements_for_8_or_64_blocks(tmp_path):
+@pytest.mark.parametrize("ranges", [True, False], ids=["from-the-range", "reserving-each-put"])
+def test_a_put_costs_the_same_index_statements_for_8_or_64_blocks(tmp_path, monkeypatch, ranges):
+    if not ranges:   # no slot reserved ahead: every put runs its own reservation
+        monkeypatch.setattr(disk_write, "RANGE_BYTES", 0)
     few, many = _put_statements(tmp_path, 8), _put_statements(tmp_path, 64)
     assert len(many) == len(few), (few, many)
     assert len(many) < 40, many
+    assert ("PRAGMA synchronous=NORMAL" in many) is not ranges   # the reservation, if any
 
 
 def test_the_reservation_is_not_synced_and_the_commit_follows_the_slab_sync(tmp_path, monkeypatch):
