@@ -22,6 +22,7 @@ import select
 import sys
 import time
 
+from offload import redact
 from offload.errors import OffloadError
 
 log = logging.getLogger("offload.cli")
@@ -118,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:         # a file or socket the command needed, named with the reason
         log.debug("traceback", exc_info=True)
         where = f"{e.filename}: " if e.filename else ""
-        _errors(f"{where}{e.strerror or e}")
+        _errors(redact.text(f"{where}{e.strerror or e}"))
         return 1
     except Exception as e:       # a bug: one line; -v logs the traceback for the report
         log.debug("traceback", exc_info=True)
-        _errors(f"internal error: {type(e).__name__}: {e}"
+        _errors(f"internal error: {type(e).__name__}: {redact.text(str(e))}"
                 + ("" if verbose else " (run with -v for the traceback and report it)"))
         return 1
 

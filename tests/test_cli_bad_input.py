@@ -228,6 +228,18 @@ def test_an_unexpected_exception_is_one_line_and_v_logs_its_traceback(
         "report it)"]
 
 
+def test_an_unexpected_exception_quoting_a_redis_url_shows_no_password(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload.commands import plan
+
+    def boom(args: object) -> int:
+        raise RuntimeError("cannot reach redis://app:hunter2secret@10.0.0.5:6379/0")
+
+    monkeypatch.setattr(plan, "run", boom)
+    rc, _, err = run_cli(["plan"])
+    assert rc == 1 and "hunter2secret" not in err and "redis://app:***@10.0.0.5:6379/0" in err
+
+
 # --- closed pipes ------------------------------------------------------------------------------------
 
 class ClosedAfter(io.TextIOBase):

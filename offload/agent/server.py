@@ -61,7 +61,6 @@ class AgentServer:
         self.host = host
         self.port = port
         self.transport = transport
-        self.max_clients = max_clients
         self.max_pending = max_pending
         self.max_quarantine = int(max_quarantine)
         self.max_body = int(max_body)
@@ -76,8 +75,7 @@ class AgentServer:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._sessions: dict[int, threading.Thread] = {}
-        self._pending = 0            # accepted, not yet authenticated
-        self._active = 0             # authenticated
+        self._pending = 0            # accepted, not yet admitted (authenticated ones: access)
         self._next_id = 0
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
         self._logged: dict[str, tuple[float, int]] = {}
@@ -125,23 +123,19 @@ class AgentServer:
     # ---------------------------------------------------------------- connections
     def admit(self, host: str) -> str | None:
         """A pending connection of `host` authenticated: None if it may stay (its tenant under
-        `max_clients`), else why not."""
-        with self._lock:
-            self._pending -= 1
+        `max_clients`), else why not (it then stays pending until `release(None)`)."""
         why = self.access.connect(host)
         if why is None:
             with self._lock:
-                self._active += 1
+                self._pending -= 1
         return why
 
     def release(self, host: str | None) -> None:
-        """A connection ended: `host` if it was admitted, else None."""
+        """A connection ended: `host` if it was admitted, else None (still pending)."""
         if host is not None:
             self.access.disconnect(host)
-        with self._lock:
-            if host is not None:
-                self._active -= 1
-            else:
+        else:
+            with self._lock:
                 self._pending -= 1
 
     def start(self) -> None:

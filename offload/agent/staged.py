@@ -10,7 +10,7 @@ is True only after its WRITE completed); `.close()`. Both set `ok[i]` and never 
 A transfer still running at its deadline may yet land in, or read, its staging half: the whole
 staging memory is then quarantined (`offload.agent.quarantine`) until NIXL says it is final, and
 the next request gets fresh staging. Used by `offload.agent.session` for stores without an arena
-(the disk store) and for the blocks the zero-copy moves (`offload.agent.mover`) left.
+(the disk store) and for the blocks the zero-copy moves (`offload.agent.direct`) left.
 """
 
 from __future__ import annotations

@@ -94,8 +94,10 @@ def _config(src: str, store: Path, port: int) -> Path:
         raise UsageError(f"--config {src}: expected a deployment file with a sglang: section")
     doc["sglang"] = {**doc["sglang"], "host": "127.0.0.1", "port": port,
                      "enable-cache-report": True}
-    off = doc.setdefault("offload", {}) or {}
-    off.setdefault("store", {})["path"] = str(store)
+    off = doc.get("offload") or {}
+    if not isinstance(off, dict) or not isinstance(off.get("store") or {}, dict):
+        raise UsageError(f"--config {src}: offload: and offload.store: must be mappings")
+    off["store"] = {**(off.get("store") or {}), "path": str(store)}
     doc["offload"] = off
     out = store.parent / "bench-serve.yaml"
     out.write_text(yaml.safe_dump(doc, sort_keys=False))

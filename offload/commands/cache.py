@@ -70,15 +70,13 @@ def stored_capacity(directory: str) -> int:
     if not os.path.isfile(path):
         raise UsageError(f"{directory}: not a cache directory (no {INDEX}; the directory named by "
                          "offload.store.path)")
+    from offload.store.index_schema import read_only
+
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-        try:
-            row = db.execute("SELECT value FROM meta WHERE name='capacity'").fetchone()
-        finally:
-            db.close()
+        rows = read_only(path, "SELECT value FROM meta WHERE name='capacity'", timeout=30)
     except sqlite3.Error as e:
         raise StoreError(f"{path}: cannot read the index: {e}") from None
-    return int(row[0]) if row else 0
+    return int(rows[0][0]) if rows else 0
 
 
 def open_store(directory: str) -> Any:

@@ -55,7 +55,6 @@ from offload.hicache.keying import (
     dp_attention,
     group_ok,
     kv_plan,
-    leading,
     metrics_rank,
     model_ranks,
     namespace_for,
@@ -78,7 +77,7 @@ from offload.metrics import (
     serve,
     tier_metrics,
 )
-from offload.store.base import BlockStore, all_false, never_raises
+from offload.store.base import BlockStore, all_false, leading, never_raises
 
 if TYPE_CHECKING:
     import torch

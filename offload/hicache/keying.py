@@ -203,11 +203,6 @@ def refuse_layout(host_pool: Any, what: str = "KV host pool") -> ConfigError | N
                         "of them, or run this deployment without --hicache-storage-backend"])
 
 
-def leading(flags: Sequence[bool]) -> int:
-    """Length of the leading run of True (SGLang's `batch_exists` contract)."""
-    return next((i for i, f in enumerate(flags) if not f), len(flags))
-
-
 def dp_attention() -> bool:
     """Whether SGLang runs DP attention (storage TP ranks are then attention-group local)."""
     try:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from offload.errors import ConfigError
-from offload.hicache.keying import SERVED_LAYOUTS
+from offload.hicache.keying import SERVED_LAYOUTS, KeyPlan
 from offload.hicache.layout import PageMap
 from offload.keys import Namespace, key_maker
 from offload.store.base import BlockStore, never_raises
@@ -214,6 +214,7 @@ class PoolsMixin:
     is_writer: bool
     namespace: Namespace | None
     pages: PageMap | None
+    plan: KeyPlan | None
     worth: "WorthIt"
     logical_anchor: bool
     pools: dict[str, Pool]
@@ -314,7 +315,7 @@ class PoolsMixin:
             if self.logical_anchor:
                 return [True] * len(keys)
             return self._move(KV, self.pages, self._keys, self.is_writer, keys, t.host_indices, write,
-                              split=getattr(self, "plan", None))
+                              split=self.plan)
         pool = self.pools.get(name)
         if pool is None:
             if keys:

@@ -73,20 +73,17 @@ def _cache_dir(root: Root, path: str, given: bool) -> list[str]:
 
 
 def _secret_files(cfg: OffloadConfig) -> list[str]:
-    from offload.store.secret import read_secret_file
+    from offload.store.secret import MIN_SECRET_BYTES, read_secret_file
 
     out: list[str] = []
     for setting, path, min_bytes in (
             ("offload.redis.password_file", cfg.redis.password_file, 1),
-            ("offload.redis.secret_file", cfg.redis.secret_file, None),
-            ("offload.agent.secret_file", cfg.agent.secret_file, None)):
+            ("offload.redis.secret_file", cfg.redis.secret_file, MIN_SECRET_BYTES),
+            ("offload.agent.secret_file", cfg.agent.secret_file, MIN_SECRET_BYTES)):
         if not path:
             continue
         try:
-            if min_bytes is None:
-                read_secret_file(path, setting)
-            else:
-                read_secret_file(path, setting, min_bytes=min_bytes)
+            read_secret_file(path, setting, min_bytes=min_bytes)
         except ConfigError as e:
             out += e.problems
     for setting, path in (("offload.redis.tls_ca_file", cfg.redis.tls_ca_file),

@@ -173,14 +173,14 @@ class SlotStore(BlockStore, Protocol):
         ...
 
 
+def leading(flags: Sequence[bool]) -> int:
+    """Length of the leading run of True (SGLang's `batch_exists` contract)."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+
 def leading_hits(store: BlockStore, keys: Sequence[bytes]) -> int:
     """Length of the leading run of keys present (SGLang's `batch_exists` contract)."""
-    n = 0
-    for present in store.exists_many(keys):
-        if not present:
-            break
-        n += 1
-    return n
+    return leading(store.exists_many(keys))
 
 
 def durable(store: BlockStore, keys: Sequence[bytes], ok: Sequence[bool]) -> list[bool]:

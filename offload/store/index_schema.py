@@ -10,8 +10,8 @@ Primitives: `SCHEMA`, the states `PENDING` / `COMMITTED`, the change ops, `Locat
 is; `created` is the row's generation, so a cleanup deletes only the row it read), `Freed` (a slot
 given back), `Allocation` (what `Index.allocate` did), `Reserved` (what `Index.reserve` did),
 `Txn` (BEGIN IMMEDIATE .. COMMIT, or ROLLBACK on an exception; `durable=False` commits without
-syncing the log), `row_problem` (the range checks every row read back passes before it addresses
-a slab).
+syncing the log), `read_only` (the rows of one query on an index opened read-only, never created),
+`row_problem` (the range checks every row read back passes before it addresses a slab).
 
 `tombstones` holds freed slots whose hole punch (or header zeroing) failed: their header may still
 name the deleted block, so they are never handed out and a rebuild does not bring them back; the
@@ -59,6 +59,16 @@ CREATE INDEX IF NOT EXISTS reserved_owner ON reserved(owner);
 CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT NOT NULL)
   WITHOUT ROWID;
 """
+
+
+def read_only(path: str, sql: str, *, timeout: float) -> list[tuple]:
+    """The rows of `sql` on the index at `path`, opened read-only (never created). Raises
+    sqlite3.Error."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
 
 
 def signed(u: int) -> int:

@@ -38,7 +38,7 @@ from typing import Callable
 
 from offload.store import cachedir, slab, slot_format
 from offload.store.index import SIDE_FILES, Freed, Index
-from offload.store.index_schema import MAX_LENGTH, MAX_SEG
+from offload.store.index_schema import MAX_LENGTH, MAX_SEG, read_only
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,7 @@ def _old_tombstones(path: str) -> set[tuple[int, int, int]]:
     if not os.path.exists(path):
         return set()
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.1)
-        try:
-            rows = db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
-        finally:
-            db.close()
+        rows = read_only(path, "SELECT slot_bytes, seg, slot FROM tombstones", timeout=0.1)
     except sqlite3.Error:
         return set()
     return {r for r in rows if all(type(v) is int for v in r)}

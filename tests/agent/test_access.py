@@ -101,3 +101,17 @@ def test_quotas_are_per_host_key_and_shared_secret_holders_are_one_tenant(tmp_pa
     assert "shared secret's hosts" in (shared.connect("z") or "")
     shared.disconnect("x")
     assert shared.connect("z") is None
+
+
+def test_a_connection_refused_at_admission_leaves_the_pending_count_balanced() -> None:
+    from offload.agent.server import AgentServer
+    from offload.store.memory import MemoryStore
+
+    srv = AgentServer(MemoryStore(1 << 20), b"s" * 32, transport="tcp", max_clients=1)
+    srv._pending = 2                       # noqa: SLF001 - two accepted, authenticating
+    assert srv.admit("a") is None
+    assert srv.admit("b") is not None      # over --max-clients: refused, still pending
+    srv.release(None)                      # the refused one closes
+    srv.release("a")
+    assert srv._pending == 0               # noqa: SLF001 - not driven below zero
+    assert srv.access.usage()["tenants"] == 0

@@ -60,3 +60,14 @@ def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -
     assert result["store"]["blocks"] >= full_pages(512) // 64
     assert "bench serve:" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.yaml"]   # its scratch is gone
+
+
+@pytest.mark.parametrize("offload", ["[1]", "{store: [1]}"])
+def test_an_offload_section_that_is_not_a_mapping_is_one_error_line(
+        offload: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text(f"sglang: {{model-path: /nonexistent}}\noffload: {offload}\n")
+    rc = cli.main(["bench", "serve", "--config", str(cfg), "--dir", str(tmp_path), "--lengths", "128"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "offload: and offload.store: must be mappings" in err and "Traceback" not in err

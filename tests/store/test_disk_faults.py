@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from typing import Iterator
 
 import pytest
 
@@ -171,17 +173,25 @@ def test_four_processes_stay_under_one_cap(tmp_path):
                 assert got is None or got == data(key(i), size)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 8 MiB tmpfs: writes hit a real ENOSPC."""
-    mnt = tmp_path / "small"
+@contextlib.contextmanager
+def small_tmpfs(mnt, size: str) -> Iterator:
+    """A real tmpfs of `size` (e.g. "8m") mounted at `mnt`: writes hit a real ENOSPC."""
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=700", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 8 MiB tmpfs: writes hit a real ENOSPC."""
+    with small_tmpfs(tmp_path / "small", "8m") as mnt:
+        yield mnt
 
 
 def test_disk_full_skips_writes_and_keeps_serving(small_fs):

@@ -17,6 +17,7 @@ from offload.store.base import get_bytes
 from offload.store.index import Index
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
+from tests.store.test_disk_recovery import _damage_index as damage
 
 SIZE = 16 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
@@ -59,14 +60,6 @@ def drop_index(d) -> None:
     for name in ("index.db", "index.db-wal", "index.db-shm"):
         if os.path.lexists(d / name):
             os.unlink(d / name)
-
-
-def damage(d) -> None:
-    for suffix in ("-wal", "-shm"):
-        if os.path.exists(f"{d}/index.db{suffix}"):
-            os.unlink(f"{d}/index.db{suffix}")
-    with open(d / "index.db", "r+b") as f:
-        f.write(os.urandom(4096))
 
 
 @pytest.mark.parametrize("at", STEPS)

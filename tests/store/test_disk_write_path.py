@@ -17,6 +17,7 @@ from offload.store.base import durable
 from offload.store.index import Index
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store, worker
+from tests.store.test_disk_faults import small_tmpfs
 
 SIZE = 64 << 10
 
@@ -241,13 +242,7 @@ def test_a_failed_commit_frees_its_slots_and_its_keys(tmp_path, monkeypatch, rel
 
 
 def test_disk_full_at_the_index_commit_frees_the_slots(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "4m") as mnt:
         with open_store(mnt / "cache", free_bytes=lambda _p: 1 << 40) as s:
             gate = Gate(s)
             assert put(s, range(4)) == [True] * 4
@@ -269,5 +264,3 @@ def test_disk_full_at_the_index_commit_frees_the_slots(tmp_path):
             assert put(s, range(4)) == [True] * 4 and s.flush() and exact(s, range(4))
             st = s.stats()
             assert st.bytes_used - st.bytes_reserved == 4 * (SIZE + 4096)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
