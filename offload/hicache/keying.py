@@ -13,7 +13,7 @@ Primitives (control path, pure functions of SGLang's `HiCacheStorageConfig` and 
 - `storage_writer(sc, dp_attention)`: whether this rank writes the KV pages (see below).
 - `metrics_rank(sc, model_ranks())`: the rank that offsets the metrics port, distinct on a host.
 - `refuse_layout(host_pool)`: a `ConfigError` for a host layout we cannot serve, else None.
-- `group_ok`, `leading`: per-page flags from per-object flags; the leading run of hits.
+- `group_ok`: per-page flags from per-object flags (the leading run of hits: `store.base.leading`).
 
 Writers: SGLang's `is_storage_writer` is TP rank == DCP rank for MLA. Without DP attention that
 TP rank is global, so under attention context parallelism (each CP rank holds a disjoint slice of
