@@ -27,6 +27,7 @@ from offload.store.index import Location
 
 RUN_BYTES = 16 << 20      # about where a single stream reaches the device's sequential bandwidth
 MIN_RUN_BYTES = 4 << 20   # smaller runs cost per-call overhead (syscall, thread hand-off) per byte
+RAMP_BYTES = 512 << 10    # a write batch's first piece: the checksum the device waits for
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -75,23 +76,31 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                 threads: int, sync: bool = True) -> list[tuple[str, int]]:
     """Checksum and write every block (header and data in one vectored call per run), then
     (`sync`) fdatasync each touched slab once. Per block: ('' if written, and durable when
-    `sync`; else why not; its checksum)."""
+    `sync`; else why not; its checksum).
 
-    def write(run: list[int]) -> list[tuple[str, int]]:
+    Pipelined: this thread checksums the runs in order and hands each to the I/O threads as soon
+    as its checksums are known, so run k is written while run k+1 is checksummed; the first run
+    is cut short (`RAMP_BYTES`) so the device starts after a short checksum, not a whole run's."""
+
+    def write(run: list[int], csums: list[int]) -> list[tuple[str, int]]:
         ls = [locs[i] for i in run]
-        bs = [bufs[i] for i in run]
-        csums = [slot_format.checksum(b) for b in bs]
         if len(run) > 1:
-            errs = write_run(slabs, ls, bs, csums, created_ns)
+            errs = write_run(slabs, ls, [bufs[i] for i in run], csums, created_ns)
         else:
             loc = ls[0]
-            errs = [slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bs[0],
+            errs = [slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bufs[run[0]],
                                       loc.length, csums[0], created_ns)]
         return list(zip(errs, csums))
 
-    plan = plan_runs(locs, bufs, threads)
+    plan = ramp(plan_runs(locs, bufs, threads), locs)
     out: list[tuple[str, int]] = [("", 0)] * len(locs)
-    for run, res in zip(plan, _map(pool, write, plan)):
+    if len(plan) == 1:   # no hand-off
+        done = [(plan[0], write(plan[0], [slot_format.checksum(bufs[i]) for i in plan[0]]))]
+    else:
+        futs = [(run, pool.submit(write, run, [slot_format.checksum(bufs[i]) for i in run]))
+                for run in plan]
+        done = [(run, f.result()) for run, f in futs]
+    for run, res in done:
         for i, r in zip(run, res):
             out[i] = r
     if not sync:
@@ -100,6 +109,23 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                            [(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(locs, out) if not err])
     return [(err or ("" if synced[(loc.seg, loc.slot_bytes)] else "fdatasync failed"), csum)
             for loc, (err, csum) in zip(locs, out)]
+
+
+def ramp(plan: list[list[int]], locs: Sequence[Location]) -> list[list[int]]:
+    """The plan with its first run cut into growing pieces (about `RAMP_BYTES`, then twice
+    that, ...): the device waits only for the first piece's checksum, and each later piece is
+    checksummed while the one before it is written (checksums run several times faster)."""
+    if not plan or len(plan[0]) < 2:
+        return plan
+    pieces: list[list[int]] = [[]]
+    size, want = 0, RAMP_BYTES
+    for i in plan[0]:
+        if size >= want:
+            pieces.append([])
+            size, want = 0, want * 2
+        pieces[-1].append(i)
+        size += locs[i].slot_bytes
+    return pieces + plan[1:]
 
 
 def sync_segments(slabs: slab.SlabFiles, pool: Executor,

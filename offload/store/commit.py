@@ -13,18 +13,25 @@ Primitives: `Committer(sync, commit, done, max_bytes)`: `submit(batch)` (non-blo
 timeout)` (a get of a key in flight waits for its commit, then reads it from the index: never
 bytes that are not durable), `cancel(keys)` / `honored(keys)` (a delete of blocks in flight),
 `settle(timeout)` (everything submitted so far is committed or failed), `flush(timeout)` (the
-same, and whether nothing was lost since the last flush), `close(timeout)`. `BUSY`: what
+same, and whether nothing was lost since the last flush), `close(timeout)`.
+
+Rounds are grouped: a round starts `group_s` after the first batch it takes was submitted, or as
+soon as `group_bytes` are pending or a caller waits (`wait_for`, `settle`, `flush`, a `room` past
+the bound). Each round costs two device cache flushes (the slabs' fdatasync, the index's synced
+commit) that stall the writes around them; grouping keeps them to a few per second under a
+stream of puts without delaying anyone who waits for a block to be durable. `BUSY`: what
 `commit` returns while another connection holds the index (the round is retried; nothing is lost
 meanwhile: the slots stay pending, owned by this process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from offload.store.index import Location
 
@@ -32,6 +39,8 @@ log = logging.getLogger(__name__)
 
 BUSY = "index busy"
 RETRY_S = (0.005, 0.25)   # back-off between tries of a round while the index is busy
+GROUP_S = 0.02            # a round waits this long after its first batch for more to join...
+GROUP_BYTES = 64 << 20    # ... unless this much is pending, or someone waits for the round
 
 
 @dataclass
@@ -45,11 +54,16 @@ class Batch:
 class Committer:
     def __init__(self, sync: Callable[[list[tuple[int, int]]], dict[tuple[int, int], bool]],
                  commit: Callable[[list[tuple[Location, int]], list[Location]], str],
-                 done: Callable[[list[Location], list[Location], str], None], max_bytes: int):
+                 done: Callable[[list[Location], list[Location], str], None], max_bytes: int,
+                 group_s: float = GROUP_S, group_bytes: int = GROUP_BYTES):
         """sync([(seg, slot_bytes)]) -> synced?; commit(good [(slot, csum)], slots to free) ->
         '' / BUSY / why it failed; done(committed, lost, why) after each round."""
         self._sync, self._commit, self._done = sync, commit, done
         self._max = max(1, max_bytes)
+        self._group_s, self._group_bytes = group_s, min(group_bytes, self._max)
+        self._first_at = 0.0                # when the oldest batch in the queue was submitted
+        self._queued = 0                    # bytes in the queue (not yet taken by a round)
+        self._waiting = 0                   # callers waiting for a round: start it now
         self._cond = threading.Condition()
         self._queue: list[Batch] = []
         self._bytes = 0                     # submitted, not finished
@@ -65,7 +79,7 @@ class Committer:
     def room(self, nbytes: int, timeout: float) -> bool:
         """Wait (at most `timeout`) until `nbytes` more fit under the bound (always, when idle)."""
         end = time.monotonic() + timeout
-        with self._cond:
+        with self._cond, self._hurry():   # (a hurry that never waits is never seen)
             while self._bytes and self._bytes + nbytes > self._max:
                 left = end - time.monotonic()
                 if left <= 0 or self._closed:
@@ -73,14 +87,31 @@ class Committer:
                 self._cond.wait(left)
         return True
 
+    @contextlib.contextmanager
+    def _hurry(self) -> Iterator[None]:
+        """A caller waits for rounds (under the condition): the committer starts one now."""
+        self._waiting += 1
+        self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+
     def submit(self, batch: Batch) -> None:
         with self._cond:
+            if not self._queue:
+                self._first_at = time.monotonic()
             self._queue.append(batch)
+            self._queued += batch.nbytes
             self._bytes += batch.nbytes
             self._submitted += 1
             for loc in batch.locs:
                 self._keys[loc.key] = self._keys.get(loc.key, 0) + 1
             self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Bytes submitted and not yet committed or failed."""
+        return self._bytes
 
     def in_flight(self, key: bytes) -> bool:
         return key in self._keys
@@ -99,7 +130,7 @@ class Committer:
     def wait_for(self, keys: Sequence[bytes], timeout: float) -> bool:
         """Wait (at most `timeout`) until none of `keys` is in flight; False on timeout."""
         end = time.monotonic() + timeout
-        with self._cond:
+        with self._cond, self._hurry():
             while any(k in self._keys for k in keys):
                 left = end - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
@@ -119,7 +150,7 @@ class Committer:
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is committed or failed; False on timeout."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._cond, self._hurry():
             target = self._submitted
             while self._finished < target:
                 left = None if end is None else end - time.monotonic()
@@ -143,7 +174,12 @@ class Committer:
                     self._cond.wait()
                 if not self._queue:
                     return
-                batches, self._queue = self._queue, []
+                while not (self._closed or self._waiting or self._queued >= self._group_bytes):
+                    left = self._first_at + self._group_s - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                batches, self._queue, self._queued = self._queue, [], 0
             try:
                 lost = self._round(batches)
             except Exception:  # never let the thread die: the blocks are lost, puts go on

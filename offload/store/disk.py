@@ -106,6 +106,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._ix = IndexAccess(self._open_index, lock_timeout_s)
         self._seq, keys = self._ix.reader.committed_keys()
         self._keys: set[bytes] = set(keys)
+        self._refreshed = time.monotonic()
         self._commits = Committer(
             lambda segs: coalesce.sync_segments(self._slabs, self._pool, segs),
             self._commit_reserved, self._committed, pending_bytes)
@@ -138,6 +139,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
             if not self._ix.reopen(self._lock):
                 return False
             self._spare.clear()   # the new index holds no reservation of ours
+        self._refreshed = time.monotonic()
         got = self._ix.reader.changes_since(self._seq) if self._seq >= 0 else None
         if got is None:
             self._seq, keys = self._ix.reader.committed_keys()

@@ -31,6 +31,7 @@ from offload.store.index_schema import Reserved
 log = logging.getLogger("offload.store.disk")
 
 DURABLE_WAIT_S = 5.0        # `durable` (a server about to acknowledge a put) waits this long
+PUT_STALE_S = 0.25          # a put trusts the key set and its reserved range this long (see put_many)
 
 
 def _skipped(self: "DiskWrites", keys: Sequence[bytes], *_: Any) -> list[bool]:
@@ -59,6 +60,7 @@ class DiskWrites:
     _spare: Spare                        # this process's reserved, never written slots
     _written_back: list[Location]        # written reserved slots to give back (under wlock)
     _not_ours: set[tuple[int, int]]      # (seg, slot) whose commit found the slot taken back
+    _refreshed: float                    # monotonic time of the last key-set refresh
 
     def _refresh_keys(self) -> bool:
         raise NotImplementedError
@@ -71,7 +73,13 @@ class DiskWrites:
 
     @never_raises("disk put", _skipped)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        """Write the blocks; True once written (visible once durable: see `disk.py`)."""
+        """Write the blocks; True once written (visible once durable: see `disk.py`).
+
+        The per-call bookkeeping stays off the device's path: the key set is refreshed (a read of
+        other processes' commits) only when it is over `PUT_STALE_S` old or the index was rebuilt
+        — a key another process stored meanwhile is written again and its commit keeps one copy
+        (`Index.commit_reserved`); a key it deleted meanwhile is skipped as stored (a later miss,
+        never a wrong block)."""
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
@@ -80,7 +88,7 @@ class DiskWrites:
         where: dict[bytes, list[int]] = {}
         bufs_of: dict[bytes, Sequence[Buffer]] = {}
         with self._lock:
-            if not self._refresh_keys():
+            if not self._fresh_enough():
                 return _skipped(self, keys)
             for i, (k, bufs) in enumerate(zip(keys, blocks)):
                 if len(k) != KEY_BYTES:
@@ -124,6 +132,13 @@ class DiskWrites:
             self._commits.submit(batch)
         return result
 
+    def _fresh_enough(self) -> bool:
+        """The key set, refreshed if over `PUT_STALE_S` old or the index was rebuilt (caller holds
+        the state lock). False if the index stayed busy."""
+        if time.monotonic() - self._refreshed < PUT_STALE_S and not self._ix.replaced():
+            return True
+        return self._refresh_keys()
+
     def _slots_for(self, items: list[tuple[bytes, int, int, int]]) -> list[Location] | None:
         """Slots for (key, length, slot_bytes, _) items: from this process's reserved range, with
         one reservation transaction only when the range runs out (None: the index is busy; a
@@ -134,28 +149,18 @@ class DiskWrites:
         with self._lock:
             got = {sb: self._spare.take(sb, n) for sb, n in want.items()}
             self._still_held(got)
-        short = {sb: n - len(got[sb]) for sb, n in want.items() if len(got[sb]) < n}
         why: dict[int, str] = {}
-        if short:
-            extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
-                               self.cfg.segment_size))   # ahead: at most one new slab file
-            res: object = BUSY
-            try:
-                res = self._ix.write(self._reserve({sb: (n, extra // sb)
-                                                    for sb, n in short.items()}))
-            finally:
-                if res is BUSY:   # busy or failed: the slots taken stay this process's
-                    with self._lock:
-                        self._spare.add(got)
-            if res is BUSY:
+        for attempt in (1, 2):
+            short = {sb: n - len(got[sb]) for sb, n in want.items() if len(got[sb]) < n}
+            if not short:
+                break
+            if attempt == 2:   # no room: blocks in flight become evictable once committed
+                if not self._commits.pending() or not self._commits.settle(DATA_LOCK_TIMEOUT_S):
+                    break
+            res = self._reserve_into(got, short)
+            if res is None:
                 return None
-            assert isinstance(res, Reserved)
             why = res.short
-            with self._lock:
-                for sb, n in short.items():
-                    slots = res.slots.get(sb, [])
-                    got[sb] += slots[:n]
-                    self._spare.add({sb: slots[n:]})
         new = []
         for k, length, sb, _ in items:
             if got[sb]:
@@ -165,6 +170,29 @@ class DiskWrites:
                 log.warning("block %s not stored: %s", k.hex()[:16], why.get(sb, "no slot"))
                 self._stats.put_skipped += 1
         return new
+
+    def _reserve_into(self, got: dict[int, list[tuple[int, int]]],
+                      short: dict[int, int]) -> Reserved | None:
+        """One reservation transaction: `short` more slots per size into `got`, plus a range
+        ahead into the spare (None: the index is busy; `got` then goes back to the spare)."""
+        extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
+                           self.cfg.segment_size))   # ahead: at most one new slab file
+        res: object = BUSY
+        try:
+            res = self._ix.write(self._reserve({sb: (n, extra // sb) for sb, n in short.items()}))
+        finally:
+            if res is BUSY:   # busy or failed: the slots taken stay this process's
+                with self._lock:
+                    self._spare.add(got)
+        if res is BUSY:
+            return None
+        assert isinstance(res, Reserved)
+        with self._lock:
+            for sb, n in short.items():
+                slots = res.slots.get(sb, [])
+                got[sb] += slots[:n]
+                self._spare.add({sb: slots[n:]})
+        return res
 
     def _still_held(self, got: dict[int, list[tuple[int, int]]]) -> None:
         """Keep only range slots whose reservation the index still holds (one read, never

@@ -117,9 +117,49 @@ def test_small_blocks_move_in_large_runs_with_one_fdatasync_per_batch(tmp_path, 
         monkeypatch.undo()
         assert dst[:] == src[:]
     runs = 32 * slot_format.slot_bytes_for(SIZE) // coalesce.MIN_RUN_BYTES
-    assert len(calls["pwritev"]) == runs and len(calls["preadv"]) == runs, calls
-    assert sum(calls["pwritev"]) == 64                   # a header and the data per block
+    assert len(calls["preadv"]) == runs, calls
+    # written in two 4 MiB runs, the first cut into growing pieces (2, 4, 8 blocks, the rest)
+    assert calls["pwritev"] == [4, 8, 16, 4, 32], calls  # a header and the data per block
     assert calls["fdatasync"] == [1]
+
+
+def test_the_first_run_is_cut_into_growing_pieces():
+    sb = slot_format.slot_bytes_for(SIZE)
+    locs = [Location(key(i), 1, i, sb, SIZE, 0) for i in range(40)]
+    pieces = coalesce.ramp([list(range(30)), list(range(30, 40))], locs)
+    assert [len(p) for p in pieces] == [2, 4, 8, 16, 10]   # ~512 KiB, 1 MiB, 2 MiB, 4 MiB, ...
+    assert sum(pieces, []) == list(range(40))              # same blocks, same order
+    assert coalesce.ramp([[0]], locs) == [[0]] and coalesce.ramp([], locs) == []
+
+
+def test_run_k_is_written_while_run_k_plus_1_is_checksummed(tmp_path, monkeypatch):
+    """Pipelined: the last block's checksum is computed only after a write has started (a
+    batch checksummed whole before its first write would wait here, then fail)."""
+    wrote = __import__("threading").Event()
+    real_csum, real_pwritev = slot_format.checksum, os.pwritev
+    waited: list[bool] = []
+
+    def pwritev(fd, iov, off):  # type: ignore[no-untyped-def]
+        wrote.set()
+        return real_pwritev(fd, iov, off)
+
+    with open_store(tmp_path, io_threads=1) as s:   # one I/O thread: no overlap but the pipeline
+        ks = [key(i) for i in range(32)]
+        src, blocks = _aligned_blocks(ks)
+        last = memoryview(blocks[-1][0])
+
+        def checksum(bufs):  # type: ignore[no-untyped-def]
+            if memoryview(bufs[0]) == last:
+                waited.append(wrote.wait(10))
+            return real_csum(bufs)
+
+        monkeypatch.setattr(slot_format, "checksum", checksum)
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        assert s.put_many(ks, blocks) == [True] * 32 and s.flush()
+        monkeypatch.undo()
+        assert waited == [True]
+        dst, outs = _aligned_blocks([key(-1)] * 32)
+        assert s.get_many(ks, outs) == [True] * 32 and dst[:] == src[:]
 
 
 def test_plan_keeps_threads_busy_without_cutting_runs_below_the_minimum():

@@ -138,6 +138,33 @@ def test_put_returns_once_written_and_the_block_is_visible_once_durable(tmp_path
         assert s.stats().puts == 4
 
 
+def test_rounds_are_grouped_and_a_waiter_starts_one_at_once(tmp_path):
+    with open_store(tmp_path) as s, open_store(tmp_path) as other:
+        syncs: list[object] = []
+        real = s._commits._sync
+        s._commits._sync = lambda segs: (syncs.append(segs), real(segs))[1]
+        s._commits._group_s = 3600.0                       # no round starts on its own
+        assert put(s, [0]) == [True] and put(s, [1]) == [True]
+        assert other.exists_many([key(0), key(1)]) == [False, False] and not syncs
+        assert s.flush(timeout=60)                         # a waiter: the round starts now
+        assert len(syncs) == 1                             # both puts in one round
+        assert other.exists_many([key(0), key(1)]) == [True, True]
+        assert put(s, [2]) == [True]
+        assert exact(s, [2])                               # a get hurries its block's round
+        assert durable(s, [key(3)], [True]) == [False] and len(syncs) == 2
+
+
+def test_a_round_starts_on_its_own_once_enough_is_pending(tmp_path):
+    with open_store(tmp_path) as s, open_store(tmp_path) as other:
+        s._commits._group_s, s._commits._group_bytes = 3600.0, 2 * SIZE
+        assert put(s, [0, 1]) == [True, True]
+        for _ in range(6000):                              # nobody waits on `s`: no hurry
+            if other.exists_many([key(0), key(1)]) == [True, True]:
+                break
+            threading.Event().wait(0.01)
+        assert other.exists_many([key(0), key(1)]) == [True, True]
+
+
 def test_a_get_of_a_block_in_flight_waits_for_its_commit(tmp_path):
     with open_store(tmp_path) as s:
         gate = Gate(s)
