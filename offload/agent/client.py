@@ -14,6 +14,12 @@ itself with NIXL (READ from this host for a put, WRITE into it for a get), so th
 nothing. Buffers outside any registered region, or `transport="tcp"`, or an agent without NIXL:
 the bytes travel on the control connection instead (vectored send, no extra copy on the way out).
 
+A put's True means the agent has the blocks (written to its store, or being written from its
+staging memory): stored unless that write or its commit fails, and invisible to every host (and
+after a crash) until durable. `durable(keys)` asks the agent which
+keys are durable, waiting for their commits (DURABLE); `flush()` does that for every key put True
+since the last flush (remembered up to `FLUSH_KEYS`; past that the oldest are asked about first).
+
 Failure model (data path, never raises): an unreachable, slow or killed agent makes every call a
 miss (False / 0 / empty stats) within `timeout_s`; the connection is dropped and retried after
 `reconnect_s`, re-sending this host's NIXL metadata and namespaces. Each request carries a budget
@@ -24,6 +30,7 @@ waits for each reply until the request's deadline (`timeout_s` for the whole req
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import re
@@ -32,7 +39,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from offload.agent import protocol
 from offload.agent.access import register_msg
@@ -43,6 +50,7 @@ from offload.store.base import Buffer, StoreStats
 log = logging.getLogger(__name__)
 NIXL_BATCH_BYTES = 256 << 20      # bytes moved by one NIXL request (bounded work per deadline)
 PROOF_SLOTS = 16                  # connections of this process proving their endpoint at once
+FLUSH_KEYS = 1 << 16              # keys put since the last flush, remembered for it
 _PROOF_SLOT = protocol.MAX_PROOF_NONCES * protocol.PROOF_MAC_BYTES
 
 
@@ -84,6 +92,8 @@ class AgentStore:
         self._proofs: dict[bytes, list[bytes]] = {}   # proof tag -> nonces received (NIXL)
         self._proof_area: Any = None                   # registered: proof MACs, one slot each
         self._proof_free: list[int] = []
+        self._unflushed: dict[bytes, None] = {}      # put True since the last flush, in order
+        self._lost = False                            # one of them was found not durable
 
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: Any = None) -> "AgentStore":
@@ -235,7 +245,35 @@ class AgentStore:
 
     # ---------------------------------------------------------------- BlockStore
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        return self._blocks(protocol.PUT, keys, blocks)
+        """True: the agent has the block, durable soon (`durable`, `flush`)."""
+        ok = self._blocks(protocol.PUT, keys, blocks)
+        with self._lock:
+            self._unflushed.update((bytes(k), None) for k, f in zip(keys, ok) if f)
+            full = len(self._unflushed) > FLUSH_KEYS       # ask about the oldest now
+            old = list(itertools.islice(self._unflushed, protocol.MAX_KEYS)) if full else []
+            for k in old:
+                del self._unflushed[k]
+        if old and not all(self.durable(old)):
+            self._lost = True
+        return ok
+
+    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the agent stores it durably, once its puts so far were made durable
+        or lost (the agent waits for them up to this request's budget); False while down."""
+        out: list[bool] = []
+        for n, reply in self._key_chunks(protocol.DURABLE, keys, lambda ks: protocol.Durable(
+                ks, budget_ms=self._budget_ms())):
+            flags = reply.ok if reply is not None else []
+            out += [bool(f) for f in flags] if len(flags) == n else [False] * n
+        return out
+
+    def flush(self) -> bool:
+        """Wait until every block this store put True since the last flush is durable on the
+        agent; True if every one is (False if one was lost, or the agent is down)."""
+        with self._lock:
+            keys, self._unflushed = list(self._unflushed), {}
+            lost, self._lost = self._lost, False
+        return all(self.durable(keys)) and not lost
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         return self._blocks(protocol.GET, keys, dests)
@@ -308,14 +346,16 @@ class AgentStore:
             ok[i] = bool(f)
         return True
 
-    def _key_chunks(self, op: int, keys: Sequence[bytes]) -> Iterator[tuple[int, Any]]:
-        """Send `op` over `keys` in chunks of `protocol.MAX_KEYS` on one connection: per chunk its
-        length and the agent's reply (None while the agent is down)."""
+    def _key_chunks(self, op: int, keys: Sequence[bytes],
+                    msg: Callable[[list[bytes]], protocol.Msg] = protocol.KeyList
+                    ) -> Iterator[tuple[int, Any]]:
+        """Send `op` (`msg` of each chunk) over `keys` in chunks of `protocol.MAX_KEYS` on one
+        connection: per chunk its length and the agent's reply (None while the agent is down)."""
         with self._use() as c:
             for start in range(0, len(keys), protocol.MAX_KEYS):
                 chunk = list(keys[start:start + protocol.MAX_KEYS])
                 try:
-                    reply = c.request(op, protocol.KeyList(chunk))[0]
+                    reply = c.request(op, msg(chunk))[0]
                 except Down:
                     reply = None
                 yield len(chunk), reply
@@ -333,6 +373,9 @@ class AgentStore:
         return 0
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for k in keys:
+                self._unflushed.pop(bytes(k), None)
         return sum(reply.n for _, reply in self._key_chunks(protocol.DELETE, keys)
                    if reply is not None)
 

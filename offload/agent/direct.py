@@ -170,7 +170,7 @@ def _within(req: "Blocks", idx: list[int], allow: int) -> tuple[list[int], list[
 
 
 def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int],
-               ok: list[bool], deadline: float, owner: str = "", allow: int = 1 << 62
+               ok: list[bool | None], deadline: float, owner: str = "", allow: int = 1 << 62
                ) -> list[int]:
     """NIXL READs blocks straight into reserved store slots; returns the blocks left for the
     staging path (the store has no arena, or gave no slot, or past `allow` bytes). Each chunk is

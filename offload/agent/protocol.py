@@ -23,6 +23,9 @@ Primitives:
   registered and sends PROVE (the nonce, that address); the agent READs it back through the
   endpoint, and only a match makes descriptors accepted. An observer who read the nonce on the
   wire can echo it but cannot place the MAC in the endpoint's memory.
+- Acknowledgements (version 4): a PUT's True means the agent has the block (stored unless its
+  write or commit fails, and invisible to everyone until durable); DURABLE asks which keys are
+  durable.
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
@@ -47,8 +50,9 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 3                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
-                                   # is read back from the endpoint's memory (`Prove.addr`)
+VERSION = 4                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
+                                   # is read back from the endpoint's memory (`Prove.addr`); 4: a
+                                   # PUT's True means received, not durable (DURABLE asks for it)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"
@@ -72,12 +76,12 @@ MAX_PROOF_NONCES = 8
 HOST_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$"   # no '/', spaces, quotes or control chars
 
 # Ops. A reply carries the request's op with REPLY set; ERROR replies to anything.
-HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA, PROVE = 1, 2, 3, 4, 5, 6, 7, 8, 9
+HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA, PROVE, DURABLE = range(1, 11)
 ERROR = 0x7F
 REPLY = 0x80
 OP_NAMES = {HELLO: "hello", PUT: "put", GET: "get", EXISTS: "exists", DELETE: "delete",
             STATS: "stats", REGISTER_NS: "register_ns", METADATA: "metadata", PROVE: "prove",
-            ERROR: "error"}
+            DURABLE: "durable", ERROR: "error"}
 
 
 class ProtocolError(OffloadError):
@@ -119,13 +123,26 @@ class HelloReply(Msg):
     proof_tag: bytes = b""
 
 
+Budget = Annotated[int, msgspec.Meta(ge=1, le=3_600_000)]     # ms the agent may work on it
+
+
 class Blocks(Msg):
     """PUT and GET: block keys and sizes; `descs` (host memory, one list per block) when NIXL moves
-    the bytes, else the bytes travel as the frame payload (PUT request / GET reply)."""
+    the bytes, else the bytes travel as the frame payload (PUT request / GET reply). A PUT's
+    reply flag True means the agent has the block (written, or being written from staging): stored
+    unless that write or its commit fails, and invisible to everyone (EXISTS, GET, after a
+    crash) until durable; DURABLE waits for that."""
     keys: Keys
     sizes: Annotated[list[Size], msgspec.Meta(max_length=MAX_KEYS)]
     descs: Annotated[list[BlockDescs], msgspec.Meta(max_length=MAX_KEYS)] | None = None
-    budget_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 30_000
+    budget_ms: Budget = 30_000
+
+
+class Durable(Msg):
+    """DURABLE: per key (reply `Flags`), whether it is stored durably, once the puts of it the
+    agent acknowledged so far were made durable or lost (waiting at most `budget_ms`)."""
+    keys: Keys
+    budget_ms: Budget = 30_000
 
 
 class KeyList(Msg):
@@ -188,11 +205,11 @@ class ErrorReply(Msg):
 
 REQUEST_TYPES: dict[int, Type[Msg]] = {
     HELLO: Hello, PUT: Blocks, GET: Blocks, EXISTS: KeyList, DELETE: KeyList, STATS: Empty,
-    REGISTER_NS: RegisterNs, METADATA: Metadata, PROVE: Prove,
+    REGISTER_NS: RegisterNs, METADATA: Metadata, PROVE: Prove, DURABLE: Durable,
 }
 REPLY_TYPES: dict[int, Type[Msg]] = {
     HELLO: HelloReply, PUT: Flags, GET: Flags, EXISTS: Flags, DELETE: Count, STATS: StatsReply,
-    REGISTER_NS: Empty, METADATA: Empty, PROVE: Empty, ERROR: ErrorReply,
+    REGISTER_NS: Empty, METADATA: Empty, PROVE: Empty, DURABLE: Flags, ERROR: ErrorReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(t) for t in set(REQUEST_TYPES.values()) |

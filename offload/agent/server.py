@@ -18,7 +18,9 @@ at most what is left of it goes straight into store slots). An `accept` error (E
 descriptors) is logged and retried after `ACCEPT_BACKOFF_S`; the agent keeps serving the
 connections it has.
 A `SlotStore` with an arena (the DRAM tier, `MemoryStore(reserve>0)`) gets it registered with
-NIXL (`.direct()`), and its blocks move with no staging copy.
+NIXL (`.direct()`), and its blocks move with no staging copy. A store that commits in the
+background (the disk store) has its acknowledged, not yet durable puts hidden by `.acks`
+(`offload.agent.acks`), stopped by `.stop()`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from offload.agent import protocol
 from offload.agent.access import Access
+from offload.agent.acks import Acks
 from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
 
@@ -79,6 +82,7 @@ class AgentServer:
         self._next_id = 0
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
         self._logged: dict[str, tuple[float, int]] = {}
+        self.acks = Acks(store, self.count)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -200,6 +204,7 @@ class AgentServer:
 
     def stop(self) -> None:
         self.stopping = True
+        self.acks.close()
         if self._sock is not None:
             try:
                 self._sock.close()

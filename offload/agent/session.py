@@ -7,12 +7,17 @@ Primitives: `Session(server, sock, peer).run()`. The first frame must be an auth
 - PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
   store writes the previous group (half B); blocks the store already holds are not read at all.
   With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
+  A PUT is acknowledged once its blocks are written (through staging: once read into staging,
+  their write still running, `StagedPath.put`); a store that commits in the background (the disk
+  store) makes them durable later, and until then `server.acks` hides them from everyone:
+  EXISTS says no, a GET waits for them (briefly, then misses). DURABLE waits for them and says
+  per key whether it is durable.
 - GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
   into host memory. A block is reported True only after its WRITE completed. With a store arena
   NIXL WRITEs straight from the pinned slots.
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
-- EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
+- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
   (newer NIXL metadata of this connection; the peer it replaces is released), PROVE (the nonce
   sent to the endpoint, echoed; the MAC of it under this connection's key, read back through
   the endpoint at the address given). Requests with descriptors are refused while the host
@@ -33,12 +38,14 @@ import socket
 import time
 from typing import TYPE_CHECKING, Sequence
 
+import msgspec
+
 from offload.agent import protocol
 from offload.agent.access import AccessError
+from offload.agent.acks import GET_WAIT_S, Settle
 from offload.agent.direct import direct_get, direct_put
 from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
-from offload.store.base import durable
 
 if TYPE_CHECKING:
     from offload.agent.server import AgentServer
@@ -211,19 +218,26 @@ class Session:
                ) -> tuple[protocol.Msg, list[memoryview]]:
         """One request's reply and payload. Raises RequestError."""
         store = self.server.store
-        if isinstance(msg, (protocol.Blocks, protocol.KeyList)):
+        acks = self.server.acks
+        if isinstance(msg, (protocol.Blocks, protocol.KeyList, protocol.Durable)):
             why = self.server.access.refused(self.host, msg.keys)
             if why is not None:
                 raise RequestError(why)
         if isinstance(msg, protocol.Blocks):
             if op == protocol.PUT:
                 self._describe(msg.keys)
-                return protocol.Flags(self._put(msg, data)), []
+                return protocol.Flags(acks.put(msg.keys, lambda settle: self._put(msg, data, settle))), []
             flags, payload = self._get(msg)
             return protocol.Flags(flags), payload
+        if isinstance(msg, protocol.Durable):
+            deadline = time.monotonic() + msg.budget_ms / 1000.0
+            return protocol.Flags(acks.durable(msg.keys, deadline)), []
         if isinstance(msg, protocol.KeyList):
-            if op == protocol.EXISTS:
-                return protocol.Flags(store.exists_many(msg.keys)), []
+            if op == protocol.EXISTS:      # the store first: a key it has is durable unless hidden
+                there = store.exists_many(msg.keys)
+                return protocol.Flags([t and not h for t, h in
+                                       zip(there, acks.hidden(msg.keys))]), []
+            acks.deleted(msg.keys)
             return protocol.Count(store.delete_many(msg.keys)), []
         if isinstance(msg, protocol.RegisterNs):
             try:
@@ -308,11 +322,10 @@ class Session:
             return peer
         return None
 
-    def _put(self, req: protocol.Blocks, payload: memoryview) -> list[bool]:
-        """Acknowledged only once durable (the disk store commits in the background)."""
-        return durable(self.server.store, req.keys, self._put_written(req, payload))
-
-    def _put_written(self, req: protocol.Blocks, payload: memoryview) -> list[bool]:
+    def _put(self, req: protocol.Blocks, payload: memoryview, settle: Settle | None
+             ) -> Sequence[bool | None]:
+        """Per block, written (durable later for the disk store: `server.acks`), or None: received
+        in staging, its store write reports to `settle` (`StagedPath.put`)."""
         peer = self._check(req)
         store = self.server.store
         if req.descs is None:
@@ -328,7 +341,7 @@ class Session:
         assert peer is not None and self.server.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         present = store.exists_many(req.keys)
-        ok = list(present)
+        ok: list[bool | None] = list(present)
         todo = [i for i, p in enumerate(present) if not p]
         q, owner = self.server.mover.quarantine, self.staged.owner
         allow = q.claim(owner, sum(req.sizes[i] for i in todo), self.server.max_quarantine)
@@ -338,10 +351,30 @@ class Session:
             q.unclaim(owner, allow)
         if not todo:
             return ok
-        self.staged.put(req, todo, ok, peer, deadline)
+        self.staged.put(req, todo, ok, peer, deadline, settle)
         return ok
 
     def _get(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
+        """A block put but not yet durable (`server.acks`) is waited for, briefly, then a miss."""
+        acks = self.server.acks
+        hidden = acks.hidden(req.keys)
+        if any(hidden):
+            end = time.monotonic() + min(GET_WAIT_S, req.budget_ms / 1000.0)
+            acks.wait([k for k, h in zip(req.keys, hidden) if h], end)
+            hidden = acks.hidden(req.keys)
+        if not any(hidden):
+            return self._get_visible(req)
+        idx = [i for i, h in enumerate(hidden) if not h]
+        sub = msgspec.structs.replace(
+            req, keys=[req.keys[i] for i in idx], sizes=[req.sizes[i] for i in idx],
+            descs=None if req.descs is None else [req.descs[i] for i in idx])
+        got, payload = self._get_visible(sub)
+        flags = [False] * len(req.keys)
+        for i, f in zip(idx, got):
+            flags[i] = f
+        return flags, payload
+
+    def _get_visible(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
         peer = self._check(req)
         store = self.server.store
         if req.descs is None:

@@ -1,12 +1,17 @@
 """The staging path of one connection: NIXL moves a request's blocks through staging memory while
 the store reads or writes the other half.
 
-Primitives: `StagedPath(server, conn_id)`; `.put(req, todo, ok, peer, deadline)` NIXL READs the
-`todo` blocks of a PUT from host memory into a staging half while the store writes the previous
-half (one `put_many` per half: the store's cost is per call; a request that fits one half is cut
-in two, so that the two still overlap); `.get(req, todo, ok, peer,
-deadline)` has the store read a half while NIXL WRITEs the previous one into host memory (a block
-is True only after its WRITE completed); `.close()`. Both set `ok[i]` and never raise.
+Primitives: `StagedPath(server, conn_id)`; `.put(req, todo, ok, peer, deadline, settle)` NIXL
+READs the `todo` blocks of a PUT from host memory into a staging half while the store writes the
+previous half (one `put_many` per whole half: the store's cost is per call). With `settle` the
+writes still running when the last READ completed are not waited for (their blocks are set None
+and the write reports to `settle`, `offload.agent.acks`): they go on while the next request's
+READ fills the other half (both halves' writes may run at once, on two store threads), and a
+half is reused only once its write is done. `.get(req, todo,
+ok, peer, deadline)` has the store read a half while NIXL WRITEs the previous one into host
+memory (a request that fits one half is cut in two, so that the two overlap; a block is True
+only after its WRITE completed); `.close()` (waits for the writes). Both set `ok[i]` and never
+raise.
 A transfer still running at its deadline may yet land in, or read, its staging half: the whole
 staging memory is then quarantined (`offload.agent.quarantine`) until NIXL says it is final, and
 the next request gets fresh staging. Used by `offload.agent.session` for stores without an arena
@@ -15,12 +20,15 @@ the next request gets fresh staging. Used by `offload.agent.session` for stores 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from offload.agent import nixl_util, protocol
+from offload.agent.acks import Settle
 
 if TYPE_CHECKING:
     from offload.agent.mover import Mover, Staging
@@ -36,11 +44,14 @@ class StagedPath:
         self.owner = ""            # the connection's tenant: whose quarantine bound it counts in
         self.staging: "Staging | None" = None
         self._pool: ThreadPoolExecutor | None = None
+        self._writing: list[Future | None] = [None, None]   # store write reading each half
+        self._half = 1                                       # the half a put used last
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)      # writes still reading staging finish first
             self._pool = None
+        self._writing = [None, None]
         if self.staging is not None:
             self.staging.close()
             self.staging = None
@@ -58,40 +69,56 @@ class StagedPath:
 
     def _io(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"agent-io-{self.conn_id}")
+            # One store call per half at most: a put's two halves are written at once (the
+            # disk's queue stays full between calls); a get reads one group at a time.
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix=f"agent-io-{self.conn_id}")
         return self._pool
 
-    def _groups(self, idx: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    def _groups(self, idx: Sequence[int], sizes: Sequence[int], split: bool = False
+                ) -> list[list[int]]:
         """Block indices in groups that fill a staging half each, one store call per group (the
-        store's cost is per call: reservation, sync, index commit); a request that fits one half
-        is still cut in two, so that NIXL moves one half while the store works on the other."""
+        store's cost is per call); with `split` (gets), in groups of at most a quarter of the
+        request, so that NIXL moves one while the store reads the next: only the last group's
+        move is not overlapped."""
         idx = list(idx)
-        total = sum(sizes[i] for i in idx)
-        largest = max((sizes[i] for i in idx), default=0)
         half = self._staging().half_size
-        return protocol.pack(idx, sizes, min(half, max(largest, -(-total // 2))))
+        if split:
+            total = sum(sizes[i] for i in idx)
+            largest = max((sizes[i] for i in idx), default=0)
+            half = min(half, max(largest, -(-total // 4)))
+        return protocol.pack(idx, sizes, half)
+
+    def _drain(self, half: int | None = None) -> None:
+        """Wait for the store writes still reading staging (one half, or both)."""
+        for h in (0, 1) if half is None else (half,):
+            fut, self._writing[h] = self._writing[h], None
+            if fut is not None:
+                futures.wait([fut])
 
     def _abandon(self, pending: list, peer: str) -> None:
         """A transfer outlived its deadline: hold the staging memory (both halves) until NIXL
         says the transfer is final; the next request gets fresh staging."""
         if not pending or self.staging is None:
             return
+        self._drain()
         self._mover().quarantine.hold(pending[0], peer, 1, self.staging.close, owner=self.owner,
                                       nbytes=2 * self.staging.half_size)
         self.server.count("staging_quarantined")
         self.staging = None
 
-    def put(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
-            deadline: float) -> None:
+    def put(self, req: protocol.Blocks, todo: list[int], ok: list[bool | None], peer: str,
+            deadline: float, settle: Settle | None = None) -> None:
+        """With `settle`, a group whose store write is still running at the end is not waited
+        for: its blocks are set None (received: the write reports to `settle` once done) and the
+        write goes on while the next request's NIXL READ fills the other half."""
         mover = self._mover()
         mover.quarantine.reap()
         staging = self._staging()
-        writing: list[Future | None] = [None, None]     # store write in flight, per half
+        mine: list[tuple[list[int], Future]] = []        # this request's store writes
         pending: list = []                               # a READ that outlived the deadline
-        for g, group in enumerate(self._groups(todo, req.sizes)):
-            h = g % 2
-            _collect(writing[h], ok)                     # this half's previous group is stored
-            writing[h] = None
+        for group in self._groups(todo, req.sizes):
+            h = self._half = 1 - self._half              # alternating, across requests too
+            self._drain(h)                               # the half's previous write is done
             view, base = staging.half(h)
             local, remote, off = _pairs(req, group, base)
             if time.monotonic() > deadline or not nixl_util.run_xfer(
@@ -105,23 +132,31 @@ class StagedPath:
                 blocks.append([view[off:off + req.sizes[i]]])
                 off += req.sizes[i]
             # The store writes this group while NIXL reads the next one into the other half.
-            writing[h] = self._io().submit(self._store_put, [req.keys[i] for i in group],
-                                           blocks, group)
-        for fut in writing:
-            _collect(fut, ok)
+            fut = self._io().submit(self._store_put, [req.keys[i] for i in group], blocks)
+            self._writing[h] = fut
+            mine.append((group, fut))
         self._abandon(pending, peer)
+        for group, fut in mine:
+            if settle is not None and not fut.done():
+                for i in group:
+                    ok[i] = None
+                fut.add_done_callback(functools.partial(_settled, settle,
+                                                        [req.keys[i] for i in group]))
+            else:
+                for i, flag in zip(group, _flags(fut, len(group))):
+                    ok[i] = flag
 
-    def _store_put(self, keys: list[bytes], blocks: list, group: list[int]
-                   ) -> list[tuple[int, bool]]:
-        return list(zip(group, self.server.store.put_many(keys, blocks)))
+    def _store_put(self, keys: list[bytes], blocks: list) -> list[bool]:
+        return self.server.store.put_many(keys, blocks)
 
     def get(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
             deadline: float) -> None:
         mover = self._mover()
         mover.quarantine.reap()
         staging = self._staging()
+        self._drain()                                    # earlier puts' writes leave staging
         pending: list = []                               # a WRITE that outlived the deadline
-        groups = self._groups(todo, req.sizes)
+        groups = self._groups(todo, req.sizes, split=True)
         reading = self._io().submit(self._store_get, req, groups[0], 0) if groups else None
         for g, group in enumerate(groups):
             assert reading is not None
@@ -165,14 +200,17 @@ class StagedPath:
         return self.server.store.get_many([req.keys[i] for i in group], dests), offs
 
 
-def _collect(fut: "Future | None", ok: list[bool]) -> None:
-    if fut is None:
-        return
+def _flags(fut: Future, n: int) -> list[bool]:
+    """A store write's flags (all False if it failed: the store never raises; be sure of it)."""
     try:
-        for i, flag in fut.result():
-            ok[i] = flag
-    except Exception as e:  # noqa: BLE001 - the store never raises; be sure of it
+        return list(fut.result())
+    except Exception as e:  # noqa: BLE001
         log.warning("store call failed: %s", e)
+        return [False] * n
+
+
+def _settled(settle: Settle, keys: list[bytes], fut: Future) -> None:
+    settle(keys, _flags(fut, len(keys)))
 
 
 def _pairs(req: protocol.Blocks, group: Sequence[int], base: int,

@@ -8,6 +8,7 @@ machine's load weighs on the path and its baseline alike), then
 - dpu: `AgentStore` against a real agent process on loopback (UCX), with the agent's store in DRAM
   (ratio to NIXL loopback: the protocol's overhead) and on disk (ratio to raw disk);
 - gds: only where CUDA, kvikio and the store's slots are there (else reported as skipped).
+Puts are timed until durable (the last put's commit waited for: `flush`), as raw disk syncs.
 Host CPU seconds per GB moved (time.process_time of this process, all its threads) for cpu vs
 dpu: the point of the DPU path is that the host CPU copies nothing. Each block size is measured
 `--repeat` times, baselines and paths alternating, and the medians are reported.
@@ -46,9 +47,11 @@ OPTIONS = (
 
 def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag: bytes,
             beside: "Loopback | None" = None) -> dict[str, Any]:
-    """Put then get `total` bytes in calls of `batch` blocks; GB/s and host CPU s/GB. With
-    `beside`, each timed call follows one call of that baseline moving the same bytes (its GB/s
-    are returned as `beside`): the load of a shared machine then weighs on both alike."""
+    """Put then get `total` bytes in calls of `batch` blocks; GB/s and host CPU s/GB. Puts are
+    timed until durable: a store that commits in the background (`flush`: the disk store, the
+    agent's disk store) is flushed after the last put, inside the put time. With `beside`, each
+    timed call follows one call of that baseline moving the same bytes (its GB/s are returned
+    as `beside`): the load of a shared machine then weighs on both alike."""
     rounds = max(1, total // (size * batch))
     blocks = [[buf[i * size:(i + 1) * size]] for i in range(batch)]
     keys = [[tag + r.to_bytes(8, "big") + i.to_bytes(8, "big") + bytes(16 - len(tag))
@@ -70,6 +73,11 @@ def measure(store: Any, size: int, total: int, batch: int, buf: memoryview, tag:
             wall[op] += w
             cpu[op] += c
             failed += not all(flags)
+        if op == "put" and callable(getattr(store, "flush", None)):
+            w, c, done = timed_cpu(store.flush)
+            wall[op] += w
+            cpu[op] += c
+            failed += done is False
     gb = rounds * batch * size / 1e9
     out: dict[str, Any] = {"put_gbps": gb / wall["put"], "get_gbps": gb / wall["get"],
            "cpu_s_per_gb": (cpu["put"] + cpu["get"]) / (2 * gb), "failed_calls": failed}
