@@ -136,7 +136,8 @@ class Acks:
         still has in flight (True if any)."""
         keys = list(batch)
         try:
-            flags = list(self.store.durable(keys))    # type: ignore[attr-defined]
+            # no hurry: the store's rounds stay grouped (a GET or DURABLE that waits kicks one)
+            flags = list(self.store.durable(keys, hurry=False))    # type: ignore[attr-defined]
             rest = [k for k, f in zip(keys, flags) if not f]
             flying = self.store.exists_many(rest) if rest else []
         except Exception:  # noqa: BLE001 - the store never raises; be sure of it
@@ -171,6 +172,11 @@ class Acks:
         if not self.active:
             return True
         ks = [bytes(k) for k in keys]
+        with self._cond:
+            hurry = any(k in self._hidden for k in ks)
+        commit_now = getattr(self.store, "commit_now", None)
+        if hurry and commit_now is not None:   # the confirmer lets rounds group; this waiter not
+            commit_now()
         with self._cond:
             while any(k in self._hidden for k in ks):
                 left = deadline - time.monotonic()

@@ -8,17 +8,19 @@ grouped into runs of at least `MIN_RUN_BYTES` even when that leaves some I/O thr
 aligned and every block fills its slot exactly (no padding, no bounce); anything else goes block
 by block through `SlabFiles.write_block` / `read_block`.
 
-Primitives: `write_batch` (checksum + write every block on the I/O threads, then one fdatasync
-per touched slab, or none: the group committer syncs), `sync_segments`, and `read_batch` (read +
-verify): one result per block, never raising; built on `plan_runs(locations)` -> lists of
-locations to move together and `write_run` / `read_run`. A batch that is a single run runs in the
-caller's thread (no hand-off).
+Primitives: `write_batch` (the caller's thread checksums each run and hands it to the I/O threads,
+which write it while the next run is checksummed; then one fdatasync per touched slab, or none:
+the group committer syncs), `sync_segments`, and `read_batch` (read + verify on the I/O threads):
+one result per block, never raising; built on `plan_runs(locations)` -> lists of locations to
+move together, `ramp` (the first run of a write cut into growing pieces) and `write_run` /
+`read_run`. A batch that is a single run (a single piece, for writes) runs in the caller's thread
+(no hand-off).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from typing import Callable, Sequence, TypeVar
 
 from offload.store import slab, slot_format
@@ -94,13 +96,26 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
 
     plan = ramp(plan_runs(locs, bufs, threads), locs)
     out: list[tuple[str, int]] = [("", 0)] * len(locs)
-    if len(plan) == 1:   # no hand-off
-        done = [(plan[0], write(plan[0], [slot_format.checksum(bufs[i]) for i in plan[0]]))]
-    else:
-        futs = [(run, pool.submit(write, run, [slot_format.checksum(bufs[i]) for i in run]))
-                for run in plan]
-        done = [(run, f.result()) for run, f in futs]
-    for run, res in done:
+    futs: list[tuple[list[int], Future[list[tuple[str, int]]]]] = []
+    try:
+        for run in plan:
+            csums = [slot_format.checksum(bufs[i]) for i in run]
+            if len(plan) == 1:   # no hand-off
+                for i, r in zip(run, write(run, csums)):
+                    out[i] = r
+            else:
+                futs.append((run, pool.submit(write, run, csums)))
+    except Exception as e:   # a checksum or the hand-off failed: the rest is not written
+        why = f"not written: {type(e).__name__}: {e}"
+        for run in plan[len(futs):]:
+            for i in run:
+                out[i] = (why, 0)
+    wait([f for _, f in futs])   # never return while a thread still reads the caller's buffers
+    for run, f in futs:
+        try:
+            res = f.result()
+        except Exception as e:   # (write_run / write_block return OSErrors as reasons)
+            res = [(f"not written: {type(e).__name__}: {e}", 0)] * len(run)
         for i, r in zip(run, res):
             out[i] = r
     if not sync:

@@ -12,14 +12,15 @@ Primitives: `Committer(sync, commit, done, max_bytes)`: `submit(batch)` (non-blo
 (this process treats such keys as stored: put skips them, exists counts them), `wait_for(keys,
 timeout)` (a get of a key in flight waits for its commit, then reads it from the index: never
 bytes that are not durable), `cancel(keys)` / `honored(keys)` (a delete of blocks in flight),
+`kick()` (start the next round now, without waiting for it),
 `settle(timeout)` (everything submitted so far is committed or failed), `flush(timeout)` (the
 same, and whether nothing was lost since the last flush), `close(timeout)`.
 
 Rounds are grouped: a round starts `group_s` after the first batch it takes was submitted, or as
-soon as `group_bytes` are pending or a caller waits (`wait_for`, `settle`, `flush`, a `room` past
-the bound). Each round costs two device cache flushes (the slabs' fdatasync, the index's synced
-commit) that stall the writes around them; grouping keeps them to a few per second under a
-stream of puts without delaying anyone who waits for a block to be durable. `BUSY`: what
+soon as `group_bytes` are queued for it or a caller waits (`wait_for` unless told not to hurry,
+`settle`, `flush`, a `room` past the bound). Each round costs two device cache flushes (the slabs'
+fdatasync, the index's synced commit); grouping keeps them to about one per `group_s` under a
+stream of small puts, without delaying anyone who waits for a block to be durable. `BUSY`: what
 `commit` returns while another connection holds the index (the round is retried; nothing is lost
 meanwhile: the slots stay pending, owned by this process).
 """
@@ -64,6 +65,7 @@ class Committer:
         self._first_at = 0.0                # when the oldest batch in the queue was submitted
         self._queued = 0                    # bytes in the queue (not yet taken by a round)
         self._waiting = 0                   # callers waiting for a round: start it now
+        self._kicked = False                # `kick`: start the next round now
         self._cond = threading.Condition()
         self._queue: list[Batch] = []
         self._bytes = 0                     # submitted, not finished
@@ -109,6 +111,13 @@ class Committer:
                 self._keys[loc.key] = self._keys.get(loc.key, 0) + 1
             self._cond.notify_all()
 
+    def kick(self) -> None:
+        """Start the next round now (for a caller about to wait on something else that waits
+        for the round)."""
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
     def pending(self) -> int:
         """Bytes submitted and not yet committed or failed."""
         return self._bytes
@@ -127,10 +136,11 @@ class Committer:
         with self._cond:
             return sum(self._honored.pop(k, 0) for k in keys)
 
-    def wait_for(self, keys: Sequence[bytes], timeout: float) -> bool:
-        """Wait (at most `timeout`) until none of `keys` is in flight; False on timeout."""
+    def wait_for(self, keys: Sequence[bytes], timeout: float, hurry: bool = True) -> bool:
+        """Wait (at most `timeout`) until none of `keys` is in flight; False on timeout. `hurry`:
+        start their round now (else it starts when grouping would start it)."""
         end = time.monotonic() + timeout
-        with self._cond, self._hurry():
+        with self._cond, (self._hurry() if hurry else contextlib.nullcontext()):
             while any(k in self._keys for k in keys):
                 left = end - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
@@ -174,12 +184,13 @@ class Committer:
                     self._cond.wait()
                 if not self._queue:
                     return
-                while not (self._closed or self._waiting or self._queued >= self._group_bytes):
+                while not (self._closed or self._waiting or self._kicked
+                           or self._queued >= self._group_bytes):
                     left = self._first_at + self._group_s - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
-                batches, self._queue, self._queued = self._queue, [], 0
+                batches, self._queue, self._queued, self._kicked = self._queue, [], 0, False
             try:
                 lost = self._round(batches)
             except Exception:  # never let the thread die: the blocks are lost, puts go on

@@ -7,8 +7,9 @@ holds for all of them together.
 
 Put: skip keys already stored or in flight -> reserve slots in one unsynced transaction (evicting
 least-recently-used blocks past the high watermark, down to the low one; skipping blocks when the
-cap or the file system is full) -> the I/O threads checksum and write each block (header + data,
-O_DIRECT, vectored) -> `put_many` returns (the caller's buffers are free again; `disk_write.py`).
+cap or the file system is full) -> this thread checksums each run of blocks while the I/O threads
+write the run before it (header + data, O_DIRECT, vectored) -> `put_many` returns (the caller's
+buffers are free again; `disk_write.py`).
 The group committer (`commit.py`) then fdatasyncs every touched slab and makes all the blocks
 written since its last round visible in one synced transaction: other processes, and a restart
 after a crash, see a block only once it is durable. This process counts its blocks in flight as stored (exists
@@ -139,13 +140,15 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
             if not self._ix.reopen(self._lock):
                 return False
             self._spare.clear()   # the new index holds no reservation of ours
-        self._refreshed = time.monotonic()
+        now = time.monotonic()
         got = self._ix.reader.changes_since(self._seq) if self._seq >= 0 else None
         if got is None:
             self._seq, keys = self._ix.reader.committed_keys()
             self._keys = set(keys)
+            self._refreshed = now
             return True
         self._seq, changes = got
+        self._refreshed = now
         for key, op in changes:
             if op == 1:
                 self._keys.add(key)

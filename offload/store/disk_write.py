@@ -31,7 +31,7 @@ from offload.store.index_schema import Reserved
 log = logging.getLogger("offload.store.disk")
 
 DURABLE_WAIT_S = 5.0        # `durable` (a server about to acknowledge a put) waits this long
-PUT_STALE_S = 0.25          # a put trusts the key set and its reserved range this long (see put_many)
+PUT_STALE_S = 0.25          # a put trusts its key set this long (see put_many)
 
 
 def _skipped(self: "DiskWrites", keys: Sequence[bytes], *_: Any) -> list[bool]:
@@ -83,6 +83,7 @@ class DiskWrites:
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
+        end = time.monotonic() + DATA_LOCK_TIMEOUT_S   # for the waits on the committer
         result = [False] * len(keys)
         items: list[tuple[bytes, int, int, int]] = []
         where: dict[bytes, list[int]] = {}
@@ -104,11 +105,11 @@ class DiskWrites:
                 where.setdefault(k, []).append(i)
         if not items:
             return result
-        if not self._commits.room(sum(n for _, n, _, _ in items), DATA_LOCK_TIMEOUT_S):
+        if not self._commits.room(sum(n for _, n, _, _ in items), end - time.monotonic()):
             log.warning("put: %d blocks skipped: the index commits fall behind", len(items))
             self._stats.put_skipped += len(items)
             return result
-        new = self._slots_for(items)
+        new = self._slots_for(items, end)
         if new is None:
             log.warning("put: %d blocks skipped: the index is busy", len(items))
             self._stats.put_skipped += len(items)
@@ -139,10 +140,12 @@ class DiskWrites:
             return True
         return self._refresh_keys()
 
-    def _slots_for(self, items: list[tuple[bytes, int, int, int]]) -> list[Location] | None:
+    def _slots_for(self, items: list[tuple[bytes, int, int, int]],
+                   end: float) -> list[Location] | None:
         """Slots for (key, length, slot_bytes, _) items: from this process's reserved range, with
         one reservation transaction only when the range runs out (None: the index is busy; a
-        block with no room is skipped, counted)."""
+        block with no room is skipped, counted). Short of room while blocks of this process are
+        in flight, it waits for their round (until `end`, monotonic) and reserves once more."""
         want: dict[int, int] = {}
         for _, _, sb, _ in items:
             want[sb] = want.get(sb, 0) + 1
@@ -155,7 +158,8 @@ class DiskWrites:
             if not short:
                 break
             if attempt == 2:   # no room: blocks in flight become evictable once committed
-                if not self._commits.pending() or not self._commits.settle(DATA_LOCK_TIMEOUT_S):
+                left = end - time.monotonic()
+                if left <= 0 or not self._commits.pending() or not self._commits.settle(left):
                     break
             res = self._reserve_into(got, short)
             if res is None:
@@ -219,10 +223,17 @@ class DiskWrites:
                 segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
                 free_slot=self._free_slot, release=self._orphans, give_back=self._written_back)
             self._orphans, self._written_back = [], []
-            self._stats.evictions += res.evicted
+            self._evicted(res.evicted)
             self._drop_missing(index)
             return res
         return run
+
+    def _evicted(self, n: int) -> None:
+        """Blocks this process just evicted: counted, and the next put reads the change log (its
+        key set names them until then)."""
+        if n:
+            self._stats.evictions += n
+            self._refreshed = float("-inf")
 
     def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
         """Reserve slots (under the write lock; the key set refreshed)."""
@@ -233,7 +244,7 @@ class DiskWrites:
                 segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
                 free_slot=self._free_slot, release=self._orphans)
             self._orphans = []
-            self._stats.evictions += alloc.evicted
+            self._evicted(alloc.evicted)
             self._drop_missing(index)
             return alloc
         return run
@@ -311,16 +322,22 @@ class DiskWrites:
             log.error("%d blocks written but never made visible (%s): they are not stored",
                       len(lost), why)
 
+    def commit_now(self) -> None:
+        """Start the group committer's next round now (a server about to wait for blocks that a
+        background confirmer waits for without hurrying)."""
+        self._commits.kick()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block put so far is durable and visible (or failed, counted). True if
         all are; False if `timeout` passed first or a block was lost since the last flush."""
         return self._commits.flush(timeout)
 
     @never_raises("disk durable", _absent)
-    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+    def durable(self, keys: Sequence[bytes], hurry: bool = True) -> list[bool]:
         """Wait until this process's puts of `keys` are committed or lost: per key, whether it is
-        stored durably now (what a server acknowledges to its client: `base.durable`)."""
-        self._commits.wait_for(keys, DURABLE_WAIT_S)
+        stored durably now (what a server acknowledges to its client: `base.durable`). `hurry`:
+        start their commit round now; a background confirmer passes False and lets rounds group."""
+        self._commits.wait_for(keys, DURABLE_WAIT_S, hurry)
         with self._lock:
             if not self._refresh_keys():
                 return [False] * len(keys)

@@ -333,3 +333,33 @@ def test_past_its_bound_a_put_is_acknowledged_only_once_durable() -> None:
     assert given == [None] and acks.hidden(second) == [False, False]
     assert acks.hidden(first) == [True]
     acks.close()
+
+
+def test_acknowledged_puts_leave_the_store_rounds_grouped_until_a_reader_waits(rig) -> None:
+    """The agent's confirmer waits for the store's commits without hurrying them (one round for
+    many PUTs); a GET of a block still hidden starts the round at once."""
+    _, host, srv = rig
+    store = srv.store
+    commits = store._commits
+    commits._group_s, commits._group_bytes = 3600.0, 1 << 40   # no round starts on its own
+    syncs: list[object] = []
+    real_sync = commits._sync
+    commits._sync = lambda segs: (syncs.append(segs), real_sync(segs))[1]
+    confirming = threading.Event()
+    real_wait = commits.wait_for
+
+    def wait_for(ks: Any, timeout: float, hurry: bool = True) -> bool:
+        if not hurry:
+            confirming.set()
+        return real_wait(ks, timeout, hurry)
+
+    commits.wait_for = wait_for
+    a, b = host(), host(timeout_s=30)
+    ks = keys(6, "grouped")
+    for i in range(0, 6, 2):
+        assert a.put_many(ks[i:i + 2], blocks(2)) == [True, True]
+    assert confirming.wait(30)                        # the confirmer waits for them...
+    assert commits._waiting == 0 and syncs == []      # ...without starting a round
+    out = [[bytearray(BLOCK)] for _ in range(6)]
+    assert b.get_many(ks, out) == [True] * 6          # a reader kicks it: one round for all
+    assert len(syncs) == 1 and a.flush() is True

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from offload.store import disk_write
 from offload.store.base import durable
 from offload.store.index import Index
 from tests.store.blocks import data, key
@@ -150,8 +151,19 @@ def test_rounds_are_grouped_and_a_waiter_starts_one_at_once(tmp_path):
         assert len(syncs) == 1                             # both puts in one round
         assert other.exists_many([key(0), key(1)]) == [True, True]
         assert put(s, [2]) == [True]
-        assert exact(s, [2])                               # a get hurries its block's round
-        assert durable(s, [key(3)], [True]) == [False] and len(syncs) == 2
+        assert exact(s, [2]) and len(syncs) == 2           # a get hurries its block's round
+        assert put(s, [3]) == [True]
+        assert durable(s, [key(3)], [True]) == [True] and len(syncs) == 3   # so does `durable`
+
+
+def test_a_waiter_that_does_not_hurry_leaves_rounds_grouped_and_a_kick_starts_one(tmp_path):
+    with open_store(tmp_path) as s:
+        s._commits._group_s = 3600.0
+        assert put(s, [0]) == [True]
+        assert s._commits.wait_for([key(0)], 0.05, hurry=False) is False   # still in flight
+        s.commit_now()                                     # without waiting for it
+        assert s._commits.wait_for([key(0)], 60, hurry=False) is True
+        assert s.durable([key(0)], hurry=False) == [True]
 
 
 def test_a_round_starts_on_its_own_once_enough_is_pending(tmp_path):
@@ -163,6 +175,47 @@ def test_a_round_starts_on_its_own_once_enough_is_pending(tmp_path):
                 break
             threading.Event().wait(0.01)
         assert other.exists_many([key(0), key(1)]) == [True, True]
+
+
+def test_a_round_starts_on_its_own_once_its_first_batch_waited_long_enough(tmp_path):
+    with open_store(tmp_path) as s, open_store(tmp_path) as other:
+        s._commits._group_s, s._commits._group_bytes = 0.05, 1 << 40
+        assert put(s, [0]) == [True]
+        for _ in range(6000):                              # nobody waits on `s`: no hurry
+            if other.exists_many([key(0)]) == [True]:
+                break
+            threading.Event().wait(0.01)
+        assert other.exists_many([key(0)]) == [True]
+
+
+def test_a_put_sees_this_process_evictions_at_once(tmp_path, monkeypatch):
+    """A put trusts its key set for a while (PUT_STALE_S), but not past its own evictions: a key
+    it just evicted is stored again, not skipped as stored."""
+    monkeypatch.setattr(disk_write, "PUT_STALE_S", 3600.0)
+    with open_store(tmp_path, capacity=4 << 20) as s, open_store(tmp_path, capacity=4 << 20) as other:
+        i = 0
+        while s.stats().evictions == 0 and i < 500:
+            assert put(s, [i]) == [True] and s.flush()
+            i += 1
+        gone = [j for j in range(i) if other.exists_many([key(j)]) == [False]]
+        assert gone and s.stats().evictions > 0
+        assert put(s, [gone[0]]) == [True] and s.flush()
+        assert other.exists_many([key(gone[0])]) == [True] and exact(s, [gone[0]])
+
+
+def test_a_put_right_after_another_process_rebuilt_the_index_lands_in_the_new_one(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_write, "PUT_STALE_S", 3600.0)
+    with open_store(tmp_path) as s:
+        assert put(s, [0, 1]) == [True, True] and s.flush()
+        for name in os.listdir(tmp_path):                  # as a rebuild sets it aside
+            if name.startswith("index.db"):
+                os.rename(tmp_path / name, tmp_path / f"aside-{name}")
+        with open_store(tmp_path) as b:                    # rebuilds from the slab headers
+            assert b.rebuilt_from is not None or b.exists_many([key(0)]) == [True]
+        assert put(s, [2]) == [True] and s.flush()         # noticed at once: a new range, committed
+        with open_store(tmp_path) as c:
+            assert c.exists_many([key(0), key(1), key(2)]) == [True] * 3 and exact(c, [2])
 
 
 def test_a_get_of_a_block_in_flight_waits_for_its_commit(tmp_path):
