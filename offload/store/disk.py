@@ -107,7 +107,7 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._ix = IndexAccess(self._open_index, lock_timeout_s)
         self._seq, keys = self._ix.reader.committed_keys()
         self._keys: set[bytes] = set(keys)
-        self._refreshed = time.monotonic()
+        self._refreshed = self._held_checked = time.monotonic()
         self._commits = Committer(
             lambda segs: coalesce.sync_segments(self._slabs, self._pool, segs),
             self._commit_reserved, self._committed, pending_bytes)

@@ -61,6 +61,7 @@ class DiskWrites:
     _written_back: list[Location]        # written reserved slots to give back (under wlock)
     _not_ours: set[tuple[int, int]]      # (seg, slot) whose commit found the slot taken back
     _refreshed: float                    # monotonic time of the last key-set refresh
+    _held_checked: float                 # ... of the last check of the range against the index
 
     def _refresh_keys(self) -> bool:
         raise NotImplementedError
@@ -151,7 +152,7 @@ class DiskWrites:
             want[sb] = want.get(sb, 0) + 1
         with self._lock:
             got = {sb: self._spare.take(sb, n) for sb, n in want.items()}
-            self._still_held(got)
+            self._check_range(got)
         why: dict[int, str] = {}
         for attempt in (1, 2):
             short = {sb: n - len(got[sb]) for sb, n in want.items() if len(got[sb]) < n}
@@ -198,11 +199,28 @@ class DiskWrites:
                 self._spare.add({sb: slots[n:]})
         return res
 
+    def _check_range(self, got: dict[int, list[tuple[int, int]]]) -> None:
+        """Drop range slots that were taken back (caller holds the state lock). What takes a
+        live process's reserved slots: another process rebuilding the index (noticed by
+        `_fresh_enough` on every put, which clears the range), another process dropping a
+        segment whose slab file it found deleted (checked here on every put, a `fstat` per
+        segment), and a reclaim that took this process for dead (a misconfiguration: checked
+        here against the index every `PUT_STALE_S`, and again by the commit, so such a block is
+        lost, never made visible)."""
+        for sb, slots in got.items():
+            for seg in {seg for seg, _ in slots}:
+                if self._slabs.fds.gone(seg, sb):
+                    self._spare.drop_segment(seg)
+                    got[sb] = [s for s in got[sb] if s[0] != seg]
+        if time.monotonic() - self._held_checked >= PUT_STALE_S:
+            self._still_held(got)
+
     def _still_held(self, got: dict[int, list[tuple[int, int]]]) -> None:
         """Keep only range slots whose reservation the index still holds (one read, never
         waiting on a writer): a slab dropped or an index rebuilt by another process takes them
         back. Caller holds the state lock. (The commit checks again: a slot taken back between
         here and there is a lost block, never a wrong one.)"""
+        self._held_checked = time.monotonic()
         try:
             for sb, slots in got.items():
                 if slots:
@@ -217,6 +235,7 @@ class DiskWrites:
     def _reserve(self, wants: dict[int, tuple[int, int]]) -> Callable[[Index], Reserved]:
         """Reserve a range of slots for this process (under the write lock)."""
         def run(index: Index) -> Reserved:
+            self._drop_missing(index)   # first: no slot of a lost slab handed out again
             res = index.reserve(
                 wants, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
                 free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
@@ -224,7 +243,7 @@ class DiskWrites:
                 free_slot=self._free_slot, release=self._orphans, give_back=self._written_back)
             self._orphans, self._written_back = [], []
             self._evicted(res.evicted)
-            self._drop_missing(index)
+            self._drop_missing(index)   # (one found missing meanwhile, by an eviction's punch)
             return res
         return run
 
@@ -238,6 +257,7 @@ class DiskWrites:
     def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
         """Reserve slots (under the write lock; the key set refreshed)."""
         def run(index: Index) -> Allocation:
+            self._drop_missing(index)
             alloc = index.allocate(
                 items, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
                 free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,

@@ -137,6 +137,20 @@ class FdCache:
                 if old.refs == 0:
                     os.close(old.fd)
 
+    def gone(self, seg: int, slot_bytes: int) -> bool:
+        """Whether the segment's slab file was deleted (`fstat` of its fd: no link left; or its
+        name is gone), marked missing if so: a cheap check before writing into it."""
+        try:
+            with self.use(seg, slot_bytes) as fd:
+                if os.fstat(fd).st_nlink:
+                    return False
+        except SlabMissing:
+            return True            # marked by `_open`
+        except OSError:
+            return False           # not this check's: the write reports it
+        self.mark_missing(seg, slot_bytes)
+        return True
+
     def mark_missing(self, seg: int, slot_bytes: int) -> None:
         """Remember a segment whose file was found gone (the store drops it)."""
         with self._lock:

@@ -5,8 +5,10 @@ real second process."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
+from offload.store import disk_write
 from offload.store.index import Index
 from tests.store.blocks import key
 from tests.store.test_disk import open_store, worker
@@ -69,3 +71,34 @@ def test_two_stores_putting_one_key_keep_one_copy(tmp_path):
         assert sa.bytes_used == 3 * SLOT + sa.bytes_reserved + sb.bytes_reserved   # one copy
     with open_store(tmp_path) as s:
         assert s.stats().bytes_used == 3 * SLOT and exact(s, range(3))
+
+
+def _take_back_range(d) -> int:
+    """Delete every reserved row, as a reclaim that took the owner for dead would."""
+    db = sqlite3.connect(d / "index.db", isolation_level=None)
+    try:
+        return db.execute("DELETE FROM reserved").rowcount
+    finally:
+        db.close()
+
+
+def test_a_range_taken_back_in_the_index_is_noticed_by_the_periodic_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_write, "PUT_STALE_S", 0.0)      # the check due on every put
+    with open_store(tmp_path) as s:
+        assert put(s, range(4)) == [True] * 4 and s.flush()
+        assert _take_back_range(tmp_path) > 0
+        assert put(s, [4]) == [True] and s.flush()             # a slot of a new range
+        with open_store(tmp_path) as other:
+            assert exact(other, range(5))
+
+
+def test_a_range_in_a_deleted_slab_is_dropped_before_any_write(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_write, "PUT_STALE_S", 3600.0)   # no periodic check: the fstat one
+    with open_store(tmp_path) as s:
+        assert put(s, range(4)) == [True] * 4 and s.flush()
+        (slab_name,) = [n for n in os.listdir(tmp_path) if n.endswith(".slab")]
+        os.unlink(tmp_path / slab_name)
+        assert put(s, range(4, 8)) == [True] * 4 and s.flush()  # into a new slab, durable
+        with open_store(tmp_path) as other:
+            assert exact(other, range(4, 8))
+            assert other.exists_many([key(i) for i in range(4)]) == [False] * 4

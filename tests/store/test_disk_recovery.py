@@ -66,16 +66,38 @@ def test_slab_deleted_while_open_is_dropped_on_the_first_read(tmp_path):
             assert exact(a, range(4, 12)) and exact(b, range(4, 12))
 
 
-def test_slab_deleted_under_an_open_fd_fails_the_put_then_recovers(tmp_path):
-    """Blocks written into an unlinked slab would be made visible and lost: the sync sees it (the
-    put itself may return once written; the blocks then never appear)."""
+def test_slab_deleted_under_an_open_fd_is_not_written_into(tmp_path):
+    """A put checks the slab of its reserved slots still has a link (`fstat` of the open fd):
+    a deleted one is dropped, and the blocks go to a new slab."""
     d = tmp_path / "cache"
     with open_store(d) as s:
         assert put(s, range(2)) == [True] * 2
         s.flush()
         os.unlink(d / slabs_of(d)[0])
-        put(s, [2, 3])
+        assert put(s, [2, 3]) == [True, True] and s.flush()
+        assert s.exists_many([key(i) for i in range(4)]) == [False, False, True, True]
+        assert put(s, range(2)) == [True] * 2
+        assert exact(s, range(4))
+
+
+def test_slab_deleted_between_the_write_and_the_sync_fails_the_put_then_recovers(tmp_path):
+    """Blocks written into a slab unlinked before its fdatasync would be made visible and lost:
+    the sync sees it (the put returned once written; the blocks then never appear)."""
+    d = tmp_path / "cache"
+    with open_store(d) as s:
+        assert put(s, range(2)) == [True] * 2
         s.flush()
+        real = s._commits._sync
+
+        def unlink_then_sync(segs):  # type: ignore[no-untyped-def]
+            for name in slabs_of(d):
+                os.unlink(d / name)
+            return real(segs)
+
+        s._commits._sync = unlink_then_sync
+        assert put(s, [2, 3]) == [True, True]
+        assert s.flush() is False                      # lost: counted, never visible
+        s._commits._sync = real
         assert s.exists_many([key(i) for i in range(4)]) == [False] * 4
         assert put(s, range(4)) == [True] * 4
         assert exact(s, range(4))
