@@ -91,9 +91,11 @@ class Committer:
 
     @contextlib.contextmanager
     def _hurry(self) -> Iterator[None]:
-        """A caller waits for rounds (under the condition): the committer starts one now."""
+        """A caller waits for rounds (under the condition): the committer starts one now (woken
+        only if a batch waits for its round: with none queued, it sees the count at the next)."""
         self._waiting += 1
-        self._cond.notify_all()
+        if self._queue:
+            self._cond.notify_all()
         try:
             yield
         finally:

@@ -2,10 +2,10 @@
 
 `put_many` skips keys stored or in flight, reserves slots (one unsynced transaction, under the
 writer connection's deadline: `index_access.py`), writes the blocks (`coalesce.write_batch`, no
-fdatasync) and hands them to the `Committer` (`commit.py`), whose rounds call `_commit` (one synced
-transaction for every block synced since the last round) and `_committed`. A failed commit frees
-its slots at once, or, when the index cannot be written either, in this process's next
-reservation (`_orphans`). `flush` and `durable` wait for the committer.
+fdatasync) and hands them to the `Committer` (`commit.py`), whose rounds call `_commit_reserved`
+(one synced transaction for every block synced since the last round) and `_committed`. A failed
+commit frees its slots at once, or, when the index cannot be written either, in this process's
+next index transaction (`_give_up`). `flush` and `durable` wait for the committer.
 """
 
 from __future__ import annotations
@@ -270,33 +270,24 @@ class DiskWrites:
         return run
 
     def _commit(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
-        """The committer's transaction: '' done, COMMIT_BUSY (retried), else why it failed (the
-        slots are then freed, now or by the next reservation)."""
+        """The slot path's commit (`SlotAccess`: slots written by another path, e.g. GDS): ''
+        done, COMMIT_BUSY, else why it failed (`_give_up`: the pending slots freed)."""
         def run(index: Index) -> None:
             index.finish([(loc.key, c) for loc, c in good], free, [], self._free_slot)
             self._drop_missing(index)
 
         try:
-            if self._ix.write(run) is BUSY:
-                return COMMIT_BUSY
-            return ""
+            return COMMIT_BUSY if self._ix.write(run) is BUSY else ""
         except (sqlite3.Error, OSError) as e:
-            why = f"index commit failed: {e}"
-        mine = [loc for loc, _ in good] + free
-        try:
-            if self._ix.write(lambda index: index.release(mine, self._free_slot)) is not BUSY:
-                return why
-        except (sqlite3.Error, OSError) as e:
-            log.warning("%d pending slots not released yet (%s): the next put frees them",
-                        len(mine), e)
-        with self._ix.wlock:
-            self._orphans += mine
-        return why
+            mine = [loc for loc, _ in good] + free
+            return self._give_up(f"index commit failed: {e}", mine,
+                                 lambda index: index.release(mine, self._free_slot),
+                                 lambda: self._orphans.extend(mine))
 
     def _commit_reserved(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
         """The committer's transaction for put slots (from the reserved range): '' done,
-        COMMIT_BUSY (retried), else why it failed (the slots are then given back, now or with
-        the next reservation). A slot no longer this process's is lost (see `_committed`)."""
+        COMMIT_BUSY (retried), else why it failed (`_give_up`: the slots given back). A slot no
+        longer this process's is lost (see `_committed`)."""
         def run(index: Index) -> list[Location]:   # slots of an earlier failure go back too
             lost = index.commit_reserved(good, free + self._written_back, self._owner,
                                          self._free_slot)
@@ -306,24 +297,31 @@ class DiskWrites:
 
         try:
             lost = self._ix.write(run)
-            if lost is BUSY:
-                return COMMIT_BUSY
-            assert isinstance(lost, list)
-            self._not_ours.update((loc.seg, loc.slot) for loc in lost)
-            return ""
         except (sqlite3.Error, OSError) as e:
-            why = f"index commit failed: {e}"
-        mine = [(loc.slot_bytes, loc.seg, loc.slot) for loc, _ in good] + \
-            [(loc.slot_bytes, loc.seg, loc.slot) for loc in free]
+            mine = [loc for loc, _ in good] + free
+            slots = [(loc.slot_bytes, loc.seg, loc.slot) for loc in mine]
+            return self._give_up(f"index commit failed: {e}", mine,
+                                 lambda index: index.return_reserved(
+                                     slots, self._owner, self._free_slot, punch=True),
+                                 lambda: self._written_back.extend(mine))
+        if lost is BUSY:
+            return COMMIT_BUSY
+        assert isinstance(lost, list)
+        self._not_ours.update((loc.seg, loc.slot) for loc in lost)
+        return ""
+
+    def _give_up(self, why: str, mine: list[Location], release: Callable[[Index], object],
+                 later: Callable[[], None]) -> str:
+        """A failed commit's slots: freed now by `release` (a transaction of their own), else by
+        this process's next index transaction (`later`, under the write lock). Returns `why`."""
         try:
-            if self._ix.write(lambda index: index.return_reserved(
-                    mine, self._owner, self._free_slot, punch=True)) is not BUSY:
+            if self._ix.write(release) is not BUSY:
                 return why
         except (sqlite3.Error, OSError) as e:
-            log.warning("%d written slots not given back yet (%s): the next reservation does",
-                        len(mine), e)
+            log.warning("%d slots of a failed commit not freed yet (%s): the next index "
+                        "transaction frees them", len(mine), e)
         with self._ix.wlock:
-            self._written_back += [loc for loc, _ in good] + free
+            later()
         return why
 
     def _committed(self, done: list[Location], lost: list[Location], why: str) -> None:

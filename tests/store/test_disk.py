@@ -32,6 +32,15 @@ def open_store(path, capacity=1 << 30, **kw) -> DiskStore:
                      **own)
 
 
+def index_rows(directory, table: str = "blocks") -> int:
+    """Rows of one table of the store's index, read by a connection of the test's own."""
+    db = sqlite3.connect(os.path.join(directory, "index.db"))
+    try:
+        return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    finally:
+        db.close()
+
+
 def worker(mode: str, directory, **opts) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, WORKER, mode, str(directory), json.dumps(opts)],
                             stdout=subprocess.PIPE, text=True)

@@ -15,7 +15,7 @@ import sys
 from offload.store import slot_format
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.test_disk import index_rows, open_store
 from tests.store.test_disk_rebuild import damage
 
 SIZE = 16 << 10
@@ -43,14 +43,6 @@ def edit_rows(d, updates: dict[int, tuple[str, object]]) -> None:
     db.close()
 
 
-def rows(d) -> int:
-    db = sqlite3.connect(d / "index.db")
-    try:
-        return db.execute("SELECT count(*) FROM blocks").fetchone()[0]
-    finally:
-        db.close()
-
-
 HOSTILE = {1: ("length", 1 << 42), 2: ("length", -1), 3: ("slot", 1 << 50), 4: ("length", "abc"),
            5: ("slot_bytes", 12345), 6: ("seg", 3.5)}
 
@@ -68,7 +60,7 @@ def test_hostile_rows_are_a_miss_for_that_block_only_and_dropped(tmp_path):
         assert all(bytes(b) == data(k, SIZE) for b, k, ok in zip(bufs, ks, got) if ok)
         assert s.exists_many(ks) == got
         assert 0 <= s.stats().bytes_used <= 8 * SLOT
-    assert rows(d) == 8 - len(HOSTILE)                # each bad row dropped, the good ones kept
+    assert index_rows(d) == 8 - len(HOSTILE)   # each bad row dropped, the good ones kept
 
 
 def test_verify_never_allocates_from_or_crashes_on_hostile_rows(tmp_path):
@@ -79,7 +71,7 @@ def test_verify_never_allocates_from_or_crashes_on_hostile_rows(tmp_path):
     with open_store(d) as s:
         checked, bad = s.verify()
         assert checked == 2 and [k for k, _ in bad] == [key(7)]
-    assert rows(d) == 1
+    assert index_rows(d) == 1
     with open_store(d) as s:                          # and again: nothing left to crash on
         assert s.verify() == (1, [])
     with open_store(d) as s:

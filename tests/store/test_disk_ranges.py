@@ -11,18 +11,10 @@ import sqlite3
 from offload.store import disk_write
 from offload.store.index import Index
 from tests.store.blocks import key
-from tests.store.test_disk import open_store, worker
+from tests.store.test_disk import index_rows, open_store, worker
 from tests.store.test_disk_write_path import SIZE, exact, put
 
 SLOT = SIZE + 4096
-
-
-def reserved_rows(d) -> int:
-    db = sqlite3.connect(d / "index.db")
-    try:
-        return db.execute("SELECT count(*) FROM reserved").fetchone()[0]
-    finally:
-        db.close()
 
 
 def test_puts_take_the_reserved_range_without_an_index_transaction(tmp_path, monkeypatch):
@@ -43,7 +35,7 @@ def test_puts_take_the_reserved_range_without_an_index_transaction(tmp_path, mon
         st = s.stats()
         assert st.bytes_reserved > 0                  # what is left of the range ...
         assert st.bytes_used == 64 * SLOT + st.bytes_reserved   # ... counted against the cap
-    assert reserved_rows(tmp_path) == 0               # close gives the range back
+    assert index_rows(tmp_path, "reserved") == 0   # close gives the range back
     with open_store(tmp_path) as s:
         assert s.stats().bytes_used == 64 * SLOT and exact(s, range(64))
 
@@ -52,9 +44,9 @@ def test_a_dead_processs_range_is_reclaimed_at_the_next_open(tmp_path):
     p = worker("write", tmp_path, start=0, stop=8, size=SIZE, batch=8, die=True)
     out, _ = p.communicate(timeout=120)
     assert '"ok": [true, true, true, true, true, true, true, true]' in out, out
-    assert p.returncode == 0 and reserved_rows(tmp_path) > 0   # died holding its range
+    assert p.returncode == 0 and index_rows(tmp_path, "reserved") > 0   # died holding its range
     with open_store(tmp_path) as s:
-        assert reserved_rows(tmp_path) == 0
+        assert index_rows(tmp_path, "reserved") == 0
         st = s.stats()
         assert st.bytes_used == 8 * SLOT and st.bytes_reserved == 0 and exact(s, range(8))
 
