@@ -15,6 +15,7 @@ from offload.errors import ConfigError  # noqa: E402
 from offload.hicache.keying import storage_writer  # noqa: E402
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import parity_setup as ps  # noqa: E402
+from tests.store import redis_fixtures  # noqa: E402
 
 N = 4   # pages per test
 pytestmark = pytest.mark.timeout(180)
@@ -117,32 +118,15 @@ def test_sglang_backs_up_cp_shard_1_for_us(tmp_path):
             b.close()
 
 
-def _two_free_ports() -> int:
-    """A port p with p and p + 1 both free on loopback."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free ports")
-
-
 def test_dp_attention_groups_export_metrics_on_distinct_ports(tmp_path):
     """Two DP-attention groups of one rank each: the same attention-local TP rank 0."""
     pytest.importorskip("prometheus_client")
     import urllib.request
 
-    free_port = _two_free_ports()
+    port = redis_fixtures.free_port(also=1)   # p and p + 1 free
     from sglang.srt.runtime_context import get_parallel
 
-    extra = hp.extra(str(tmp_path / "kv"), metrics={"port": free_port})
+    extra = hp.extra(str(tmp_path / "kv"), metrics={"port": port})
     ports = []
     for group in (0, 1):
         with get_parallel().override(tp_size=2, tp_rank=group, pp_rank=0, attn_dp_size=2,
@@ -152,7 +136,7 @@ def test_dp_attention_groups_export_metrics_on_distinct_ports(tmp_path):
             b = ps.attach(ps.storage_config(extra, dp_rank=group), pool)
         ports.append(b.metrics_port)
         b.close()
-    assert ports == [free_port, free_port + 1]
+    assert ports == [port, port + 1]
     for port in ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             assert b"sglang_offload" in r.read()

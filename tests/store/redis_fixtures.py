@@ -32,18 +32,19 @@ THIS = Path(__file__).resolve()
 REPO = THIS.parents[2]
 
 
-def free_port(bus: bool = False) -> int:
-    """A free TCP port (and port+10000 free too when `bus`: the cluster bus)."""
+def free_port(bus: bool = False, also: int = 0) -> int:
+    """A free TCP port p on loopback (and p + `also` free too: `bus` is the cluster bus, +10000)."""
+    also = 10000 if bus else also
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if not bus:
+        if not also:
             return port
-        if port + 10000 < 65536:
+        if port + also < 65536:
             try:
                 with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
+                    s.bind(("127.0.0.1", port + also))
                 return port
             except OSError:
                 continue
