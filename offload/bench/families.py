@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from offload.bench.common import drop_cache, fsync_files, timed
+from offload.bench.hicache import ours_extra
 
 FAMILIES = ("mha", "draft", "indexer", "mamba", "swa")
 TOKENS, LAYERS = 64, 32
@@ -200,12 +201,7 @@ def bench_family(root: str, family: str, pages: int, layout: str, threads: int
     check("stock")
     out["stock_file"] = {"write_gbps": total / w / 1e9, "read_gbps": total / r / 1e9}
     # --- ours
-    extra = {"backend_name": "offload", "module_path": "offload.hicache",
-             "class_name": "OffloadStorage", "interface_v1": 1,
-             "offload": {"store": {"path": os.path.join(root, "offload"),
-                                   "capacity": 2 * total + (1 << 30), "min_free": 0,
-                                   "io_threads": threads}, "transfer": {"path": "cpu"},
-                         "worth_it": {"enabled": False}}}      # the tier, not the rule
+    extra = ours_extra(root, total, threads)
     ours = StorageBackendFactory.create_backend("dynamic", sc(extra), kv)
     try:
         ours.register_mem_pool_host(kv)

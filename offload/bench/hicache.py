@@ -35,6 +35,7 @@ from typing import Any
 from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
 from offload.commands import argtypes
+from offload.hicache.contract import BACKEND_EXTRA
 
 log = logging.getLogger("offload.bench")
 
@@ -134,19 +135,24 @@ def exists_batches(keys: list[str]) -> list[list[str]]:
     return [cycled[i:i + STORAGE_BATCH_SIZE] for i in range(0, n, STORAGE_BATCH_SIZE)]
 
 
+def ours_extra(root: str, total: int, threads: int) -> dict[str, Any]:
+    """Our backend's extra config (what `launch` composes) over a store in `root/offload` sized
+    for `total` bytes, on the cpu path."""
+    return {**BACKEND_EXTRA,
+            "offload": {"store": {"path": os.path.join(root, "offload"),
+                                  "capacity": 2 * total + (1 << 30), "min_free": 0,
+                                  "io_threads": threads},
+                        "transfer": {"path": "cpu"},
+                        # the bench measures the tier, not when loading beats prefill
+                        "worth_it": {"enabled": False}}}
+
+
 def bench_ours(root: str, pool: Any, keys: list[str], threads: int) -> dict[str, float]:
     import torch
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     total = len(keys) * pool.get_size_per_token() * TOKENS
-    extra = {"backend_name": "offload", "module_path": "offload.hicache",
-             "class_name": "OffloadStorage", "interface_v1": 1,
-             "offload": {"store": {"path": os.path.join(root, "offload"),
-                                   "capacity": 2 * total + (1 << 30), "min_free": 0,
-                                   "io_threads": threads},
-                         "transfer": {"path": "cpu"},
-                         # the bench measures the tier, not when loading beats prefill
-                         "worth_it": {"enabled": False}}}
+    extra = ours_extra(root, total, threads)
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
     backend.register_mem_pool_host(pool)
     batches = _batches(len(keys))

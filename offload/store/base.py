@@ -193,6 +193,13 @@ def durable(store: BlockStore, keys: Sequence[bytes], ok: Sequence[bool]) -> lis
     return [bool(o and d) for o, d in zip(ok, wait(keys))]
 
 
+def flush(store: BlockStore) -> bool:
+    """Wait until the store's puts so far are durable (a store that commits in the background:
+    its `flush()`); True unless one was lost. Any other store's puts are as durable as it gets."""
+    done = getattr(store, "flush", None)
+    return done is None or done() is not False
+
+
 def total_len(buffers: Sequence[Buffer]) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer, durable
+from offload.store.base import BlockStore, Buffer, durable, flush
 
 # path name -> (module, class); each class has `open(cfg, decision, store) -> TransferPath`.
 PATHS: dict[str, tuple[str, str]] = {
@@ -66,8 +66,7 @@ class StoreBookkeeping:
 
     def flush(self) -> bool:
         """Wait until the store's puts are durable (it may commit them in the background)."""
-        done = getattr(self.store, "flush", None)
-        return done is None or done() is not False
+        return flush(self.store)
 
     def durable(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether it is stored durably now (`offload.store.base.durable`)."""
