@@ -18,12 +18,11 @@ import pytest
 from offload.agent.acks import Acks
 from offload.agent.client import AgentStore
 from offload.agent.server import AgentServer
-from offload.config import Size, StoreConfig
 from offload.keys import Namespace
 from offload.store import coalesce
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
+from tests.store.test_disk import open_store
 
-disk = pytest.importorskip("offload.store.disk")
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 BLOCK = 64 << 10
 
@@ -60,8 +59,7 @@ class Commits:
 def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ) -> Iterator[tuple[Commits, Callable[[], AgentStore], AgentServer]]:
     commits = Commits(monkeypatch)
-    store = disk.DiskStore(StoreConfig(path=str(tmp_path / "store"), capacity=Size(64 << 20),
-                                       min_free=Size(0)))
+    store = open_store(tmp_path / "store", 64 << 20)
     srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="tcp")
     srv.start()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -208,8 +206,7 @@ def test_a_staged_put_is_acknowledged_while_its_write_runs_and_the_host_may_reus
     acknowledgement is counted lost, never served."""
     import numpy as np
 
-    store = disk.DiskStore(StoreConfig(path=str(tmp_path / "store"), capacity=Size(64 << 20),
-                                       min_free=Size(0)))
+    store = open_store(tmp_path / "store", 64 << 20)
     held = HeldWrites(store)
     srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx", staging_size=1 << 20)
     srv.start()

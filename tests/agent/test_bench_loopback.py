@@ -40,7 +40,6 @@ class Beside:
 
 @needs_nixl
 def test_loopback_baseline_alternates_with_each_timed_call() -> None:
-    os.environ.setdefault("UCX_MODULES", "^ib")
     buf_map = mmap.mmap(-1, SIZE * BATCH)
     buf_map.write(os.urandom(SIZE * BATCH))
     buf = memoryview(buf_map)

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from offload import cli
-from offload.bench.plot import draw
 from offload.bench.serve import TORCH_NATIVE_NOTE
-from tests.e2e.conftest import deployment, full_pages, needs_serving
+from tests.e2e.conftest import deployment, full_pages
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -29,17 +28,6 @@ def test_bad_options_are_one_error_line(argv: list[str], expected: str,
     assert expected in err and "Traceback" not in err
 
 
-def test_plot_of_a_result(tmp_path: Path) -> None:
-    result = {"rows": {"2048": {"cold": {"ttft_s": 1.0}, "l1l2": {"ttft_s": 0.5, "speedup": 2.0},
-                                "l3": {"ttft_s": 0.6, "speedup": 1.67}},
-                       "4096": {"cold": {"ttft_s": 2.5}, "l1l2": {"ttft_s": 1.0, "speedup": 2.5},
-                                "l3": {"ttft_s": 1.1, "speedup": 2.27}}},
-              "server": {"device": "cpu", "attention_backend": "torch_native"}}
-    out = draw(result, str(tmp_path / "serve.png"))
-    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@needs_serving
 def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -> None:
     cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
     res = subprocess.run([sys.executable, "-m", "offload.cli", "bench", "serve", "--config",

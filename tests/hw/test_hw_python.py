@@ -14,14 +14,14 @@ from offload.cli import main
 from offload.config import load_offload
 from offload.hw import PathRejectedError, decide, detect, detect_and_decide
 from offload.hw.live import Live, PyModule, PythonReport, python_query
-from offload.hw.pyside import extra_for_cuda, path_python
+from offload.hw.pyside import checkout, extra_for_cuda, path_python
 from tests.hw.hw_schema_check import validate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOSTS, PYTHONS = FIXTURES / "hosts", FIXTURES / "pythons"
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "offload/hw/schema.json").read_text())
 AGENT = {"agent": {"address": "10.0.0.2:7070"}}
-CHECKOUT = str(Path(__file__).resolve().parents[2])   # installed editable, as docs/install.md says
+CHECKOUT = checkout()   # installed editable, as docs/install.md says
 
 
 def pip_extra(extra: str) -> str:

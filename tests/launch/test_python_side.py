@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from offload.hw.pyside import checkout
 from tests.launch.helpers import CONFIGS, HOSTS, dry_run, run_cli, write
 
 PYTHONS = HOSTS.parent / "pythons"
 GDS_CONFIG = CONFIGS / "llama-3.1-70b-128k-h100x8-nvme.yaml"
-FIX = f"-m pip install -e '{Path(__file__).resolve().parents[2]}[gds-cu13]'"   # the checkout
+FIX = f"-m pip install -e '{checkout()}[gds-cu13]'"   # the checkout
 
 
 def test_gds_host_without_kvikio_falls_back_to_cpu_with_the_fix(capsys) -> None:
@@ -60,4 +61,4 @@ def test_redis_url_without_redis_py_refuses_at_launch(capsys, tmp_path: Path) ->
     assert rc == 1
     assert err[0].startswith("error: offload.redis.url is set but the Redis tier cannot work "
                              "here: python: redis is not importable")
-    assert f"-m pip install -e '{Path(__file__).resolve().parents[2]}[redis]'" in err[0]
+    assert f"-m pip install -e '{checkout()}[redis]'" in err[0]
