@@ -40,19 +40,20 @@ Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
 @dataclass
 class StoreStats:
     blocks: int = 0
-    bytes_used: int = 0           # bytes the cap counts (slots allocated, committed or in flight)
+    bytes_used: int = 0           # bytes of the blocks stored (slots of committed blocks)
     capacity: int = 0
     hits: int = 0
     misses: int = 0
     puts: int = 0
     put_skipped: int = 0          # not stored: full, disk error, in flight elsewhere
-    checksum_failures: int = 0
+    checksum_failures: int = 0    # blocks proven bad on disk (dropped)
+    reused_reads: int = 0         # reads that met a slot deleted or reused meanwhile (misses)
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     damaged_rows: int = 0         # index rows that failed the range checks (a miss each, dropped)
     index_busy: int = 0           # data-path index waits past their deadline (a miss / a skip)
-    bytes_reserved: int = 0       # slots held ahead for this process's puts (in bytes_used)
+    bytes_reserved: int = 0       # slots held ahead for this process's puts (not in bytes_used)
     extra: dict[str, object] = field(default_factory=dict)
 
 

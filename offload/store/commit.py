@@ -55,10 +55,13 @@ class Batch:
 class Committer:
     def __init__(self, sync: Callable[[list[tuple[int, int]]], dict[tuple[int, int], bool]],
                  commit: Callable[[list[tuple[Location, int]], list[Location]], str],
-                 done: Callable[[list[Location], list[Location], str], None], max_bytes: int,
+                 done: Callable[[list[Location], list[Location], str], list[Location]],
+                 max_bytes: int,
                  group_s: float = GROUP_S, group_bytes: int = GROUP_BYTES):
         """sync([(seg, slot_bytes)]) -> synced?; commit(good [(slot, csum)], slots to free) ->
-        '' / BUSY / why it failed; done(committed, lost, why) after each round."""
+        '' / BUSY / why it failed; done(committed, lost, why) after each round -> the blocks of
+        `committed` that were not stored after all (their slot was taken back: lost, so the next
+        `flush` says False)."""
         self._sync, self._commit, self._done = sync, commit, done
         self._max = max(1, max_bytes)
         self._group_s, self._group_bytes = group_s, min(group_bytes, self._max)
@@ -236,8 +239,8 @@ class Committer:
         if why:
             self._done([], locs, why)
             return locs
-        self._done([loc for loc, _ in good], unsynced, "fdatasync failed" if unsynced else "")
-        return unsynced
+        late = self._done([loc for loc, _ in good], unsynced, "fdatasync failed" if unsynced else "")
+        return unsynced + late   # `late`: committed blocks whose slot was no longer ours
 
 
 __all__ = ["BUSY", "Batch", "Committer"]

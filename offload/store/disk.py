@@ -53,7 +53,7 @@ from offload.store.disk_spare import Spare
 from offload.store.disk_write import DiskWrites
 from offload.store.index import Freed, Index, Location
 from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
-from offload.store.owner import owner_token
+from offload.store.owner import Lease
 from offload.store.recovery import open_index
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off",
                                      max_open_slabs)
         self._lock = threading.RLock()   # in-memory state and the reader connection
-        self._owner = owner_token()
+        self._lease: Lease | None = None   # taken under the directory lock (`_take_lease`)
+        self._owner = ""
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
         self._stats = StoreStats(capacity=cfg.capacity)
         self._touched: set[bytes] = set()
@@ -104,7 +105,14 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._written_back: list[Location] = []   # written slots to give back (under wlock)
         self._not_ours: set[tuple[int, int]] = set()
         self.rebuilt_from: str | None = None
-        self._ix = IndexAccess(self._open_index, lock_timeout_s)
+        try:
+            self._ix = IndexAccess(self._open_index, lock_timeout_s)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            self._slabs.close()
+            if self._lease is not None:
+                self._lease.close()
+            raise
         self._seq, keys = self._ix.reader.committed_keys()
         self._keys: set[bytes] = set(keys)
         self._refreshed = self._held_checked = time.monotonic()
@@ -125,9 +133,17 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
     def _open_index(self, timeout_s: float) -> Index:
         index, aside = open_index(self.directory, self._slabs, capacity=self.cfg.capacity,
                                   segment_size=self.cfg.segment_size, free_slot=self._free_slot,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, lease=self._take_lease,
+                                  mine=self._lease.token if self._lease else None)
         self.rebuilt_from = aside or self.rebuilt_from
         return index
+
+    def _take_lease(self) -> str:
+        """This process's lease on the directory (`owner.py`): the owner token of its slots."""
+        if self._lease is None:
+            self._lease = Lease(self.directory)
+            self._owner = self._lease.token
+        return self._owner
 
     def _free_slot(self, f: Freed) -> None:
         self._slabs.free(f.seg, f.slot_bytes, f.slot)
@@ -186,6 +202,8 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         if any(self._commits.in_flight(k) for k in keys):   # put by this process: durable soon
             self._commits.wait_for(keys, INFLIGHT_WAIT_S)
         with self._lock:
+            if self._ix.replaced() and not self._refresh_keys():   # rebuilt by another process
+                return _missed(self, keys)
             try:
                 locs = self._ix.reader.locate(list(keys))
             except sqlite3.OperationalError as e:
@@ -213,36 +231,52 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
                                    [j[2] for j in jobs], self.cfg.io_threads)
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
+        why = {loc.key: "corrupt: slot header disagrees with the index" for loc in bad_sizes}
         nbytes = 0
         for (i, loc, _), err in zip(jobs, errs):
             if not err:
                 result[i] = True
                 nbytes += loc.length
+            elif err.startswith("corrupt"):   # or reused under this read: `_write_after_get`
+                corrupt.append(loc)
+                why[loc.key] = err
             else:
                 log.warning("block %s is a miss: %s", loc.key.hex()[:16], err)
-                if err.startswith("corrupt"):
-                    corrupt.append(loc)
         hits = sum(result)
         with self._lock:
             self._stats.hits += hits
             self._stats.misses += len(keys) - hits
-            self._stats.checksum_failures += len(corrupt)
             self._stats.bytes_read += nbytes
             self._keys.difference_update(unknown)
             self._touched.update(k for k, ok in zip(keys, result) if ok)
             due = time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S
         if corrupt or due or self._slabs.fds.has_missing():
-            self._write_after_get(corrupt, due)
+            self._write_after_get(corrupt, due, why)
         return result
 
-    def _write_after_get(self, corrupt: list[Location], touch: bool) -> None:
+    def _write_after_get(self, corrupt: list[Location], touch: bool,
+                         why: dict[bytes, str]) -> None:
         """Drop corrupt blocks, missing slabs and record last use: never waited for (a busy
-        index leaves them for the next get)."""
+        index leaves them for the next get).
+
+        A block that failed its checks is corrupt only if the index, under the write lock, still
+        holds the very row that was read (same slot, checksum and generation): a slot is handed
+        out again only in the transaction that deletes its row (and punches it), so a read that
+        landed on a slot being deleted or reused meets a row that is gone or newer. That is "reused
+        under me" (a miss, counted in `reused_reads`), not bad bytes on disk (`checksum_failures`)."""
         def run(index: Index) -> None:
             if corrupt:   # a row kept (not the one read: put again meanwhile) stays a key
                 gone = index.drop_corrupt(corrupt, self._free_slot)
                 with self._lock:
                     self._keys.difference_update(gone)
+                    self._stats.checksum_failures += len(gone)
+                    self._stats.reused_reads += len(corrupt) - len(gone)
+                for k in gone:
+                    log.warning("block %s is corrupt (%s): a miss, deleted", k.hex()[:16],
+                                why.get(k, "?"))
+                if len(gone) < len(corrupt):
+                    log.info("%d reads met a slot deleted or reused meanwhile by another process: "
+                             "misses, not corruption", len(corrupt) - len(gone))
             self._drop_missing(index)
             if touch:
                 self._flush_touches(index)
@@ -314,6 +348,8 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
         self._pool.shutdown(wait=True)
         self._slabs.close()
         self._ix.close()
+        if self._lease is not None:
+            self._lease.close()   # last: its slots are given back (or left for a reclaim)
 
     def _give_back(self, index: Index) -> None:
         """This process's reserved slots back to the index (under the write lock)."""

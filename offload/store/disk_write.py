@@ -25,7 +25,7 @@ from offload.store.commit import BUSY as COMMIT_BUSY
 from offload.store.commit import Batch, Committer
 from offload.store.disk_spare import RANGE_BYTES, RANGE_SHARE, Spare
 from offload.store.index import Allocation, Freed, Index, Location
-from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, IndexAccess
+from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, IndexAccess, IndexReplaced
 from offload.store.index_schema import Reserved
 
 log = logging.getLogger("offload.store.disk")
@@ -179,20 +179,29 @@ class DiskWrites:
     def _reserve_into(self, got: dict[int, list[tuple[int, int]]],
                       short: dict[int, int]) -> Reserved | None:
         """One reservation transaction: `short` more slots per size into `got`, plus a range
-        ahead into the spare (None: the index is busy; `got` then goes back to the spare)."""
-        extra = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
+        ahead into the spare, sized to what this process writes (`Spare.ask_ahead`); sizes
+        unused for a while go back, and the rest of the range too if the need would evict
+        (None: the index is busy; `got` and the range then stay this process's)."""
+        limit = max(0, min(RANGE_BYTES, self.cfg.capacity // RANGE_SHARE,
                            self.cfg.segment_size))   # ahead: at most one new slab file
+        with self._lock:
+            wants = {sb: (n, self._spare.ask_ahead(sb, n, limit // sb)) for sb, n in short.items()}
+            unused = self._spare.take_idle()
+            offer = self._spare.clear()
         res: object = BUSY
         try:
-            res = self._ix.write(self._reserve({sb: (n, extra // sb) for sb, n in short.items()}))
+            res = self._ix.write(self._reserve(wants, unused, offer))
         finally:
             if res is BUSY:   # busy or failed: the slots taken stay this process's
                 with self._lock:
                     self._spare.add(got)
+                    self._spare.put_back(unused + offer)
         if res is BUSY:
             return None
         assert isinstance(res, Reserved)
         with self._lock:
+            if not res.offer_taken:
+                self._spare.put_back(offer)
             for sb, n in short.items():
                 slots = res.slots.get(sb, [])
                 got[sb] += slots[:n]
@@ -232,7 +241,8 @@ class DiskWrites:
         except sqlite3.Error as e:
             log.debug("reserved range not checked (%s): the commit checks it", e)
 
-    def _reserve(self, wants: dict[int, tuple[int, int]]) -> Callable[[Index], Reserved]:
+    def _reserve(self, wants: dict[int, tuple[int, int]], unused: list[tuple[int, int, int]],
+                 offer: list[tuple[int, int, int]]) -> Callable[[Index], Reserved]:
         """Reserve a range of slots for this process (under the write lock)."""
         def run(index: Index) -> Reserved:
             self._drop_missing(index)   # first: no slot of a lost slab handed out again
@@ -240,7 +250,8 @@ class DiskWrites:
                 wants, self._owner, high=self.cfg.high_watermark, low=self.cfg.low_watermark,
                 free_bytes=lambda: self._free_bytes(self.directory), min_free=self.cfg.min_free,
                 segment_size=self.cfg.segment_size, create_segment=self._slabs.create,
-                free_slot=self._free_slot, release=self._orphans, give_back=self._written_back)
+                free_slot=self._free_slot, release=self._orphans, give_back=self._written_back,
+                unused=unused, offer=offer)
             self._orphans, self._written_back = [], []
             self._evicted(res.evicted)
             self._drop_missing(index)   # (one found missing meanwhile, by an eviction's punch)
@@ -278,6 +289,8 @@ class DiskWrites:
 
         try:
             return COMMIT_BUSY if self._ix.write(run) is BUSY else ""
+        except IndexReplaced as e:
+            return f"not committed: {e}"
         except (sqlite3.Error, OSError) as e:
             mine = [loc for loc, _ in good] + free
             return self._give_up(f"index commit failed: {e}", mine,
@@ -297,6 +310,8 @@ class DiskWrites:
 
         try:
             lost = self._ix.write(run)
+        except IndexReplaced as e:   # the slots are not ours in the new index: lost, counted
+            return f"not committed: {e}"
         except (sqlite3.Error, OSError) as e:
             mine = [loc for loc, _ in good] + free
             slots = [(loc.slot_bytes, loc.seg, loc.slot) for loc in mine]
@@ -324,7 +339,11 @@ class DiskWrites:
             later()
         return why
 
-    def _committed(self, done: list[Location], lost: list[Location], why: str) -> None:
+    def _committed(self, done: list[Location], lost: list[Location], why: str) -> list[Location]:
+        """A round's outcome into the key set and the counters; returns the blocks of `done`
+        that were not stored after all (their slot was taken back), for the committer's
+        `flush` to say so."""
+        gone: list[Location] = []
         if self._not_ours:   # their slots were taken back (a rebuild, a reclaim): not stored
             gone = [loc for loc in done if (loc.seg, loc.slot) in self._not_ours]
             self._not_ours.difference_update((loc.seg, loc.slot) for loc in gone)
@@ -339,6 +358,7 @@ class DiskWrites:
         if lost:
             log.error("%d blocks written but never made visible (%s): they are not stored",
                       len(lost), why)
+        return gone
 
     def commit_now(self) -> None:
         """Start the group committer's next round now (a server about to wait for blocks that a

@@ -52,6 +52,7 @@ class Index(IndexAlloc):
         """Open (or create, 0600) the index. Raises `cachedir.UnsafeFile` if the index, its -wal
         or its -shm is a symlink or not a regular file of the service user."""
         self.path = path
+        self.directory = os.path.dirname(os.path.abspath(path))
         created = cachedir.own_file(path, create=True)
         for suffix in SIDE_FILES:
             cachedir.own_file(path + suffix)
@@ -151,9 +152,12 @@ class Index(IndexAlloc):
         return (rows[-1][0] if rows else seq), [(k, op) for _, k, op in rows]
 
     def usage(self) -> tuple[int, int, int]:
-        """(committed blocks, bytes used incl. in-flight slots, capacity)."""
-        n = self.db.execute("SELECT count(*) FROM blocks WHERE state=1").fetchone()[0]
-        return n, self._meta("used"), self._meta("capacity")
+        """(committed blocks, bytes stored, capacity). Stored: slots of committed blocks and of
+        the slot path's pending ones, not the ranges processes hold ahead (`reserved_bytes`;
+        those count against the cap, so it holds for all processes together, but are no data)."""
+        with self.txn(write=False):
+            n = self.db.execute("SELECT count(*) FROM blocks WHERE state=1").fetchone()[0]
+            return n, self._meta("used") - self.reserved_bytes(), self._meta("capacity")
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -264,7 +268,7 @@ class Index(IndexAlloc):
 
     def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:
         with self.txn():
-            over = self._meta("used") - target_used
+            over = self._meta("used") - self.reserved_bytes() - target_used   # of what is stored
             return self._evict(over, free_slot)[0] if over > 0 else 0
 
     def _trim_changes(self) -> None:
@@ -321,7 +325,8 @@ class Index(IndexAlloc):
                 "max(created), max(atime) FROM blocks WHERE state=1 GROUP BY 1").fetchall()
             described = dict(self.db.execute("SELECT digest, description FROM namespaces"))
             pending = self.db.execute("SELECT count(*) FROM blocks WHERE state=0").fetchone()[0]
-            used, cap = self._meta("used"), self._meta("capacity")
+            reserved = self.reserved_bytes()
+            used, cap = self._meta("used") - reserved, self._meta("capacity")
         namespaces = []
         for digest in sorted(set(described) | {r[0] for r in per_ns}):
             row = next((r for r in per_ns if r[0] == digest), (digest, 0, 0, 0, None, None, None))
@@ -330,8 +335,8 @@ class Index(IndexAlloc):
                 "digest": bytes(digest).hex(), "blocks": row[1], "data_bytes": row[2] or 0,
                 "slot_bytes": row[3] or 0, "oldest": row[4], "newest": row[5],
                 "last_use": row[6], "description": json.loads(desc) if desc else None})
-        return {"used_bytes": used, "capacity": cap, "pending": pending,
-                "namespaces": namespaces}
+        return {"used_bytes": used, "reserved_bytes": reserved, "capacity": cap,
+                "pending": pending, "namespaces": namespaces}
 
 
 __all__ = ["Allocation", "Freed", "Index", "Location", "SIDE_FILES"]

@@ -11,7 +11,9 @@
 for SQLite's lock (busy_timeout), then returns `BUSY` (counted in `busy`): the caller misses or
 skips the write. `write(fn, control=True)` (cache clear, evict, namespaces) waits up to
 `LOCK_TIMEOUT_S` and raises `StoreError` past it. `replaced()` says another process set the index
-aside and rebuilt it; `reopen()` then opens both connections again.
+aside and rebuilt it (an older version's rebuild, or a file moved by hand: this version refuses
+to rebuild beside a live process, `recovery.py`); `write` then raises `IndexReplaced` rather than
+write into the set-aside file, and `reopen()` opens both connections again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class Busy:
 
 BUSY = Busy()
 T = TypeVar("T")
+
+
+class IndexReplaced(StoreError):
+    """The index file this process has open was set aside and replaced by another process (a
+    rebuild): a write to it would go into the set-aside file and be lost."""
 
 
 def is_busy(e: sqlite3.Error) -> bool:
@@ -104,6 +111,9 @@ class IndexAccess:
                 return BUSY
             return self._busy(control, "another thread of this process")
         try:
+            if self.replaced():   # never write into a set-aside index (`IndexReplaced`)
+                raise IndexReplaced(f"the index {self.writer.path} was replaced by another "
+                                    "process (rebuilt) since this process opened it")
             if control:
                 self.writer.set_busy_timeout(LOCK_TIMEOUT_S)
             try:
@@ -131,4 +141,5 @@ class IndexAccess:
             self.reader.close()
 
 
-__all__ = ["BUSY", "DATA_LOCK_TIMEOUT_S", "LOCK_TIMEOUT_S", "Busy", "IndexAccess", "is_busy"]
+__all__ = ["BUSY", "DATA_LOCK_TIMEOUT_S", "LOCK_TIMEOUT_S", "Busy", "IndexAccess", "IndexReplaced",
+           "is_busy"]

@@ -41,6 +41,7 @@ Slot = tuple[int, int, int]          # (slot_bytes, seg, slot)
 class IndexAlloc:
     # provided by Index
     db: sqlite3.Connection
+    directory: str
     tombstones_pending: bool
 
     def txn(self, write: bool = True, durable: bool = True) -> Txn:
@@ -75,7 +76,7 @@ class IndexAlloc:
         cap, used = self._meta("capacity"), self._meta("used")
         fs_free = free_bytes()
         evicted, freed = 0, list[Freed]()
-        shortfall = max(used + need - int(high * cap), min_free + need - fs_free, 0)
+        shortfall = self._shortfall(need, high, lambda: fs_free, min_free)
         if need and shortfall > 0:
             target = max(used + need - int(low * cap), min_free + need - fs_free)
             evicted, freed = self._evict(target, free_slot)
@@ -83,27 +84,43 @@ class IndexAlloc:
             fs_free += sum(f.slot_bytes for f in freed)
         return cap, used, fs_free, evicted, freed
 
+    def _shortfall(self, need: int, high: float, free_bytes: Callable[[], int],
+                   min_free: int) -> int:
+        """Bytes `need` more would take past the high watermark or the file system's reserve."""
+        used = self._meta("used")
+        return max(used + need - int(high * self._meta("capacity")),
+                   min_free + need - free_bytes(), 0)
+
     # ---- ranges (the put path) ------------------------------------------------------------------
 
     def reserve(self, wants: dict[int, tuple[int, int]], owner: str, *, high: float, low: float,
                 free_bytes: Callable[[], int], min_free: int, segment_size: int,
                 create_segment: Callable[[int, int, int], None],
                 free_slot: Callable[[Freed], None], release: Sequence[Location] = (),
-                give_back: Sequence[Location] = ()) -> Reserved:
+                give_back: Sequence[Location] = (), unused: Sequence[Slot] = (),
+                offer: Sequence[Slot] = ()) -> Reserved:
         """Per slot size: `need` slots for puts under way (evicting as `allocate` does) and up to
         `extra` more ahead, only from room under the high watermark. One unsynced transaction
         (a reservation lost in a power cut only leaves free slots). `release`: pending rows, and
-        `give_back`: written reserved slots, of this process's failed commits (freed first)."""
+        `give_back`: written reserved slots, of this process's failed commits (freed first);
+        `unused`: reserved slots it gives back unwritten (idle sizes); `offer`: the rest of its
+        unwritten range, given back only if the need would otherwise evict a stored block
+        (`Reserved.offer_taken`; else the caller keeps it)."""
         with self.txn(durable=False):
             if release:
                 self._release(release, free_slot)
             if give_back:
                 self._unreserve([(loc.slot_bytes, loc.seg, loc.slot) for loc in give_back], owner,
                                 free_slot, punch=True)
+            if unused:
+                self._unreserve(unused, owner, free_slot, punch=False)
             need = sum(sb * n for sb, (n, _) in wants.items())
+            taken_back = bool(offer) and self._shortfall(need, high, free_bytes, min_free) > 0
+            if taken_back:   # air before data: this process's range goes before any block
+                self._unreserve(offer, owner, free_slot, punch=False)
             cap, used, fs_free, evicted, freed = self._make_room(need, high, low, free_bytes,
                                                                  min_free, free_slot)
-            res = Reserved({}, {}, evicted, freed)
+            res = Reserved({}, {}, evicted, freed, taken_back)
             taken = 0
             for sb, (n, extra) in sorted(wants.items()):
                 k = 0
@@ -355,10 +372,10 @@ class IndexAlloc:
     def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
         rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state, owner FROM blocks "
                                "WHERE state=0").fetchall()
-        dead = [r[:5] for r in rows if not owner_alive(r[5])]
+        dead = [r[:5] for r in rows if not owner_alive(self.directory, r[5])]
         out += self._free_rows(dead, free_slot)
         for (owner,) in self.db.execute("SELECT DISTINCT owner FROM reserved").fetchall():
-            if owner_alive(owner):
+            if owner_alive(self.directory, owner):
                 continue
             slots = self.db.execute("SELECT slot_bytes, seg, slot FROM reserved WHERE owner=?",
                                     (owner,)).fetchall()

@@ -138,6 +138,7 @@ class Reserved:
     short: dict[int, str]        # slot_bytes -> why fewer slots than needed (full)
     evicted: int
     freed: list[Freed]           # evicted slots (already hole-punched by the caller's callback)
+    offer_taken: bool = False    # the range offered back was given back (else the caller's still)
 
 
 class Txn:

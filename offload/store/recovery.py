@@ -36,8 +36,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from offload.errors import StoreError
 from offload.store import cachedir, slab, slot_format
 from offload.store.index import SIDE_FILES, Freed, Index
+from offload.store.index_access import is_busy
+from offload.store.owner import live_leases
 from offload.store.index_schema import MAX_LENGTH, MAX_SEG, read_only
 
 log = logging.getLogger(__name__)
@@ -100,45 +103,109 @@ def scan_slabs(directory: str) -> Scan:
 
 
 def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_size: int,
-               free_slot: Callable[[Freed], None], timeout_s: float) -> tuple[Index, str | None]:
+               free_slot: Callable[[Freed], None], timeout_s: float,
+               lease: Callable[[], str] | None = None,
+               mine: str | None = None) -> tuple[Index, str | None]:
     """The directory's index, checked and recovered. Raises StoreError (lock deadline, a refused
-    file) on the control path; the data path turns that into misses."""
+    file, an index another process keeps locked, a rebuild refused while others use the
+    directory) on the control path; the data path turns that into misses.
+
+    `lease()` is called under the lock once the index is sound (the caller's lease is taken
+    there, so an opener still waiting for the lock never keeps a rebuild from happening);
+    `mine`: the caller's lease token if it holds one already (a reopen). Busy is not damage: an
+    index another process holds SQLite's write lock on (a writer paused mid-transaction) is
+    waited for until `timeout_s` has passed, then a StoreError, and never set aside."""
     path = os.path.join(directory, INDEX_NAME)
+    deadline = time.monotonic() + timeout_s
     with cachedir.locked(os.path.join(directory, LOCK_NAME), timeout_s):
-        aside = None
-        index: Index | None = None
-        try:
-            found = scan_slabs(directory)
-            why = _untrusted_file(path)
-            if why and found.with_data():
-                aside = _rebuild(directory, slabs, path, segment_size, found, why)
-            else:
-                why = ""
-                try:
-                    index = Index(path)
-                    index.check_and_init()
-                    unnamed = found.with_data() - index.segment_names()
-                    if unnamed:
-                        why = (f"incomplete: {len(unnamed)} slab files with data are not in it "
-                               f"(e.g. {slabs.path(*min(unnamed))})")
-                except sqlite3.DatabaseError as e:
-                    why = f"damaged: {e}"
-                if why:
-                    if index is not None:
-                        index.close()
-                        index = None
-                    aside = _rebuild(directory, slabs, path, segment_size, found, why)
-            if index is None:
-                index = Index(path)
+        pause = 0.01
+        while True:
+            try:
+                return _open_locked(directory, slabs, path, capacity, segment_size, free_slot,
+                                    deadline, lease, mine)
+            except sqlite3.OperationalError as e:
+                if not is_busy(e):
+                    raise cachedir.control_error(OSError(0, str(e), path), "index file") \
+                        from None
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"index {path!r} stayed locked by another process for {timeout_s:g} s "
+                        f"(a writer paused or stopped in the middle of a transaction, e.g. by "
+                        f"SIGSTOP or `docker pause`): not opened, nothing set aside. Resume or "
+                        f"stop it (`fuser -v {path}` shows who has it open), then retry") from None
+                log.info("index %s is locked by another process (%s): waiting", path, e)
+                time.sleep(pause)
+                pause = min(0.25, pause * 2)
+
+
+def _open_locked(directory: str, slabs: slab.SlabFiles, path: str, capacity: int,
+                 segment_size: int, free_slot: Callable[[Freed], None], deadline: float,
+                 lease: Callable[[], str] | None, mine: str | None) -> tuple[Index, str | None]:
+    """One try of `open_index` under the directory lock (sqlite3 'database is locked': retried)."""
+    aside = None
+    index: Index | None = None
+    try:
+        found = scan_slabs(directory)
+        why = _untrusted_file(path)
+        if why and found.with_data():
+            aside = _rebuild_alone(directory, slabs, path, segment_size, found, why, mine)
+        else:
+            why = ""
+            try:
+                index = _connect(path, deadline)
                 index.check_and_init()
-            drop_missing_segments(index, slabs)
-            index.reclaim_dead(free_slot)
-            index.set_capacity(capacity)
-        except OSError as e:
-            if index is not None:
-                index.close()
-            raise cachedir.control_error(e, "index file") from None
-        return index, aside
+                unnamed = found.with_data() - index.segment_names()
+                if unnamed:
+                    why = (f"incomplete: {len(unnamed)} slab files with data are not in it "
+                           f"(e.g. {slabs.path(*min(unnamed))})")
+            except sqlite3.DatabaseError as e:
+                if is_busy(e):
+                    raise
+                why = f"damaged: {e}"
+            if why:
+                if index is not None:
+                    index.close()
+                    index = None
+                aside = _rebuild_alone(directory, slabs, path, segment_size, found, why, mine)
+        if index is None:
+            index = _connect(path, deadline)
+            index.check_and_init()
+        if lease is not None:
+            lease()
+        drop_missing_segments(index, slabs)
+        index.reclaim_dead(free_slot)
+        index.set_capacity(capacity)
+    except OSError as e:
+        if index is not None:
+            index.close()
+        raise cachedir.control_error(e, "index file") from None
+    except BaseException:
+        if index is not None:
+            index.close()
+        raise
+    return index, aside
+
+
+def _connect(path: str, deadline: float) -> Index:
+    """The index, waiting for another connection's lock only until `deadline` (monotonic)."""
+    index = Index(path)
+    index.set_busy_timeout(max(0.05, deadline - time.monotonic()))
+    return index
+
+
+def _rebuild_alone(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int,
+                   found: Scan, why: str, mine: str | None) -> str | None:
+    """`_rebuild`, only if no other process holds a lease on the directory: a live writer keeps
+    committing into the index it has open, so a rebuild beside it would lose its blocks."""
+    others = live_leases(directory, mine)
+    if others:
+        raise StoreError(
+            f"index {path!r} is {why}, but {len(others)} other process(es) have this cache "
+            f"directory open (lease files {', '.join(sorted(o.split(':', 1)[1][:8] for o in others))}"
+            f"...): rebuilding it now would lose the blocks they are writing. Nothing was changed; "
+            f"the first open after they have closed rebuilds it (their blocks are in the slab "
+            f"files). Stop them or wait, then retry")
+    return _rebuild(directory, slabs, path, segment_size, found, why)
 
 
 def _untrusted_file(path: str) -> str:
