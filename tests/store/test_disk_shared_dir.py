@@ -1,0 +1,177 @@
+"""One cache directory, many processes, as an operator and a container runtime use it: a rebuild
+by `cache stats` beside a live writer, a writer in another PID namespace (`unshare --pid`, as a
+container sharing the host's directory), a writer paused holding SQLite's write lock. Real
+processes, real files; whatever a writer was told is durable reads back byte-exact afterwards."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from offload.errors import StoreError
+from tests.store.blocks import data, key
+from tests.store.test_disk import open_store
+
+ROOT = str(Path(__file__).resolve().parents[2])
+PROCS = os.path.join(os.path.dirname(__file__), "procs.py")
+SIZE = 64 << 10
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def proc(mode: str, d, prefix: tuple[str, ...] = (), stdin: bool = False,
+         **opts: object) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, PROCS, mode, str(d), json.dumps(opts)],
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
+                            text=True, env=ENV)
+
+
+def line(p: subprocess.Popen) -> dict:
+    text = p.stdout.readline()   # type: ignore[union-attr]
+    assert text, f"worker ended (rc {p.poll()})"
+    return json.loads(text)
+
+
+def cache_stats(d) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offload.cli", "cache", "stats", str(d), "--json"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def durable_blocks(p: subprocess.Popen) -> list[int]:
+    """Blocks a `stream` worker was told are stored and durable (put True, then flush True)."""
+    out = []
+    for text in p.stdout:   # type: ignore[union-attr]
+        rec = json.loads(text)
+        if rec["flushed"]:
+            out += [rec["from"] + j for j, ok in enumerate(rec["ok"]) if ok]
+    return out
+
+
+def lost(d, ids: list[int]) -> list[int]:
+    with open_store(d) as s:
+        got = []
+        for i in ids:
+            buf = bytearray(SIZE)
+            ok = s.get_many([key(i)], [[buf]])[0]
+            assert not ok or bytes(buf) == data(key(i), SIZE), f"block {i} reads back wrong"
+            if not ok:
+                got.append(i)
+    return got
+
+
+def _damage_a_page_nobody_writes(d) -> None:
+    """Fill the namespaces table (pages nobody writes while blocks come and go), checkpoint, and
+    overwrite one of its pages in index.db: `PRAGMA quick_check` fails, the writers do not."""
+    db = sqlite3.connect(d / "index.db")
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        before = db.execute("PRAGMA page_count").fetchone()[0]
+        db.executemany("INSERT INTO namespaces VALUES(?,?)",
+                       ((os.urandom(16), "x" * 2000) for _ in range(40)))
+        db.commit()
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = db.execute("PRAGMA page_size").fetchone()[0]
+        after = db.execute("PRAGMA page_count").fetchone()[0]
+    finally:
+        db.close()
+    assert after > before + 2
+    with open(d / "index.db", "r+b") as f:
+        f.seek((before + 1) * page)   # a leaf of the namespaces table
+        f.write(os.urandom(page))
+
+
+def test_cache_stats_finding_a_damaged_index_beside_a_live_writer_loses_nothing(tmp_path):
+    d = tmp_path / "cache"
+    with open_store(d):
+        pass
+    w = proc("stream", d, start=0, batch=8, stop=str(tmp_path / "stop"), size=SIZE)
+    try:
+        for _ in range(5):
+            assert line(w)["flushed"]
+        _damage_a_page_nobody_writes(d)
+        st = cache_stats(d)   # the operator's look, documented as safe while serving
+        time.sleep(1.0)       # the writer goes on putting meanwhile
+        (tmp_path / "stop").touch()
+        acked = durable_blocks(w)
+        assert w.wait(120) == 0
+    finally:
+        w.kill()
+    assert len(acked) > 40
+    assert lost(d, acked) == []       # the first open alone rebuilds it, from the slabs
+    assert st.returncode != 0 and "other process" in st.stderr, st.stderr   # refused, said why
+    assert glob.glob(str(d / "index.db.damaged-*"))   # set aside then, with no writer beside it
+
+
+UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run([*UNSHARE, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs `unshare --pid` (root or user namespaces)")
+def test_a_writer_in_another_pid_namespace_keeps_its_range_and_its_blocks(tmp_path):
+    """A container's writer (pid 1 in its own PID namespace) beside host processes: neither
+    `cache stats` nor a second writer takes it for dead, and flush() is true only when stored."""
+    d = tmp_path / "cache"
+    with open_store(d):
+        pass
+    stop = str(tmp_path / "stop")
+    w = proc("stream", d, prefix=UNSHARE, start=0, batch=4, stop=stop, size=SIZE)
+    try:
+        for _ in range(3):
+            assert line(w)["flushed"]
+        other = proc("stream", d, start=100_000, batch=4, stop=stop, size=SIZE)
+        for _ in range(4):
+            st = cache_stats(d)
+            assert st.returncode == 0, st.stderr
+        time.sleep(0.5)
+        Path(stop).touch()
+        acked, acked_other = durable_blocks(w), durable_blocks(other)
+        assert w.wait(120) == 0 and other.wait(120) == 0
+    finally:
+        w.kill()
+    assert len(acked) > 8 and len(acked_other) > 8
+    assert lost(d, acked) == [] and lost(d, acked_other) == []
+
+
+def test_a_writer_paused_holding_the_write_lock_is_waited_for_never_set_aside(tmp_path):
+    d = tmp_path / "cache"
+    w = proc("hold", d, stdin=True, n=8, size=SIZE)
+    try:
+        assert line(w)["flushed"]
+        assert line(w)["locked"]
+        os.kill(w.pid, signal.SIGSTOP)   # `docker pause`, a cgroup freezer
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="locked by another process"):
+            open_store(d, lock_timeout_s=3.0)
+        assert time.monotonic() - t0 < 60
+        assert not glob.glob(str(d / "index.db.*-*"))   # busy is not damage: nothing set aside
+        os.kill(w.pid, signal.SIGCONT)
+        w.stdin.write("\n")   # type: ignore[union-attr]
+        w.stdin.flush()       # type: ignore[union-attr]
+        assert line(w)["released"]
+        with open_store(d) as s:   # beside the live writer, its range and namespace intact
+            assert s.rebuilt_from is None
+            models = [n["description"]["model"] for n in s.summary()["namespaces"]
+                      if n["description"]]
+            assert models == ["paused"]
+        w.stdin.write("\n")   # type: ignore[union-attr]
+        w.stdin.flush()       # type: ignore[union-attr]
+        assert w.wait(120) == 0
+    finally:
+        if w.poll() is None:
+            os.kill(w.pid, signal.SIGCONT)
+            w.kill()
+    assert lost(d, list(range(8))) == []
