@@ -7,7 +7,9 @@ exit 1 if any), `evict --to SIZE` (least recently used first), `clear --namespac
 (a digest the directory does not hold is an error listing those it holds; `--all` asks first on a
 terminal, and needs `--yes` otherwise).
 Every action goes through `DiskStore`, which several processes may open at once, so they are safe
-while a server uses the directory. The directory's capacity cap is read from its index and kept.
+while a server uses the directory: `used` counts stored blocks (the slots processes hold ahead are
+shown apart), and an index found damaged while another process has the directory open is not
+rebuilt (a clear error; the first open alone rebuilds it). The directory's capacity cap is read from its index and kept.
 
 Hit rates are not stored in the directory (counting every hit there would put a write on the
 read path); they come from the `sglang_offload_hits_total` / `_misses_total` counters of a running
@@ -166,6 +168,7 @@ def _stats(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "dir": os.path.abspath(args.dir), "blocks": st.blocks,
         "data_bytes": sum(n["data_bytes"] for n in nss), "used_bytes": summary["used_bytes"],
+        "reserved_bytes": summary.get("reserved_bytes", 0),
         "capacity": summary["capacity"], "pending": summary["pending"],
         "oldest": min((n["oldest"] for n in nss if n["oldest"]), default=None),
         "newest": max((n["newest"] for n in nss if n["newest"]), default=None),
@@ -181,7 +184,9 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"cache {out['dir']}")
     print(f"  blocks     {out['blocks']:,} ({format_size(out['data_bytes'])} of data, "
           f"{format_size(out['used_bytes'])} used of {format_size(cap)}{pct})"
-          + (f", {out['pending']} being written" if out["pending"] else ""))
+          + (f", {out['pending']} being written" if out["pending"] else "")
+          + (f"; {format_size(out['reserved_bytes'])} of slots held ahead by open processes"
+             if out["reserved_bytes"] else ""))
     print(f"  written    oldest {_when(out['oldest'])}, newest {_when(out['newest'])}")
     print(f"  last use   {_when(out['last_use'])}")
     print(f"  namespaces {len(nss)}")

@@ -21,8 +21,11 @@ Get: locate in the index -> the I/O threads read header + data straight into the
 the header must match the index and the data its checksum, else the block is deleted and it is a miss.
 Open (`recovery.open_index`): the directory is checked or created 0700 (`cachedir.prepare`: owned by
 the service user, writable by nobody else); under the lock file, taken with a deadline,
-`PRAGMA quick_check`; a damaged index is set aside (`index.db.damaged-<time>`) and rebuilt from the
-slab headers; segments whose slab file is missing are dropped; dead processes' slots are reclaimed.
+`PRAGMA quick_check` (an index another process keeps locked is waited for, never damage); a
+damaged index is set aside (`index.db.damaged-<time>`) and rebuilt from the slab headers, unless
+another process has the directory open (then a `StoreError`); segments whose slab file is missing
+are dropped; this process's lease is taken (`owner.py`: the kernel's OFD lock says who is alive);
+dead processes' slots are reclaimed.
 A slab found missing later (a read, a write, a sync) is dropped the same way.
 
 The data path (put/get/exists/delete) never raises (`never_raises`): it returns per-block flags and

@@ -3,8 +3,10 @@
 Two ways to hold slots before a block is visible:
 - **Ranges** (the put path, `DiskStore.put_many`): `reserve` hands a process slots of given sizes
   in one unsynced transaction (rows of `reserved`, owned by the process, counted in `used`): what
-  its puts need now and, without evicting for them, up to a range ahead (~256 MiB), which its next
-  puts take with no index transaction at all. `commit_reserved` (the group committer's synced
+  its puts need now and, without evicting for them, a range ahead sized by the caller
+  (`disk_spare.py`: it grows with what the process writes), which its next puts take with no index
+  transaction at all; `unused` slots go back in the same transaction, and the `offer`ed rest of
+  the range too when the need would otherwise evict a block. `commit_reserved` (the group committer's synced
   transaction) turns written slots into committed rows, but only slots this process still holds
   (a rebuild or a reclaim may have taken them back: such a block is lost, never made visible);
   a key another process committed meanwhile keeps its row, and this copy's slot is freed.

@@ -4,7 +4,12 @@
 files, open the index and `PRAGMA quick_check` it. The index is trusted only if it is sound and
 complete: it must name every slab file that holds data. A missing, zero-length, damaged (SQLite
 errors, quick_check, unknown schema) or incomplete index (e.g. left empty by a rebuild killed
-halfway by an older version) beside slab files is rebuilt from the slab headers.
+halfway by an older version) beside slab files is rebuilt from the slab headers — but only when no
+other process holds a lease on the directory (`owner.py`): a live writer keeps committing into the
+index it has open, so a rebuild beside it would lose its blocks; the open then fails with a
+`StoreError` and changes nothing (the first open alone rebuilds). "database is locked" is never
+damage: an index another process holds SQLite's write lock on (paused mid-transaction) is waited
+for until the deadline (`timeout_s`, the lock file's wait included), then a `StoreError`.
 
 A rebuild is a transaction: the new index is built aside (`index.db.rebuild`), checkpointed and
 fsync'ed; only then is the old one set aside (`index.db.<why>-<time>`, with its -wal/-shm) and the
