@@ -12,7 +12,8 @@ not depend on the caller sharing the owner's PID namespace (containers sharing o
 on pids or start times, or on the owner being scheduled (a paused owner still holds its lock). A
 lease file found unlocked belongs to a dead process and is removed; a token whose lease file is
 gone is dead. Tokens of the older form (boot id : pid : start time, written by a previous version)
-are judged as before, by this process's /proc.
+are judged as before, by this process's /proc (also the fallback, logged, on a file system
+without OFD locks).
 
 Primitives: `Lease(directory)` (`token`, `close()`), `owner_alive(directory, token)`,
 `live_leases(directory, mine)` (the tokens of the other live holders: who a rebuild would hurt).
@@ -38,6 +39,7 @@ _NEW = ".new"
 _FLOCK = struct.Struct("hhxxxxqqi4x")
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_UNSUPPORTED = (errno.EINVAL, errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 def _ofd(fd: int, cmd: int, kind: int) -> int:
@@ -60,15 +62,33 @@ class Lease:
         except OSError as e:
             raise cachedir.control_error(e, "lease file") from None
         try:
-            _ofd(self._fd, _F_OFD_SETLK, fcntl.F_WRLCK)
+            try:
+                _ofd(self._fd, _F_OFD_SETLK, fcntl.F_WRLCK)
+            except OSError as e:
+                if e.errno not in _UNSUPPORTED:
+                    raise
+                self._unsupported(tmp, e)
+                return
             os.rename(tmp, self.path)   # locked before its name can be seen
         except OSError as e:
-            os.close(self._fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self._drop(tmp)
             raise cachedir.control_error(e, "lease file") from None
+
+    def _unsupported(self, tmp: str, e: OSError) -> None:
+        """A file system without OFD locks: the previous version's token (judged by /proc)."""
+        log.warning("%s: open file description locks unsupported (%s): process liveness falls "
+                    "back to pids, which is wrong across PID namespaces (containers sharing "
+                    "this directory)", self.directory, e.strerror)
+        self._drop(tmp)
+        self.token = legacy_token()
+
+    def _drop(self, tmp: str) -> None:
+        os.close(self._fd)
+        self._fd = -1
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self._fd < 0:
@@ -100,10 +120,8 @@ def _locked(path: str) -> bool | None:
         return True
     try:
         held = _ofd(fd, _F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS):
-            raise
-        log.warning("OFD locks unsupported on %s (%s): its owner is taken for alive", path, e)
+    except OSError as e:   # never "dead" on a doubt: its slots wait for a later check
+        log.warning("lease %s cannot be checked (%s): its owner is taken for alive", path, e)
         return True
     finally:
         os.close(fd)
@@ -154,6 +172,11 @@ def _start_time(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return ""
+
+
+def legacy_token() -> str:
+    pid = os.getpid()
+    return f"{_boot_id()}:{pid}:{_start_time(pid)}"
 
 
 def _legacy_alive(token: str) -> bool:

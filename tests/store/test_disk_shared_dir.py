@@ -175,3 +175,31 @@ def test_a_writer_paused_holding_the_write_lock_is_waited_for_never_set_aside(tm
             os.kill(w.pid, signal.SIGCONT)
             w.kill()
     assert lost(d, list(range(8))) == []
+
+
+LEASE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from offload.store.owner import Lease
+print(Lease(sys.argv[1]).token, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lease_is_alive_while_its_process_is_even_stopped_and_dead_once_it_is_killed(tmp_path):
+    from offload.store.owner import live_leases, owner_alive
+
+    p = subprocess.Popen([sys.executable, "-c", LEASE, str(tmp_path), ROOT], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        token = p.stdout.readline().strip()   # type: ignore[union-attr]
+        assert owner_alive(str(tmp_path), token) and live_leases(str(tmp_path)) == [token]
+        os.kill(p.pid, signal.SIGSTOP)        # paused: still alive
+        assert owner_alive(str(tmp_path), token)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(60)
+        assert not owner_alive(str(tmp_path), token)   # the kernel dropped its lock at death
+        assert os.listdir(tmp_path) == []               # and the dead lease is removed
+        assert not owner_alive(str(tmp_path), "lease:" + "0" * 32)
+    finally:
+        p.kill()
