@@ -218,8 +218,8 @@ def _verify(args: argparse.Namespace) -> int:
             checked, bad = store.verify(bar.update)
     finally:
         store.close()
-    rows = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": why,
-             "deleted": why.startswith("corrupt")} for k, why in bad]
+    rows = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": got.reason,
+             "deleted": got.corrupt} for k, got in bad]
     if args.json:
         print(json.dumps({"dir": os.path.abspath(args.dir), "checked": checked, "bad": rows},
                          indent=2))

@@ -179,6 +179,32 @@ def leading(flags: Sequence[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
+@runtime_checkable
+class Durable(Protocol):
+    """A store that makes puts durable in the background (`DiskStore`'s group commit, the agent
+    client): `durable(keys)` waits for this process's puts of `keys` and says which are durable."""
+
+    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+        ...
+
+
+@runtime_checkable
+class Flushable(Protocol):
+    """A store whose puts become durable after they return: `flush()` waits for all of them and
+    is False if one was lost since the last flush."""
+
+    def flush(self) -> bool:
+        ...
+
+
+@runtime_checkable
+class RegistersRegions(Protocol):
+    """A store (or mover) that registers the memory pages move through (NIXL on the dpu path)."""
+
+    def register_region(self, buffer: Any) -> None:
+        ...
+
+
 def leading_hits(store: BlockStore, keys: Sequence[bytes]) -> int:
     """Length of the leading run of keys present (SGLang's `batch_exists` contract)."""
     return leading(store.exists_many(keys))
@@ -188,17 +214,15 @@ def durable(store: BlockStore, keys: Sequence[bytes], ok: Sequence[bool]) -> lis
     """A put's flags narrowed to the blocks that are durable now: a store that commits in the
     background (`DiskStore`'s group commit: `durable(keys)`) is waited for; any other store's put
     is as durable as that store gets when it returns."""
-    wait = getattr(store, "durable", None)
-    if wait is None:
+    if not isinstance(store, Durable):
         return list(ok)
-    return [bool(o and d) for o, d in zip(ok, wait(keys))]
+    return [bool(o and d) for o, d in zip(ok, store.durable(keys))]
 
 
 def flush(store: BlockStore) -> bool:
     """Wait until the store's puts so far are durable (a store that commits in the background:
     its `flush()`); True unless one was lost. Any other store's puts are as durable as it gets."""
-    done = getattr(store, "flush", None)
-    return done is None or done() is not False
+    return not isinstance(store, Flushable) or store.flush() is not False
 
 
 def total_len(buffers: Sequence[Buffer]) -> int:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence, TypeVar
 from offload.store import slab, slot_format
 from offload.store.base import Buffer
 from offload.store.index import Location
+from offload.store.slot_format import ReadOutcome
 
 RUN_BYTES = 16 << 20      # about where a single stream reaches the device's sequential bandwidth
 MIN_RUN_BYTES = 4 << 20   # smaller runs cost per-call overhead (syscall, thread hand-off) per byte
@@ -151,11 +152,10 @@ def sync_segments(slabs: slab.SlabFiles, pool: Executor,
 
 
 def read_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
-               dests: Sequence[Sequence[Buffer]], threads: int) -> list[str]:
-    """Read and verify every block into its destination. Per block: '' if verified, else why
-    not ('corrupt: ...' when the stored block is bad)."""
+               dests: Sequence[Sequence[Buffer]], threads: int) -> list[ReadOutcome]:
+    """Read and verify every block into its destination: one `ReadOutcome` per block."""
 
-    def read(run: list[int]) -> list[str]:
+    def read(run: list[int]) -> list[ReadOutcome]:
         if len(run) > 1:
             return read_run(slabs, [locs[i] for i in run], [dests[i] for i in run])
         loc = locs[run[0]]
@@ -163,11 +163,11 @@ def read_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                                  loc.csum, dests[run[0]])]
 
     plan = plan_runs(locs, dests, threads)
-    errs = [""] * len(locs)
+    out = [slot_format.READ_OK] * len(locs)
     for run, res in zip(plan, _map(pool, read, plan)):
-        for i, err in zip(run, res):
-            errs[i] = err
-    return errs
+        for i, got in zip(run, res):
+            out[i] = got
+    return out
 
 
 def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
@@ -192,8 +192,8 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
 
 
 def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
-             dests: Sequence[Sequence[Buffer]]) -> list[str]:
-    """Read consecutive slots in one call, then verify each block. One reason per block."""
+             dests: Sequence[Sequence[Buffer]]) -> list[ReadOutcome]:
+    """Read consecutive slots in one call, then verify each block. One outcome per block."""
     first = locs[0]
     hdrs = slabs.headers.read(len(locs))
     iov: list[Buffer] = []
@@ -204,11 +204,11 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
         with slabs.use(first.seg, first.slot_bytes) as fd:
             n = os.preadv(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
-        return [slab.reason(e, "io error ")] * len(locs)
+        return [slab.read_error(e)] * len(locs)
     out = []
     for j, (hdr, loc, d) in enumerate(zip(hdrs, locs, dests)):
         if n < (j + 1) * first.slot_bytes:
-            out.append(f"corrupt: short read ({n} bytes for {len(locs)} slots)")
+            out.append(slot_format.corrupt(f"short read ({n} bytes for {len(locs)} slots)"))
             continue
         out.append(slot_format.verify(hdr, loc.key, loc.length, loc.csum, d))
     return out

@@ -230,21 +230,21 @@ class DiskStore(DiskWrites, SlotAccess, DiskAdmin):
                 continue
             jobs.append((i, loc, bufs))
 
-        errs = coalesce.read_batch(self._slabs, self._pool, [j[1] for j in jobs],
-                                   [j[2] for j in jobs], self.cfg.io_threads)
+        outcomes = coalesce.read_batch(self._slabs, self._pool, [j[1] for j in jobs],
+                                       [j[2] for j in jobs], self.cfg.io_threads)
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
         why = {loc.key: "corrupt: slot header disagrees with the index" for loc in bad_sizes}
         nbytes = 0
-        for (i, loc, _), err in zip(jobs, errs):
-            if not err:
+        for (i, loc, _), got in zip(jobs, outcomes):
+            if got.ok:
                 result[i] = True
                 nbytes += loc.length
-            elif err.startswith("corrupt"):   # or reused under this read: `_write_after_get`
+            elif got.corrupt:   # or reused under this read: `_write_after_get`
                 corrupt.append(loc)
-                why[loc.key] = err
+                why[loc.key] = got.reason
             else:
-                log.warning("block %s is a miss: %s", loc.key.hex()[:16], err)
+                log.warning("block %s is a miss: %s", loc.key.hex()[:16], got.reason)
         hits = sum(result)
         with self._lock:
             self._stats.hits += hits

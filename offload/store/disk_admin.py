@@ -18,6 +18,7 @@ from offload.store.base import StoreStats
 from offload.store.commit import Committer
 from offload.store.index import Freed, Location
 from offload.store.index_access import BUSY, LOCK_TIMEOUT_S, IndexAccess
+from offload.store.slot_format import ReadOutcome
 
 
 class DiskAdmin:
@@ -70,12 +71,13 @@ class DiskAdmin:
             return self._ix.reader.summary()
 
     def verify(self, progress: Callable[[int], None] | None = None,
-               batch: int = 64) -> tuple[int, list[tuple[bytes, str]]]:
+               batch: int = 64) -> tuple[int, list[tuple[bytes, ReadOutcome]]]:
         """Re-read every committed block and check header and checksum; corrupt ones are deleted.
 
         Safe while other processes use the directory: a block deleted or evicted meanwhile is
         not counted as bad. `progress(n)` is called after each batch of n blocks.
-        Returns (blocks checked, [(key, why)] of the bad ones).
+        Returns (blocks checked, [(key, outcome)] of the bad ones: corrupt ones were deleted,
+        failed ones (an I/O error) kept).
         """
         def drop(loc: Location, corrupt: bool) -> bool:
             if corrupt:

@@ -5,7 +5,7 @@
 threads, and hands every failure to `drop(location, corrupt)`, which deletes a corrupt block and
 says whether the index still held it (a block deleted or evicted meanwhile by another process is
 not bad). An I/O error is only reported, never a reason to delete. Returns (blocks checked,
-[(key, why)] of the bad ones).
+[(key, outcome)] of the bad ones: each a `ReadOutcome`, corrupt or failed).
 
 Nothing is allocated from an untrusted length: the page's rows passed the index's range checks
 (length within its slot's size class), and a slot must lie inside its slab file (fstat) before
@@ -20,21 +20,24 @@ from typing import Callable
 
 from offload.store import slab
 from offload.store.index import Location
+from offload.store.slot_format import ReadOutcome, corrupt
 
 
 def scan(slabs: slab.SlabFiles, pool: Executor, page: Callable[[bytes], list[Location]],
          drop: Callable[[Location, bool], bool],
-         progress: Callable[[int], None] | None = None) -> tuple[int, list[tuple[bytes, str]]]:
-    checked, bad, after = 0, [], b""
+         progress: Callable[[int], None] | None = None
+         ) -> tuple[int, list[tuple[bytes, ReadOutcome]]]:
+    checked, after = 0, b""
+    bad: list[tuple[bytes, ReadOutcome]] = []
 
-    def read(loc: Location) -> str:
+    def read(loc: Location) -> ReadOutcome:
         try:
             with slabs.use(loc.seg, loc.slot_bytes) as fd:
                 size = os.fstat(fd).st_size
         except OSError as e:
-            return slab.reason(e, "io error ")
+            return slab.read_error(e)
         if (loc.slot + 1) * loc.slot_bytes > size:
-            return f"corrupt: slot {loc.slot} lies past the end of its slab ({size} bytes)"
+            return corrupt(f"slot {loc.slot} lies past the end of its slab ({size} bytes)")
         return slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, loc.length, loc.csum,
                                 [bytearray(loc.length)])
 
@@ -43,9 +46,9 @@ def scan(slabs: slab.SlabFiles, pool: Executor, page: Callable[[bytes], list[Loc
         if not locs:
             break
         after = locs[-1].key
-        for loc, err in zip(locs, pool.map(read, locs)):
-            if err and drop(loc, err.startswith("corrupt")):
-                bad.append((loc.key, err))
+        for loc, got in zip(locs, pool.map(read, locs)):
+            if not got.ok and drop(loc, got.corrupt):
+                bad.append((loc.key, got))
         checked += len(locs)
         if progress is not None:
             progress(len(locs))

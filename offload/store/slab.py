@@ -12,8 +12,8 @@ refused, never followed. A new slab's name is fsync'ed into the directory before
 is committed. A freed slot's header stops naming its block (hole punched, else zeroed).
 
 Primitives: `SlabFiles` (one directory's slabs: `create`, `use` (an fd), `sync`, `free`,
-`write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; return a
-reason string, '' = ok, never raise), `allocated_slots`), `HeaderAreas` (per-thread header
+`write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; writes
+return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`), `HeaderAreas` (per-thread header
 buffers), `aligned`, `reason`.
 """
 
@@ -35,9 +35,13 @@ from offload.store.fdcache import MAX_OPEN, FdCache, SlabMissing
 from offload.store.slot_format import (
     ALIGN,
     HEADER_BYTES,
+    READ_OK,
     Header,
+    ReadOutcome,
     align_up,
+    corrupt,
     pack_header_into,
+    read_failed,
     unpack_header,
     verify,
 )
@@ -120,6 +124,14 @@ def reason(e: OSError, prefix: str = "") -> str:
     if isinstance(e, SlabMissing):
         return MISSING
     return f"{prefix}{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+
+
+def read_error(e: OSError) -> ReadOutcome:
+    """A read's outcome for an I/O error: corrupt when the slab file is missing (its blocks are
+    gone), else failed (a miss, the block kept)."""
+    if isinstance(e, SlabMissing):
+        return corrupt("slab file missing")
+    return read_failed(reason(e, "io error "))
 
 
 _zero_header: mmap.mmap | None = None
@@ -245,11 +257,9 @@ class SlabFiles:
         return "" if n == want else f"short write ({n} of {want} bytes)"
 
     def read_block(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
-                   csum: int, dests: Sequence[Buffer]) -> str:
-        """Read and verify one block into `dests`. Returns '' if verified, else the reason.
-
-        A reason starting with 'corrupt' means the stored block is bad (to be deleted).
-        """
+                   csum: int, dests: Sequence[Buffer]) -> ReadOutcome:
+        """Read and verify one block into `dests` (`ReadOutcome`: corrupt means the stored block
+        is bad, or its slot was reused under the read)."""
         hdr = self.headers.read(1)[0]
         try:
             with self.use(seg, slot_bytes) as fd:
@@ -257,7 +267,7 @@ class SlabFiles:
                 if aligned(dests) and len(dests) < IOV_MAX:
                     n = os.preadv(fd, [hdr, *dests], off)
                     if n != HEADER_BYTES + length:
-                        return f"corrupt: short read ({n} of {HEADER_BYTES + length} bytes)"
+                        return corrupt(f"short read ({n} of {HEADER_BYTES + length} bytes)")
                     data: Sequence[Buffer] = dests
                     copy_from = None
                 else:
@@ -265,23 +275,23 @@ class SlabFiles:
                     bounce = self.headers.bounce_of(size)
                     n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
                     if n != HEADER_BYTES + size:
-                        return f"corrupt: short read ({n} of {HEADER_BYTES + size} bytes)"
+                        return corrupt(f"short read ({n} of {HEADER_BYTES + size} bytes)")
                     copy_from = memoryview(bounce)[:length]
                     data = [copy_from]
         except OSError as e:
-            return reason(e, "io error ")
+            return read_error(e)
         except (OverflowError, ValueError) as e:  # an offset no file has: a damaged location
-            return f"corrupt: bad location ({e})"
-        err = verify(hdr, key, length, csum, data)
-        if err:
-            return err
+            return corrupt(f"bad location ({e})")
+        got = verify(hdr, key, length, csum, data)
+        if not got.ok:
+            return got
         if copy_from is not None:
             pos = 0
             for b in dests:
                 mv = memoryview(b).cast("B")
                 mv[:] = copy_from[pos:pos + mv.nbytes]
                 pos += mv.nbytes
-        return ""
+        return READ_OK
 
     def allocated_slots(self, seg: int, slot_bytes: int, nslots: int) -> set[int]:
         """Slots holding data (SEEK_DATA/SEEK_HOLE), so a rebuild skips the sparse rest."""
@@ -339,4 +349,4 @@ class SlabFiles:
 
 
 __all__ = ["IOV_MAX", "MAX_OPEN", "MISSING", "HeaderAreas", "SlabFiles", "SlabMissing", "aligned",
-           "punch_hole", "reason"]
+           "punch_hole", "read_error", "reason"]

@@ -7,14 +7,15 @@ xxh3-64 of those fields. No I/O here (that is `slab.py`).
 
 Primitives: `slot_bytes_for(length)`, `segment_name` / `parse_segment_name`, `checksum` (xxh3-64,
 blocks written from host memory) / `wsum64` (the GDS path's checksum) / `checksum_of(kind)`,
-`pack_header` / `pack_header_into` / `unpack_header` -> `Header`, `verify(header, ...)` -> a reason.
+`pack_header` / `pack_header_into` / `unpack_header` -> `Header`, `verify(header, ...)` -> a
+`ReadOutcome` (typed: ok / corrupt / failed, with its reason).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 from offload.store.base import Buffer
 
@@ -141,13 +142,42 @@ def unpack_header(raw: Buffer) -> Header | None:
     return None if f is None else Header(*f)
 
 
-def verify(raw_header: Buffer, key: bytes, length: int, csum: int, data: Sequence[Buffer]) -> str:
-    """'' if the header names this block and the data matches its checksum, else why not."""
+@dataclass(frozen=True)
+class ReadOutcome:
+    """What one block's read came to: `ok` (read and verified), `corrupt` (the stored block is
+    bad, or another process reused its slot under the read: the caller tells which), or `failed`
+    (an I/O error: a miss, the block kept). `reason` is the text for logs and `cache verify`."""
+    kind: Literal["ok", "corrupt", "failed"]
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def corrupt(self) -> bool:
+        return self.kind == "corrupt"
+
+
+READ_OK = ReadOutcome("ok")
+
+
+def corrupt(why: str) -> ReadOutcome:
+    return ReadOutcome("corrupt", f"corrupt: {why}")
+
+
+def read_failed(why: str) -> ReadOutcome:
+    return ReadOutcome("failed", why)
+
+
+def verify(raw_header: Buffer, key: bytes, length: int, csum: int,
+           data: Sequence[Buffer]) -> ReadOutcome:
+    """`READ_OK` if the header names this block and the data matches its checksum, else why not."""
     f = _fields(raw_header)
     if f is None:
-        return "corrupt: bad slot header"
+        return corrupt("bad slot header")
     if f[0] != key or f[1] != length or f[2] != csum:
-        return "corrupt: slot header does not match the index"
+        return corrupt("slot header does not match the index")
     if checksum_of(f[4], data) != csum:
-        return "corrupt: checksum mismatch"
-    return ""
+        return corrupt("checksum mismatch")
+    return READ_OK

@@ -24,7 +24,15 @@ from typing import Protocol, Sequence
 
 from offload.config import RedisConfig
 from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer, StoreStats, never_raises, total_len
+from offload.store.base import (
+    BlockStore,
+    Buffer,
+    Flushable,
+    RegistersRegions,
+    StoreStats,
+    never_raises,
+    total_len,
+)
 
 log = logging.getLogger("offload.store.tiered")
 
@@ -197,8 +205,7 @@ class TieredStore:
         (tests, shutdown). False if the local tier lost a block since its last flush."""
         if self._thread is not None:
             self._queue.join()
-        local_flush = getattr(self.local, "flush", None)
-        return local_flush() is not False if local_flush is not None else True
+        return not isinstance(self.local, Flushable) or self.local.flush() is not False
 
     # -- control path -----------------------------------------------------------------------
     def clear(self, namespace: bytes | None = None) -> int:
@@ -207,9 +214,8 @@ class TieredStore:
 
     def register_region(self, buffer: object) -> None:
         """Memory the local path moves pages in and out of (NIXL registration on the dpu path)."""
-        register = getattr(self.local, "register_region", None)
-        if register is not None:
-            register(buffer)
+        if isinstance(self.local, RegistersRegions):
+            self.local.register_region(buffer)
 
     def register_namespace(self, ns: Namespace) -> None:
         self.local.register_namespace(ns)
