@@ -9,7 +9,8 @@ terminal, and needs `--yes` otherwise).
 Every action goes through `DiskStore`, which several processes may open at once, so they are safe
 while a server uses the directory: `used` counts stored blocks (the slots processes hold ahead are
 shown apart), and an index found damaged while another process has the directory open is not
-rebuilt (a clear error; the first open alone rebuilds it). The directory's capacity cap is read from its index and kept.
+rebuilt (a clear error; the first open alone rebuilds it). The directory's capacity cap is read
+from its index and kept.
 
 Hit rates are not stored in the directory (counting every hit there would put a write on the
 read path); they come from the `sglang_offload_hits_total` / `_misses_total` counters of a running

@@ -45,8 +45,8 @@ from offload.errors import StoreError
 from offload.store import cachedir, slab, slot_format
 from offload.store.index import SIDE_FILES, Freed, Index
 from offload.store.index_access import is_busy
-from offload.store.owner import live_leases
 from offload.store.index_schema import MAX_LENGTH, MAX_SEG, read_only
+from offload.store.owner import live_leases
 
 log = logging.getLogger(__name__)
 

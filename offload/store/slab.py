@@ -13,8 +13,8 @@ is committed. A freed slot's header stops naming its block (hole punched, else z
 
 Primitives: `SlabFiles` (one directory's slabs: `create`, `use` (an fd), `sync`, `free`,
 `write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; writes
-return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`), `HeaderAreas` (per-thread header
-buffers), `aligned`, `reason`.
+return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`),
+`HeaderAreas` (per-thread header buffers), `aligned`, `reason`, `read_error`.
 """
 
 from __future__ import annotations

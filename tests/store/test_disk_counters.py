@@ -1,6 +1,7 @@
 """What the disk store tells its operator: a failed read of a row put again meanwhile keeps the key
-(the new row stays a stored block) and counts as a reused slot, not a checksum failure; and damaged index rows and busy index waits
-are typed `stats()` fields exported as Prometheus counters."""
+(the new row stays a stored block) and counts as a reused slot, not a checksum failure; and
+damaged index rows and busy index waits are typed `stats()` fields exported as Prometheus
+counters."""
 
 from __future__ import annotations
 
