@@ -374,10 +374,16 @@ class IndexAlloc:
     def _reclaim_dead(self, free_slot: Callable[[Freed], None], out: list[Freed]) -> None:
         rows = self.db.execute("SELECT key, seg, slot, slot_bytes, state, owner FROM blocks "
                                "WHERE state=0").fetchall()
-        dead = [r[:5] for r in rows if not owner_alive(self.directory, r[5])]
-        out += self._free_rows(dead, free_slot)
+        alive: dict[str, bool] = {}   # one look at each owner's lease per call
+
+        def live(owner: str) -> bool:
+            if owner not in alive:
+                alive[owner] = owner_alive(self.directory, owner)
+            return alive[owner]
+
+        out += self._free_rows([r[:5] for r in rows if not live(r[5])], free_slot)
         for (owner,) in self.db.execute("SELECT DISTINCT owner FROM reserved").fetchall():
-            if owner_alive(self.directory, owner):
+            if live(owner):
                 continue
             slots = self.db.execute("SELECT slot_bytes, seg, slot FROM reserved WHERE owner=?",
                                     (owner,)).fetchall()
