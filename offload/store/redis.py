@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from concurrent.futures import Future
 from typing import Any, Sequence
 
 from offload.config import RedisConfig
+from offload.errors import StoreError
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
+from offload.store.redis_call import ProtocolError
 from offload.store.redis_link import RedisLink, Vectored
-from offload.store.redis_value import ValueCodec
+from offload.store.redis_value import HEADER, ValueCodec
 from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
@@ -149,6 +152,11 @@ class RedisStore:
     @never_raises("redis put", all_false)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
+        with self.link.call(sum(HEADER.size + total_len(b) for b in blocks), 3 * n + 6):
+            return self._put(keys, blocks)
+
+    def _put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        n = len(keys)
         out = [False] * n
         todo = [i for i in range(n) if len(keys[i]) == KEY_BYTES]
         present = self._exists([keys[i] for i in todo]) if todo else []
@@ -178,7 +186,10 @@ class RedisStore:
                 for i in idx:
                     pipe.set(self.rkey(keys[i]), Vectored([seals[i].result(), *views[i]]),
                              nx=True, ex=self.cfg.ttl_s)
-                return pipe.execute(raise_on_error=False)
+                got = self._execute(pipe, len(idx))
+                if not all(r is None or isinstance(r, (bool, Exception)) for r in got):
+                    raise ProtocolError("a SET NX reply that is neither OK nor nil")
+                return got
 
             res = self.link.run(send, "put")
             if res is None:
@@ -203,40 +214,53 @@ class RedisStore:
     @never_raises("redis get", all_false)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
+        want = [HEADER.size + total_len(d) for d in dests]     # the value length we wrote
+        with self.link.call(sum(want), 2 * n + 4):
+            return self._get(keys, dests, want)
+
+    def _get(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]],
+             want: list[int]) -> list[bool]:
+        n = len(keys)
         out = [False] * n
-        want = [total_len(d) for d in dests]
         values: list[Any] = [None] * n
         opened: dict[int, Future[memoryview | None]] = {}
+        step = 2 if self.cfg.ttl_s else 1
         for rng in _chunks(n, want):
             def fetch(c: Any, rng: range = rng) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
-                for i in rng:
+                for i in rng:         # one byte past our length: a longer value shows, unread
+                    pipe.getrange(self.rkey(keys[i]), 0, want[i])
                     if self.cfg.ttl_s:
-                        pipe.getex(self.rkey(keys[i]), ex=self.cfg.ttl_s)
-                    else:
-                        pipe.get(self.rkey(keys[i]))
-                return pipe.execute(raise_on_error=False)
+                        pipe.expire(self.rkey(keys[i]), self.cfg.ttl_s)
+                got = self._execute(pipe, step * len(rng))[::step]
+                if not all(isinstance(v, (bytes, Exception)) for v in got):
+                    raise ProtocolError("a GETRANGE reply that is not a string")
+                return got
 
             res = self.link.run(fetch, "get")
             if res is None:
                 break
             for i, v in zip(rng, res):     # checked on the codec's threads while the next
                 values[i] = v              # pipeline is fetched
-                if isinstance(v, bytes):
+                if isinstance(v, bytes) and 0 < len(v) <= want[i]:
                     opened[i] = self.codec.open_async(self.rkey(keys[i]), v)
         corrupt, gone, hits = [], [], []
+        mismatches = 0
         for i, v in enumerate(values):
-            if not isinstance(v, bytes):
-                if v is None and self.link.available():
-                    gone.append(self.rkey(keys[i]))
+            if not isinstance(v, bytes):   # not fetched, or not a string (WRONGTYPE)
+                continue
+            if not v:                      # no such key (or an empty value: not ours)
+                gone.append(self.rkey(keys[i]))
+                continue
+            if i not in opened:            # longer than we wrote: the rest was never read
+                mismatches += 1
                 continue
             body = opened[i].result()
             if body is None:
                 corrupt.append(self.rkey(keys[i]))
                 continue
-            if body.nbytes != want[i]:
-                with self._lock:
-                    self._mismatches += 1
+            if body.nbytes != want[i] - HEADER.size:
+                mismatches += 1            # ours, another size (the caller's buffers differ)
                 continue
             pos = 0
             for b in dests[i]:
@@ -246,12 +270,17 @@ class RedisStore:
             out[i] = True
             hits.append(self.rkey(keys[i]))
             self._add(bytes_read=body.nbytes)
+        if mismatches:
+            with self._lock:
+                self._mismatches += mismatches
         if corrupt:
+            # Never deleted: a value we cannot verify is not provably ours (another writer's, a
+            # reply out of step, another secret_file); it is a miss and leaves our budget index.
             self._add(checksum_failures=len(corrupt))
-            log.warning("deleting %d block(s) in Redis that failed the header, length or MAC "
-                        "check (corrupt, truncated, forged, moved between keys, or written with "
-                        "another secret_file under the same key_prefix)", len(corrupt))
-            self._delete_raw(corrupt)
+            log.warning("%d value(s) in Redis failed the header, length or MAC check (corrupt, "
+                        "truncated, forged, moved between keys, or written with another "
+                        "secret_file under the same key_prefix): misses, left in place",
+                        len(corrupt))
             gone += corrupt
         if self.cfg.max_bytes is not None:
             if hits:
@@ -263,7 +292,8 @@ class RedisStore:
 
     @never_raises("redis exists", all_false)
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        res = self._exists(keys)
+        with self.link.call(0, len(keys) + 1):
+            res = self._exists(keys)
         return [False] * len(keys) if res is None else res
 
     def _exists(self, keys: Sequence[bytes]) -> list[bool] | None:
@@ -271,7 +301,10 @@ class RedisStore:
             pipe = c.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self.rkey(k))
-            return pipe.execute(raise_on_error=False)
+            got = self._execute(pipe, len(keys))
+            if not all(isinstance(r, (int, Exception)) for r in got):
+                raise ProtocolError("an EXISTS reply that is not an integer")
+            return got
 
         res = self.link.run(check, "exists")
         return None if res is None else [isinstance(r, int) and r > 0 for r in res]
@@ -279,9 +312,10 @@ class RedisStore:
     @never_raises("redis delete", lambda *_a, **_k: 0)
     def delete_many(self, keys: Sequence[bytes]) -> int:
         rkeys = [self.rkey(k) for k in keys]
-        n = self._delete_raw(rkeys)
-        if self.cfg.max_bytes is not None and rkeys:
-            self._script("touch", _TOUCH, [b"forget", *rkeys])
+        with self.link.call(0, len(rkeys) + 2):
+            n = self._delete_raw(rkeys)
+            if self.cfg.max_bytes is not None and rkeys:
+                self._script("touch", _TOUCH, [b"forget", *rkeys])
         return n
 
     def clear(self, namespace: bytes | None = None) -> int:
@@ -292,16 +326,22 @@ class RedisStore:
         prefix = self.prefix + (bytes(namespace) if namespace else b"")
         pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix) + b"*"
 
-        def scan(c: Any) -> list[bytes]:
-            return [k for k in c.scan_iter(match=pattern, count=1000)
-                    if not k.startswith((self.ns_prefix, self.idx_prefix))]
-
-        found = self.link.run(scan, "clear") or []
+        found: list[bytes] = []
+        cursor = 0
+        while True:                        # one bounded call per SCAN page
+            page = self.link.run(lambda c, cur=cursor: c.scan(cur, match=pattern, count=1000),
+                                 "clear")
+            if page is None:
+                break
+            cursor, names = page
+            found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix))]
+            if not cursor:
+                break
         n = 0
         for i in range(0, len(found), 1000):
             n += self._delete_raw(found[i:i + 1000])
-        if self.cfg.max_bytes is not None and found:
-            self._script("touch", _TOUCH, [b"forget", *found])
+            if self.cfg.max_bytes is not None:
+                self._script("touch", _TOUCH, [b"forget", *found[i:i + 1000]])
         return n
 
     def _delete_raw(self, rkeys: Sequence[bytes]) -> int:
@@ -309,10 +349,29 @@ class RedisStore:
             pipe = c.pipeline(transaction=False)
             for k in rkeys:
                 pipe.delete(k)
-            return pipe.execute(raise_on_error=False)
+            return self._execute(pipe, len(rkeys))
 
         res = self.link.run(delete, "delete") if rkeys else []
         return sum(r for r in res or [] if isinstance(r, int))
+
+    def _execute(self, pipe: Any, n: int) -> list[Any]:
+        """The replies of a pipeline of `n` commands, or ProtocolError if the reply stream is out
+        of step (the link then drops the connection, so the next call starts in step).
+
+        On a standalone server the pipeline ends with ECHO of a fresh token: an extra reply
+        anywhere before it, or a missing one, moves the token out of its place. (A cluster
+        pipeline is split per node by redis-py; there the reply count is checked.)"""
+        token = None if self.link.target.cluster else os.urandom(8).hex().encode()
+        if token is not None:
+            pipe.echo(token)
+        res: list[Any] = pipe.execute(raise_on_error=False)
+        if token is not None and len(res) == n + 1 and isinstance(res[-1], Exception):
+            raise ProtocolError(f"Redis refused ECHO ({res[-1]}); the tier needs it: an ACL "
+                                "user needs +echo (docs/deploy/redis.md)")
+        if len(res) != n + (token is not None) or (token is not None and res[-1] != token):
+            raise ProtocolError(f"the reply stream is out of step ({len(res)} replies to "
+                                f"{n + (token is not None)} commands, or a moved ECHO token)")
+        return res[:n]
 
     # -- budget index -----------------------------------------------------------------------
     def _script(self, name: str, src: str, args: Sequence[Any]) -> Any:
@@ -341,7 +400,11 @@ class RedisStore:
                       "register_namespace")
 
     def ping(self) -> None:
+        """Control path: StoreError unless Redis answers, in step (ECHO: `_execute`)."""
         self.link.ping()
+        if self.link.run(lambda c: self._execute(c.pipeline(transaction=False), 0), "ping") is None:
+            raise StoreError(f"Redis tier {self.link.target.display()} is not usable: "
+                             f"{self.link.last_error}")
 
     def tier_stats(self) -> dict[str, StoreStats]:
         return {"redis": self.stats()}
@@ -357,7 +420,7 @@ class RedisStore:
                 pipe = c.pipeline(transaction=False)
                 pipe.zcard(self.idx_keys[0])
                 pipe.get(self.idx_keys[2])
-                return pipe.execute(raise_on_error=False)
+                return self._execute(pipe, 2)
 
             res = self.link.run(read, "stats")
             if res and not any(isinstance(r, Exception) for r in res):
