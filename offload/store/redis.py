@@ -34,6 +34,8 @@ from offload.config import RedisConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
+from offload.store.redis_budget import ADD as _ADD
+from offload.store.redis_budget import TOUCH as _TOUCH
 from offload.store.redis_call import ProtocolError
 from offload.store.redis_link import RedisLink, Vectored
 from offload.store.redis_value import HEADER, ValueCodec
@@ -43,53 +45,6 @@ log = logging.getLogger("offload.store.redis")
 
 FORMAT = b":v2:"                     # after the key prefix; bumped with the value format
 PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
-
-_ADD = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local function forget(m)
-  local s = redis.call('HGET', KEYS[2], m)
-  if s then redis.call('HDEL', KEYS[2], m); redis.call('DECRBY', KEYS[3], s) end
-  redis.call('ZREM', KEYS[1], m)
-end
-for i = 3, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
-    redis.call('INCRBY', KEYS[3], ARGV[i + 1])
-  end
-  redis.call('ZADD', KEYS[1], now, ARGV[i])
-end
-local ttl = tonumber(ARGV[2])
-if ttl > 0 then
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl, 'LIMIT', 0, 4096)) do
-    forget(m)
-  end
-end
-local victims = {}
-local budget = tonumber(ARGV[1])
-while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
-  local pop = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #pop == 0 then break end
-  forget(pop[1])
-  victims[#victims + 1] = pop[1]
-end
-return victims
-"""
-
-_TOUCH = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-for i = 2, #ARGV do
-  if ARGV[1] == 'touch' then
-    redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i])
-  else
-    local s = redis.call('HGET', KEYS[2], ARGV[i])
-    if s then redis.call('HDEL', KEYS[2], ARGV[i]); redis.call('DECRBY', KEYS[3], s) end
-    redis.call('ZREM', KEYS[1], ARGV[i])
-  end
-end
-return 0
-"""
-
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -329,8 +284,10 @@ class RedisStore:
         found: list[bytes] = []
         cursor = 0
         while True:                        # one bounded call per SCAN page
-            page = self.link.run(lambda c, cur=cursor: c.scan(cur, match=pattern, count=1000),
-                                 "clear")
+            def scan(c: Any, cur: int = cursor) -> tuple[int, list[bytes]]:
+                return c.scan(cur, match=pattern, count=1000)  # type: ignore[no-any-return]
+
+            page = self.link.run(scan, "clear")
             if page is None:
                 break
             cursor, names = page

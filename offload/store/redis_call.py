@@ -10,9 +10,9 @@ Primitives:
   sets them for a `with` block; a call nested inside another keeps the outer (tighter) bounds.
 - `BoundedSocket(sock, bounds)`: wraps the socket redis-py connects (plain or TLS). Before
   each operation it lowers the socket timeout to the time left; past the deadline it raises
-  `socket.timeout` (redis-py turns that into `TimeoutError` and disconnects). A reply longer
-  than the allowance raises `ReplyTooLong` (an `OSError`: redis-py disconnects), so no reply
-  makes this process buffer more than the call expected, whatever length the server announces.
+  `socket.timeout` (redis-py turns that into its `TimeoutError` and disconnects). A reply
+  longer than the allowance raises `ReplyTooLong` (an `OSError`: redis-py disconnects), so no
+  reply makes this process buffer more than the call expected, whatever length it announces.
 - `ProtocolError`: a reply stream that does not match what was sent (an extra or missing reply,
   a reply of the wrong type). The link drops the connection, so the next call starts in step.
 - `call_seconds(timeout_s, nbytes)`: the deadline of a call that moves `nbytes`:
@@ -21,7 +21,6 @@ Primitives:
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -92,7 +91,7 @@ class BoundedSocket:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise socket.timeout("the call's deadline passed")
+            raise TimeoutError("the call's deadline passed")
         t = self._timeout
         self._clamped = True
         self._sock.settimeout(left if t is None else min(t, left))

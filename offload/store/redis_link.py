@@ -23,8 +23,8 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar, cast
 from urllib.parse import unquote
 
@@ -32,8 +32,15 @@ from offload import redact
 from offload.config import RedisConfig
 from offload.errors import ConfigError, StoreError
 from offload.store.base import Buffer
-from offload.store.redis_call import (CONTROL_RECV_BYTES, REPLY_BYTES_PER_COMMAND, BoundedSocket,
-                                      CallBounds, ProtocolError, ReplyTooLong, call_seconds)
+from offload.store.redis_call import (
+    CONTROL_RECV_BYTES,
+    REPLY_BYTES_PER_COMMAND,
+    BoundedSocket,
+    CallBounds,
+    ProtocolError,
+    ReplyTooLong,
+    call_seconds,
+)
 from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
