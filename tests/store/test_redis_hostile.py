@@ -153,3 +153,19 @@ def test_planted_large_values_are_not_read_whole(redis_server: RedisProc) -> Non
     assert s.get_many(keys(1), [[bytearray(SIZE)]]) == [False]
     assert s.stats().checksum_failures == 1 and r.get(rkeys[0]) == forged
     s.close()
+
+
+def test_a_reply_longer_than_the_call_expects_drops_the_connection(proxy: HostileProxy) -> None:
+    """A server announcing a 64 MiB string and sending it: reading stops past what the call
+    expects (its values + framing + 1 MiB), the connection is dropped, nothing is buffered whole."""
+    s = make(proxy.url)
+    ks = keys(2)
+    assert s.put_many(ks, [[block_bytes(str(i), SIZE)] for i in range(2)]) == [True] * 2
+    proxy.inject(b"$%d\r\n" % (64 << 20) + b"x" * (8 << 20))
+    assert s.get_many(ks, [[bytearray(SIZE)] for _ in ks]) == [False, False]
+    assert s.stats().extra["protocol_errors"] == 1
+    time.sleep(BACKOFF * 1.5)
+    dests = [[bytearray(SIZE)] for _ in ks]
+    assert s.get_many(ks, dests) == [True, True]
+    assert [bytes(d[0]) for d in dests] == [block_bytes(str(i), SIZE) for i in range(2)]
+    s.close()
