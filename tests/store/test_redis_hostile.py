@@ -51,7 +51,7 @@ def proxy(redis_server: RedisProc):  # noqa: F811
 def test_a_server_dripping_bytes_cannot_hold_a_call_past_its_deadline(proxy: HostileProxy) -> None:
     """One byte every 0.3 s never trips a 0.5 s socket timeout: before, exists_many(8) took
     ~10 s and get_many(1) minutes. Now each call ends near its deadline, as misses."""
-    writer = make(proxy.url)
+    writer = make(proxy.url, timeout_s=5.0)  # honest yet: a loaded machine must not fail it
     ks = keys(8)
     assert writer.put_many(ks, [[block_bytes(str(i), SIZE)] for i in range(8)]) == [True] * 8
     writer.close()
@@ -88,7 +88,7 @@ def test_one_extra_reply_drops_the_connection_and_deletes_nothing(proxy: Hostile
     shifted values failed their MAC and were DELeted (good blocks lost for every replica).
     Now: the shift is caught, the connection dropped, nothing served wrong and nothing deleted;
     once the server is honest again every block is served."""
-    s = make(proxy.url)
+    s = make(proxy.url, timeout_s=5.0)
     ks = keys(48)
     want = [block_bytes(str(i), SIZE) for i in range(48)]
     assert s.put_many(ks, [[w] for w in want]) == [True] * 48
@@ -158,7 +158,7 @@ def test_planted_large_values_are_not_read_whole(redis_server: RedisProc) -> Non
 def test_a_reply_longer_than_the_call_expects_drops_the_connection(proxy: HostileProxy) -> None:
     """A server announcing a 64 MiB string and sending it: reading stops past what the call
     expects (its values + framing + 1 MiB), the connection is dropped, nothing is buffered whole."""
-    s = make(proxy.url)
+    s = make(proxy.url, timeout_s=5.0)
     ks = keys(2)
     assert s.put_many(ks, [[block_bytes(str(i), SIZE)] for i in range(2)]) == [True] * 2
     proxy.inject(b"$%d\r\n" % (64 << 20) + b"x" * (8 << 20))
