@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
-from offload.keys import Namespace
+from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
 from offload.store.reserve import ReservedArena, pages
 from offload.store.slot_format import checksum
@@ -184,8 +184,8 @@ class MemoryStore:
         with self._lock:
             self._busy()
             for key, size in zip(keys, sizes):
-                if (key in self._blocks or key in self._reserved or key in self.fail_writes
-                        or size <= 0 or size > self.capacity):
+                if (len(key) != KEY_BYTES or key in self._blocks or key in self._reserved
+                        or key in self.fail_writes or size <= 0 or size > self.capacity):
                     out.append(None)
                     continue
                 slot = self._make_room(size) and self._slot(size)
@@ -291,7 +291,7 @@ class MemoryStore:
         with self._lock:
             self._busy()
             for key, bufs in zip(keys, blocks):
-                if key in self.fail_writes:
+                if key in self.fail_writes or len(key) != KEY_BYTES:   # a key is 32 bytes
                     self._stats.put_skipped += 1
                     out.append(False)
                     continue

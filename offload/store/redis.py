@@ -3,18 +3,22 @@
 Primitives:
 - Value format and MAC: `redis_value` (a 48-byte header with a GMAC tag over the Redis key, the
   header and the block, keyed by `redis.secret_file`). Never pickle. A value that fails the
-  header, length or tag check (corrupted, truncated, forged, or moved to another key) is deleted
-  in Redis and counted as a miss (`checksum_failures`): never served, so never tiered to NVMe.
+  header, length or tag check (corrupted, truncated, forged, or moved to another key) is a miss
+  (`checksum_failures`): never served, so never tiered to NVMe, and never deleted (a value we
+  cannot verify is not provably ours; it leaves the budget index).
 - Keys: `PREFIX:v2:` + the 32-byte block key (namespace digest, salt included, + page digest),
   where PREFIX is `redis.key_prefix` (one per tenant: ACL `~PREFIX:*`); the budget index and the
   namespace records live under the same prefix. `clear()` SCANs only `PREFIX:v2:*`.
 - `RedisStore(cfg)`: a `BlockStore`. Batches are pipelined (EXISTS, SET NX [EX ttl],
-  GET / GETEX for a sliding ttl, DEL); writes send the header and the caller's buffers without
-  joining them (`redis_link.Vectored`). With `max_bytes` set, an LRU index kept in Redis itself
-  (a sorted set scored by last use in the server's microseconds, a size hash and a byte
-  counter under one hash tag, updated by Lua scripts) evicts our oldest blocks past the
-  budget; blocks Redis drops by itself (`maxmemory` eviction, expiry) leave the index when they
-  are next found missing or expired.
+  GETRANGE of our length + 1 byte [+ EXPIRE for a sliding ttl], DEL), each pipeline ending with
+  ECHO of a fresh token (`_execute`: a reply stream out of step drops the connection); every
+  data-path call runs under one deadline and reply allowance (`link.call`, `redis_call`). A
+  value longer than ours is never read past our length + 1 (a miss, `size_mismatches`).
+  Writes send the header and the caller's buffers without joining them (`redis_link.Vectored`).
+  With `max_bytes` set, an LRU index kept in Redis itself (a sorted set scored by last use in the
+  server's microseconds, a size hash and a byte counter under one hash tag, updated by Lua
+  scripts: `redis_budget`) evicts our oldest blocks past the budget; blocks Redis drops by
+  itself (`maxmemory` eviction, expiry) leave the index when next found missing or expired.
 Lifecycle: construct (reads the secret file; no connection yet), use from any thread, `close()`.
 Failures (Redis down, slow, refusing AUTH) are handled by `RedisLink`: counted, backed off,
 reconnected; meanwhile every call returns misses at once.
@@ -24,69 +28,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from concurrent.futures import Future
 from typing import Any, Sequence
 
 from offload.config import RedisConfig
+from offload.errors import StoreError
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
+from offload.store.redis_budget import ADD as _ADD
+from offload.store.redis_budget import TOUCH as _TOUCH
+from offload.store.redis_call import ProtocolError
 from offload.store.redis_link import RedisLink, Vectored
-from offload.store.redis_value import ValueCodec
+from offload.store.redis_value import HEADER, ValueCodec
 from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
 
 FORMAT = b":v2:"                     # after the key prefix; bumped with the value format
 PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
-
-_ADD = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local function forget(m)
-  local s = redis.call('HGET', KEYS[2], m)
-  if s then redis.call('HDEL', KEYS[2], m); redis.call('DECRBY', KEYS[3], s) end
-  redis.call('ZREM', KEYS[1], m)
-end
-for i = 3, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
-    redis.call('INCRBY', KEYS[3], ARGV[i + 1])
-  end
-  redis.call('ZADD', KEYS[1], now, ARGV[i])
-end
-local ttl = tonumber(ARGV[2])
-if ttl > 0 then
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl, 'LIMIT', 0, 4096)) do
-    forget(m)
-  end
-end
-local victims = {}
-local budget = tonumber(ARGV[1])
-while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
-  local pop = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #pop == 0 then break end
-  forget(pop[1])
-  victims[#victims + 1] = pop[1]
-end
-return victims
-"""
-
-_TOUCH = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-for i = 2, #ARGV do
-  if ARGV[1] == 'touch' then
-    redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i])
-  else
-    local s = redis.call('HGET', KEYS[2], ARGV[i])
-    if s then redis.call('HDEL', KEYS[2], ARGV[i]); redis.call('DECRBY', KEYS[3], s) end
-    redis.call('ZREM', KEYS[1], ARGV[i])
-  end
-end
-return 0
-"""
-
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -149,6 +111,11 @@ class RedisStore:
     @never_raises("redis put", all_false)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
+        with self.link.call(sum(HEADER.size + total_len(b) for b in blocks), 3 * n + 6):
+            return self._put(keys, blocks)
+
+    def _put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        n = len(keys)
         out = [False] * n
         todo = [i for i in range(n) if len(keys[i]) == KEY_BYTES]
         present = self._exists([keys[i] for i in todo]) if todo else []
@@ -178,7 +145,10 @@ class RedisStore:
                 for i in idx:
                     pipe.set(self.rkey(keys[i]), Vectored([seals[i].result(), *views[i]]),
                              nx=True, ex=self.cfg.ttl_s)
-                return pipe.execute(raise_on_error=False)
+                got = self._execute(pipe, len(idx))
+                if not all(r is None or isinstance(r, (bool, Exception)) for r in got):
+                    raise ProtocolError("a SET NX reply that is neither OK nor nil")
+                return got
 
             res = self.link.run(send, "put")
             if res is None:
@@ -203,40 +173,53 @@ class RedisStore:
     @never_raises("redis get", all_false)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         n = len(keys)
+        want = [HEADER.size + total_len(d) for d in dests]     # the value length we wrote
+        with self.link.call(sum(want), 2 * n + 4):
+            return self._get(keys, dests, want)
+
+    def _get(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]],
+             want: list[int]) -> list[bool]:
+        n = len(keys)
         out = [False] * n
-        want = [total_len(d) for d in dests]
         values: list[Any] = [None] * n
         opened: dict[int, Future[memoryview | None]] = {}
+        step = 2 if self.cfg.ttl_s else 1
         for rng in _chunks(n, want):
             def fetch(c: Any, rng: range = rng) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
-                for i in rng:
+                for i in rng:         # one byte past our length: a longer value shows, unread
+                    pipe.getrange(self.rkey(keys[i]), 0, want[i])
                     if self.cfg.ttl_s:
-                        pipe.getex(self.rkey(keys[i]), ex=self.cfg.ttl_s)
-                    else:
-                        pipe.get(self.rkey(keys[i]))
-                return pipe.execute(raise_on_error=False)
+                        pipe.expire(self.rkey(keys[i]), self.cfg.ttl_s)
+                got = self._execute(pipe, step * len(rng))[::step]
+                if not all(isinstance(v, (bytes, Exception)) for v in got):
+                    raise ProtocolError("a GETRANGE reply that is not a string")
+                return got
 
             res = self.link.run(fetch, "get")
             if res is None:
                 break
             for i, v in zip(rng, res):     # checked on the codec's threads while the next
                 values[i] = v              # pipeline is fetched
-                if isinstance(v, bytes):
+                if isinstance(v, bytes) and 0 < len(v) <= want[i]:
                     opened[i] = self.codec.open_async(self.rkey(keys[i]), v)
         corrupt, gone, hits = [], [], []
+        mismatches = 0
         for i, v in enumerate(values):
-            if not isinstance(v, bytes):
-                if v is None and self.link.available():
-                    gone.append(self.rkey(keys[i]))
+            if not isinstance(v, bytes):   # not fetched, or not a string (WRONGTYPE)
+                continue
+            if not v:                      # no such key (or an empty value: not ours)
+                gone.append(self.rkey(keys[i]))
+                continue
+            if i not in opened:            # longer than we wrote: the rest was never read
+                mismatches += 1
                 continue
             body = opened[i].result()
             if body is None:
                 corrupt.append(self.rkey(keys[i]))
                 continue
-            if body.nbytes != want[i]:
-                with self._lock:
-                    self._mismatches += 1
+            if body.nbytes != want[i] - HEADER.size:
+                mismatches += 1            # ours, another size (the caller's buffers differ)
                 continue
             pos = 0
             for b in dests[i]:
@@ -246,12 +229,17 @@ class RedisStore:
             out[i] = True
             hits.append(self.rkey(keys[i]))
             self._add(bytes_read=body.nbytes)
+        if mismatches:
+            with self._lock:
+                self._mismatches += mismatches
         if corrupt:
+            # Never deleted: a value we cannot verify is not provably ours (another writer's, a
+            # reply out of step, another secret_file); it is a miss and leaves our budget index.
             self._add(checksum_failures=len(corrupt))
-            log.warning("deleting %d block(s) in Redis that failed the header, length or MAC "
-                        "check (corrupt, truncated, forged, moved between keys, or written with "
-                        "another secret_file under the same key_prefix)", len(corrupt))
-            self._delete_raw(corrupt)
+            log.warning("%d value(s) in Redis failed the header, length or MAC check (corrupt, "
+                        "truncated, forged, moved between keys, or written with another "
+                        "secret_file under the same key_prefix): misses, left in place",
+                        len(corrupt))
             gone += corrupt
         if self.cfg.max_bytes is not None:
             if hits:
@@ -263,7 +251,8 @@ class RedisStore:
 
     @never_raises("redis exists", all_false)
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        res = self._exists(keys)
+        with self.link.call(0, len(keys) + 1):
+            res = self._exists(keys)
         return [False] * len(keys) if res is None else res
 
     def _exists(self, keys: Sequence[bytes]) -> list[bool] | None:
@@ -271,7 +260,10 @@ class RedisStore:
             pipe = c.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self.rkey(k))
-            return pipe.execute(raise_on_error=False)
+            got = self._execute(pipe, len(keys))
+            if not all(isinstance(r, (int, Exception)) for r in got):
+                raise ProtocolError("an EXISTS reply that is not an integer")
+            return got
 
         res = self.link.run(check, "exists")
         return None if res is None else [isinstance(r, int) and r > 0 for r in res]
@@ -279,9 +271,10 @@ class RedisStore:
     @never_raises("redis delete", lambda *_a, **_k: 0)
     def delete_many(self, keys: Sequence[bytes]) -> int:
         rkeys = [self.rkey(k) for k in keys]
-        n = self._delete_raw(rkeys)
-        if self.cfg.max_bytes is not None and rkeys:
-            self._script("touch", _TOUCH, [b"forget", *rkeys])
+        with self.link.call(0, len(rkeys) + 2):
+            n = self._delete_raw(rkeys)
+            if self.cfg.max_bytes is not None and rkeys:
+                self._script("touch", _TOUCH, [b"forget", *rkeys])
         return n
 
     def clear(self, namespace: bytes | None = None) -> int:
@@ -292,16 +285,24 @@ class RedisStore:
         prefix = self.prefix + (bytes(namespace) if namespace else b"")
         pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix) + b"*"
 
-        def scan(c: Any) -> list[bytes]:
-            return [k for k in c.scan_iter(match=pattern, count=1000)
-                    if not k.startswith((self.ns_prefix, self.idx_prefix))]
+        found: list[bytes] = []
+        cursor = 0
+        while True:                        # one bounded call per SCAN page
+            def scan(c: Any, cur: int = cursor) -> tuple[int, list[bytes]]:
+                return c.scan(cur, match=pattern, count=1000)  # type: ignore[no-any-return]
 
-        found = self.link.run(scan, "clear") or []
+            page = self.link.run(scan, "clear")
+            if page is None:
+                break
+            cursor, names = page
+            found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix))]
+            if not cursor:
+                break
         n = 0
         for i in range(0, len(found), 1000):
             n += self._delete_raw(found[i:i + 1000])
-        if self.cfg.max_bytes is not None and found:
-            self._script("touch", _TOUCH, [b"forget", *found])
+            if self.cfg.max_bytes is not None:
+                self._script("touch", _TOUCH, [b"forget", *found[i:i + 1000]])
         return n
 
     def _delete_raw(self, rkeys: Sequence[bytes]) -> int:
@@ -309,10 +310,29 @@ class RedisStore:
             pipe = c.pipeline(transaction=False)
             for k in rkeys:
                 pipe.delete(k)
-            return pipe.execute(raise_on_error=False)
+            return self._execute(pipe, len(rkeys))
 
         res = self.link.run(delete, "delete") if rkeys else []
         return sum(r for r in res or [] if isinstance(r, int))
+
+    def _execute(self, pipe: Any, n: int) -> list[Any]:
+        """The replies of a pipeline of `n` commands, or ProtocolError if the reply stream is out
+        of step (the link then drops the connection, so the next call starts in step).
+
+        On a standalone server the pipeline ends with ECHO of a fresh token: an extra reply
+        anywhere before it, or a missing one, moves the token out of its place. (A cluster
+        pipeline is split per node by redis-py; there the reply count is checked.)"""
+        token = None if self.link.target.cluster else os.urandom(8).hex().encode()
+        if token is not None:
+            pipe.echo(token)
+        res: list[Any] = pipe.execute(raise_on_error=False)
+        if token is not None and len(res) == n + 1 and isinstance(res[-1], Exception):
+            raise ProtocolError(f"Redis refused ECHO ({res[-1]}); the tier needs it: an ACL "
+                                "user needs +echo (docs/deploy/redis.md)")
+        if len(res) != n + (token is not None) or (token is not None and res[-1] != token):
+            raise ProtocolError(f"the reply stream is out of step ({len(res)} replies to "
+                                f"{n + (token is not None)} commands, or a moved ECHO token)")
+        return res[:n]
 
     # -- budget index -----------------------------------------------------------------------
     def _script(self, name: str, src: str, args: Sequence[Any]) -> Any:
@@ -341,7 +361,11 @@ class RedisStore:
                       "register_namespace")
 
     def ping(self) -> None:
+        """Control path: StoreError unless Redis answers, in step (ECHO: `_execute`)."""
         self.link.ping()
+        if self.link.run(lambda c: self._execute(c.pipeline(transaction=False), 0), "ping") is None:
+            raise StoreError(f"Redis tier {self.link.target.display()} is not usable: "
+                             f"{self.link.last_error}")
 
     def tier_stats(self) -> dict[str, StoreStats]:
         return {"redis": self.stats()}
@@ -357,7 +381,7 @@ class RedisStore:
                 pipe = c.pipeline(transaction=False)
                 pipe.zcard(self.idx_keys[0])
                 pipe.get(self.idx_keys[2])
-                return pipe.execute(raise_on_error=False)
+                return self._execute(pipe, 2)
 
             res = self.link.run(read, "stats")
             if res and not any(isinstance(r, Exception) for r in res):

@@ -7,8 +7,12 @@ Primitives:
 - `RedisLink(cfg)`: owns one redis-py client (built lazily, rebuilt after a failure) and a circuit
   breaker. `link.run(fn)` calls `fn(client)`; on a connection error or timeout it counts the
   failure, drops the client and refuses calls for `backoff_s` (they return None at once), then
-  lets the next call reconnect. No call waits longer than `timeout_s` on one socket operation, and
-  redis-py's own retries are off, so a dead or hung Redis costs one timeout, then nothing.
+  lets the next call reconnect. redis-py's own retries are off, so a dead or hung Redis costs
+  one timeout, then nothing. Every call is bounded as a whole (`redis_call`): `link.call(nbytes,
+  commands)` bounds the calls made inside it (a deadline of `timeout_s` + nbytes / 128 MiB/s, a
+  reply allowance); a `run` outside one is bounded by itself (`timeout_s`, 64 MiB of reply).
+  A `ProtocolError` from `fn` (a reply stream out of step) is a failure like any other: the
+  connection is dropped, so the next call starts in step.
 
 redis-py is imported inside the functions that need it, never at import of `offload`.
 """
@@ -19,6 +23,7 @@ import logging
 import re
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar, cast
 from urllib.parse import unquote
@@ -27,6 +32,15 @@ from offload import redact
 from offload.config import RedisConfig
 from offload.errors import ConfigError, StoreError
 from offload.store.base import Buffer
+from offload.store.redis_call import (
+    CONTROL_RECV_BYTES,
+    REPLY_BYTES_PER_COMMAND,
+    BoundedSocket,
+    CallBounds,
+    ProtocolError,
+    ReplyTooLong,
+    call_seconds,
+)
 from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis")
@@ -114,13 +128,17 @@ class Vectored:
         self.nbytes = sum(p.nbytes for p in self.parts)
 
 
-def _connection_class(tls: bool) -> type:
-    """A redis-py connection class whose packer writes `Vectored` arguments buffer by buffer."""
+def _connection_class(tls: bool, bounds: CallBounds) -> type:
+    """A redis-py connection class whose packer writes `Vectored` arguments buffer by buffer and
+    whose socket enforces `bounds` (`redis_call.BoundedSocket`)."""
     from redis.connection import Connection, SSLConnection
 
     base: type = SSLConnection if tls else Connection
 
     class VectoredConnection(base):  # type: ignore[misc, valid-type]
+        def _connect(self) -> Any:
+            return BoundedSocket(super()._connect(), bounds)
+
         def pack_command(self, *args: Any) -> list[Any]:
             if not any(isinstance(a, Vectored) for a in args):
                 return super().pack_command(*args)
@@ -180,6 +198,7 @@ class RedisLink:
                           else self.target.password)
         self._clock = clock
         self._lock = threading.Lock()
+        self.bounds = CallBounds()
         self._client: Any = None
         self._down_until = 0.0
         self._was_down = False
@@ -187,6 +206,7 @@ class RedisLink:
         self.timeouts = 0
         self.skipped_while_down = 0
         self.reconnects = 0
+        self.protocol_errors = 0
         self.last_error = ""
 
     # -- client construction ---------------------------------------------------------------
@@ -197,7 +217,7 @@ class RedisLink:
         kw: dict[str, Any] = dict(
             username=self.target.username, password=self._password,
             socket_timeout=self.cfg.timeout_s, socket_connect_timeout=self.cfg.timeout_s,
-            retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.target.tls))
+            retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.target.tls, self.bounds))
         if self.target.tls:
             kw.update(ssl_ca_certs=self.cfg.tls_ca_file, ssl_certfile=self.cfg.tls_cert_file,
                       ssl_keyfile=self.cfg.tls_key_file, ssl_cert_reqs="required",
@@ -225,13 +245,30 @@ class RedisLink:
     def available(self) -> bool:
         return self._clock() >= self._down_until
 
-    def run(self, fn: Callable[[Any], T], what: str = "call") -> T | None:
-        """fn(client), or None when Redis is down or failed now (counted, logged, backed off)."""
-        import redis
+    def call(self, nbytes: int = 0, commands: int = 1) -> AbstractContextManager[None]:
+        """Bound every `run` inside this block as one call: it ends within `timeout_s` + nbytes /
+        128 MiB/s and receives at most nbytes + 256 bytes a command + 1 MiB (`redis_call`).
 
+        Args:
+            nbytes: the bytes the call moves (values sent plus values expected back).
+            commands: how many commands it sends (each gets room for its reply's framing).
+        """
+        return self.bounds.call(call_seconds(self.cfg.timeout_s, nbytes),
+                                nbytes + commands * REPLY_BYTES_PER_COMMAND)
+
+    def run(self, fn: Callable[[Any], T], what: str = "call") -> T | None:
+        """fn(client), or None when Redis is down or failed now (counted, logged, backed off).
+
+        Bounded by the enclosing `call`, or by itself (`timeout_s`, 64 MiB of reply)."""
         if self._clock() < self._down_until:
             self.skipped_while_down += 1
             return None
+        with self.bounds.call(call_seconds(self.cfg.timeout_s), CONTROL_RECV_BYTES):
+            return self._run(fn, what)
+
+    def _run(self, fn: Callable[[Any], T], what: str) -> T | None:
+        import redis
+
         try:
             with self._lock:
                 if self._client is None:
@@ -257,6 +294,8 @@ class RedisLink:
         self.failures += 1
         if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError)):
             self.timeouts += 1
+        if isinstance(e, ProtocolError) or isinstance(e.__context__, ReplyTooLong):
+            self.protocol_errors += 1
         kind = ("authentication failed" if isinstance(e, redis.exceptions.AuthenticationError)
                 else type(e).__name__)
         self.last_error = redact.text(f"{kind}: {e}", [self._password or ""])   # logged, exported
@@ -286,6 +325,7 @@ class RedisLink:
     def counters(self) -> dict[str, object]:
         return {"failures": self.failures, "timeouts": self.timeouts,
                 "skipped_while_down": self.skipped_while_down, "reconnects": self.reconnects,
+                "protocol_errors": self.protocol_errors,
                 "down": not self.available(), "last_error": self.last_error,
                 "url": self.target.display()}
 

@@ -160,10 +160,14 @@ class TieredStore:
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Deletes from both tiers (the shared copy too); returns blocks removed in all."""
+        """Deletes from both tiers (the shared copy too); returns how many of `keys` either
+        tier held (a block in both is one block)."""
         for k in keys:
             self._known.discard(k)
-        return self.local.delete_many(keys) + self.shared.delete_many(keys)
+        held = [a or b for a, b in zip(self.local.exists_many(keys),
+                                       self.shared.exists_many(keys))]
+        n_local, n_shared = self.local.delete_many(keys), self.shared.delete_many(keys)
+        return max(sum(held), n_local, n_shared)
 
     # -- background uploads of local hits -------------------------------------------------------
     def _enqueue(self, key: bytes, bufs: Sequence[Buffer]) -> None:
@@ -209,8 +213,9 @@ class TieredStore:
 
     # -- control path -----------------------------------------------------------------------
     def clear(self, namespace: bytes | None = None) -> int:
-        """Clear both tiers (the shared tier for every replica: an admin action)."""
-        return self.local.clear(namespace) + self.shared.clear(namespace)
+        """Clear both tiers (the shared tier for every replica: an admin action); returns the
+        larger tier's count (a block in both is one block; the shared tier holds most)."""
+        return max(self.local.clear(namespace), self.shared.clear(namespace))
 
     def register_region(self, buffer: object) -> None:
         """Memory the local path moves pages in and out of (NIXL registration on the dpu path)."""
