@@ -134,13 +134,14 @@ def test_prefill_speed_measured_from_a_miss_and_its_write_back():
     clock = Clock()
     w = WorthIt(WorthItConfig(), None, "no GPU visible", clock=clock)
     assert w.prefill_tps is None and w.source.startswith("measured from the first requests")
-    w.note_query(KEYS[:4], 1, 1, 16, 1024)     # page 0 stored, pages 1-3 (48 tokens) computed
+    w.note_query(KEYS[4:8], 1, 1, 16, 1024)    # a hit, then computed pages: the load is in the
+    w.note_query(KEYS[:3], 0, 0, 16, 1024)     # time, no sample; a miss: 3 pages (48 tokens)
     clock.t = 0.5
-    w.note_stored(KEYS[:1])                     # page 0 again: not the miss
+    w.note_stored(KEYS[5:8])                    # the computed pages after the hit
     assert w.prefill_tps is None
-    w.note_stored(KEYS[1:4])                    # the miss's write-back: 48 tokens in 0.5 s
+    w.note_stored(KEYS[:3])                     # the miss's write-back: 48 tokens in 0.5 s
     assert w.prefill_tps == pytest.approx(96.0)
-    w.note_stored(KEYS[1:4])                    # a second write-back of the same pages: no sample
+    w.note_stored(KEYS[:3])                     # a second write-back of the same pages: no sample
     assert w.measured_tps.samples == 1
 
 

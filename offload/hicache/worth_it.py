@@ -23,9 +23,10 @@ hits below `overhead / (page_tokens/prefill_tps - page_bytes/bandwidth)` pages a
 (`threshold_tokens`), and a tier slower than prefill per page is never worth loading.
 
 The prefill speed is the configured one, else the plan estimate (a known GPU and model), else
-measured from the first requests on any device: a query that misses from page k on is matched
-with the write-back of page k (SGLang backs the prefix up right after its prefill), and
-`(pages missed x page_tokens) / (write-back - query)` is one sample; the queue wait and the
+measured from the first requests on any device: a query that reports no hit (every page
+computed) is matched with the write-back of its first page (SGLang backs the prefix up right
+after its prefill), and `(pages x page_tokens) / (write-back - query)` is one sample; the queue
+wait and the
 write-back latency are inside it, so the measured speed errs slow (towards loading, SGLang's own
 behaviour). Until a prefill speed and a bandwidth are known every hit is loaded (that is how they
 get measured); when hits have been declined for `probe_s` without a new load, one batch is let
@@ -178,9 +179,8 @@ class WorthIt:
         now = self._clock()
         with self._lock:
             self._page_tokens = page_tokens
-            if accepted < len(keys):                     # computed from page `accepted` on
-                _remember(self._misses, keys[accepted],
-                          (now, (len(keys) - accepted) * page_tokens))
+            if accepted == 0:      # all computed (after a hit, the load would be in the time)
+                _remember(self._misses, keys[0], (now, len(keys) * page_tokens))
             if accepted > 0:
                 _remember(self._hits, keys[accepted - 1],
                           (now, accepted, accepted * (page_bytes or self._page_bytes)))
@@ -252,10 +252,10 @@ class WorthIt:
             return
         self._said = pages
         tps, bw, ov = self.prefill_tps, self.bandwidth.value, self.overhead.value or 0.0
-        log.info("offload: worth-it threshold %s (prefill %,.0f tokens/s %s, load %.3f s per "
-                 "hit + %.2f GB/s)", "never load" if pages < 0 else f"{t:,.0f} tokens",
-                 tps or 0.0, "configured" if self.fixed_tps is not None else "measured",
-                 ov, (bw or 0.0) / 1e9)
+        what = "never load" if pages < 0 else f"{t:,.0f} tokens"
+        how = "configured" if self.fixed_tps is not None else "measured"
+        log.info("offload: worth-it threshold %s (prefill %s tokens/s %s, load %.3f s per hit "
+                 "+ %.2f GB/s)", what, f"{tps or 0.0:,.0f}", how, ov, (bw or 0.0) / 1e9)
 
 
 def _remember(table: dict, key: str, value: Any) -> None:
