@@ -198,3 +198,18 @@ def test_backend_without_a_prefill_speed_measures_it_and_skips_a_slow_small_hit(
     assert b.batch_exists(KEYS[:4]) == 0         # recomputing (0.1 s) beats loading (1 s)
     assert b.worth.declined == 4
     b.close()
+
+
+def test_a_slow_first_sample_does_not_stick_and_a_shared_prefix_keeps_its_first_query():
+    clock = Clock()
+    w = WorthIt(WorthItConfig(), None, clock=clock)
+    w.note_query(KEYS[:2], 0, 0, 16, 1024)     # the first request waits 10 s (a JIT build)
+    clock.t = 10.0
+    w.note_stored(KEYS[:2])
+    assert w.prefill_tps == pytest.approx(3.2)
+    w.note_query(KEYS[2:4], 0, 0, 16, 1024)    # the next: 32 tokens in 0.1 s
+    clock.t = 10.05
+    w.note_query(KEYS[2:4], 0, 0, 16, 1024)    # the same prefix asked again before its write-back
+    clock.t = 10.1
+    w.note_stored(KEYS[2:4])                   # measured from the first query: 320, not 640
+    assert w.prefill_tps == pytest.approx(320.0)

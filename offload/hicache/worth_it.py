@@ -3,7 +3,7 @@
 Primitives:
 - `Ewma`: exponentially weighted moving average of the tier's read bandwidth (bytes/s), fed with
   the bytes and seconds of every real batch load (`batch_get_v1`); `Mean`: the same over plain
-  values (seconds, tokens/s).
+  values (seconds); `WindowMax`: the largest of the last 16 values (the measured prefill speed).
 - `estimate_prefill_tps(model, gpu_name, tp_size)`: the `plan` module's estimate of prefill
   speed (tokens/s of one replica) when none is configured, or (None, why) if the model or GPU
   is unknown.
@@ -25,19 +25,21 @@ hits below `overhead / (page_tokens/prefill_tps - page_bytes/bandwidth)` pages a
 The prefill speed is the configured one, else the plan estimate (a known GPU and model), else
 measured from the first requests on any device: a query that reports no hit (every page
 computed) is matched with the write-back of its first page (SGLang backs the prefix up right
-after its prefill), and `(pages x page_tokens) / (write-back - query)` is one sample; the queue
-wait and the
-write-back latency are inside it, so the measured speed errs slow (towards loading, SGLang's own
-behaviour). Until a prefill speed and a bandwidth are known every hit is loaded (that is how they
+after its prefill), and `(pages x page_tokens) / (write-back - query)` is one sample. The queue
+wait and the write-back latency are inside every sample, so each errs slow: the speed used is the
+largest of the last 16 (`WindowMax`; a first request slowed by SGLang's JIT build does not stick).
+Until a prefill speed and a bandwidth are known every hit is loaded (that is how they
 get measured); when hits have been declined for `probe_s` without a new load, one batch is let
 through to measure again, so a tier that became fast is noticed.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 from offload.config import WorthItConfig
@@ -124,6 +126,27 @@ class Mean:
             return self.value
 
 
+class WindowMax:
+    """The largest of the last `n` values; thread safe. For a speed whose every sample can only
+    be slower than the truth (queue waits, write-back latency), the largest is the best guess."""
+
+    def __init__(self, n: int = 16):
+        self._values: deque[float] = deque(maxlen=n)
+        self.samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> float | None:
+        with self._lock:
+            return max(self._values) if self._values else None
+
+    def observe(self, value: float) -> float | None:
+        with self._lock:
+            self._values.append(value)
+            self.samples += 1
+        return self.value
+
+
 PENDING = 256              # queries remembered until their write-back or load
 
 
@@ -139,7 +162,7 @@ class WorthIt:
             f"measured from the first requests ({source})" if source else
             "measured from the first requests")
         self.bandwidth = Ewma(alpha)
-        self.measured_tps = Mean(alpha)     # prefill tokens/s from misses and their write-back
+        self.measured_tps = WindowMax()     # prefill tokens/s from misses and their write-back
         self.overhead = Mean(alpha)         # seconds of one hit beyond its bytes
         self.probe_s = probe_s
         self._clock = clock
@@ -179,7 +202,9 @@ class WorthIt:
         now = self._clock()
         with self._lock:
             self._page_tokens = page_tokens
-            if accepted == 0:      # all computed (after a hit, the load would be in the time)
+            # all computed (after a hit, the load would be in the time); the earliest query of
+            # a key is kept, so a shared prefix never makes a prefill look faster than it was
+            if accepted == 0 and keys[0] not in self._misses:
                 _remember(self._misses, keys[0], (now, len(keys) * page_tokens))
             if accepted > 0:
                 _remember(self._hits, keys[accepted - 1],
@@ -303,5 +328,5 @@ def cuda_gpu_name() -> str | None:
     return None
 
 
-__all__ = ["Ewma", "Mean", "WorthIt", "cuda_gpu_name", "estimate_prefill_tps", "from_config",
-           "plan_text"]
+__all__ = ["Ewma", "Mean", "WindowMax", "WorthIt", "cuda_gpu_name", "estimate_prefill_tps",
+           "from_config", "plan_text"]
