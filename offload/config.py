@@ -171,7 +171,8 @@ class WorthItConfig:
     enabled: bool = _doc("skip loads that would take longer than recomputing", default=True)
     prefill_tokens_per_s: float | None = _doc(
         "prefill tokens/s of one replica (all TP ranks); unset = the plan module's estimate "
-        "from the model and GPU (rule off if either is unknown)", default=None)
+        "from the model and GPU, else measured from the first requests (any device)",
+        default=None)
 
 
 @dataclass(frozen=True)

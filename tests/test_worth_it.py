@@ -128,3 +128,88 @@ def test_backend_rule_can_be_turned_off(tmp_path, monkeypatch):
     assert all(b.batch_get_v1(KEYS[:2], torch.arange(2 * P, 4 * P)))
     assert b.batch_exists(KEYS[:2]) == 2
     b.close()
+
+
+def test_prefill_speed_measured_from_a_miss_and_its_write_back():
+    clock = Clock()
+    w = WorthIt(WorthItConfig(), None, "no GPU visible", clock=clock)
+    assert w.prefill_tps is None and w.source.startswith("measured from the first requests")
+    w.note_query(KEYS[4:8], 1, 1, 16, 1024)    # a hit, then computed pages: the load is in the
+    w.note_query(KEYS[:3], 0, 0, 16, 1024)     # time, no sample; a miss: 3 pages (48 tokens)
+    clock.t = 0.5
+    w.note_stored(KEYS[5:8])                    # the computed pages after the hit
+    assert w.prefill_tps is None
+    w.note_stored(KEYS[:3])                     # the miss's write-back: 48 tokens in 0.5 s
+    assert w.prefill_tps == pytest.approx(96.0)
+    w.note_stored(KEYS[:3])                     # a second write-back of the same pages: no sample
+    assert w.measured_tps.samples == 1
+
+
+def test_a_small_hit_slower_than_recomputing_is_skipped_a_large_one_loaded():
+    clock = Clock()
+    # 1000 tokens/s, 16-token pages of 1 KiB, a 1 GB/s tier: each page saves ~16 ms, and a hit
+    # costs 1 s on the prefetch path beyond its bytes: the break-even is ~1000 tokens
+    w = WorthIt(WorthItConfig(), 1000.0, "configured", clock=clock)
+    w.observe(1 << 30, 1.0)
+    w.note_query(KEYS[:4], 4, 4, 16, 1024)
+    clock.t = 1.0
+    w.note_loaded(KEYS[:4], 1024)               # the hit's last page loaded 1 s after its query
+    assert w.overhead.value == pytest.approx(1.0, abs=1e-3)
+    assert w.threshold_tokens() == pytest.approx(1000, rel=0.01)
+    assert w.pages_to_load(4, 16, 1024) == 0            # 64 tokens: 64 ms to recompute
+    assert w.declined == 4 and w.declined_hits == 1
+    assert w.pages_to_load(128, 16, 1024) == 128        # 2048 tokens: 2 s to recompute
+
+
+def test_a_tier_slower_than_prefill_per_page_is_never_worth_loading():
+    w = WorthIt(WorthItConfig(), 1000.0, "configured")
+    w.observe(1000, 1.0)                        # 1 KB/s: a 1 KiB page takes ~1 s, recompute 16 ms
+    assert w.threshold_tokens(16, 1024) == float("inf")
+
+
+def test_launch_names_the_source_of_the_prefill_speed():
+    from offload.hicache.worth_it import plan_text
+
+    assert "measured from the first requests" in plan_text(WorthItConfig(), "cpu")
+    assert "no preset" in plan_text(WorthItConfig(), "cpu")
+    assert "2,000 tokens/s (configured)" in plan_text(WorthItConfig(prefill_tokens_per_s=2000.0),
+                                                       "cuda")
+    assert "off" in plan_text(WorthItConfig(enabled=False), "cpu")
+
+
+def test_backend_without_a_prefill_speed_measures_it_and_skips_a_slow_small_hit(
+        tmp_path, monkeypatch):
+    store = MemoryStore()
+    monkeypatch.setattr(hicache, "_open_store", lambda cfg: store)
+    b, host = _backend(tmp_path, store)          # nothing configured, no GPU: measured
+    assert b.worth.prefill_tps is None and b.worth.enabled
+    clock = Clock()
+    b.worth = WorthIt(WorthItConfig(), None, "test", clock=clock)
+    hp.fill(host, 1)
+    assert b.batch_exists(KEYS[:4]) == 0         # a miss: SGLang computes the 4 pages
+    clock.t = 0.1                                # ... 64 tokens in 0.1 s, then backs them up
+    assert all(b.batch_set_v1(KEYS[:4], torch.arange(0, 4 * P)))
+    assert b.worth.prefill_tps == pytest.approx(4 * P / 0.1)
+    assert b.batch_exists(KEYS[:4]) == 4         # no bandwidth yet: loaded, and measured
+    clock.t = 1.1                                # the hit's last page lands 1 s after its query
+    assert all(b.batch_get_v1(KEYS[:4], torch.arange(4 * P, 8 * P)))
+    assert b.worth.overhead.value == pytest.approx(1.0, abs=0.05)
+    assert b.worth.threshold_tokens() > 4 * P
+    assert b.batch_exists(KEYS[:4]) == 0         # recomputing (0.1 s) beats loading (1 s)
+    assert b.worth.declined == 4
+    b.close()
+
+
+def test_a_slow_first_sample_does_not_stick_and_a_shared_prefix_keeps_its_first_query():
+    clock = Clock()
+    w = WorthIt(WorthItConfig(), None, clock=clock)
+    w.note_query(KEYS[:2], 0, 0, 16, 1024)     # the first request waits 10 s (a JIT build)
+    clock.t = 10.0
+    w.note_stored(KEYS[:2])
+    assert w.prefill_tps == pytest.approx(3.2)
+    w.note_query(KEYS[2:4], 0, 0, 16, 1024)    # the next: 32 tokens in 0.1 s
+    clock.t = 10.05
+    w.note_query(KEYS[2:4], 0, 0, 16, 1024)    # the same prefix asked again before its write-back
+    clock.t = 10.1
+    w.note_stored(KEYS[2:4])                   # measured from the first query: 320, not 640
+    assert w.prefill_tps == pytest.approx(320.0)

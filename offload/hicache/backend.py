@@ -30,7 +30,8 @@ Metrics (`offload.metrics`, unless `offload.metrics.enabled: false`): load/store
 path, the worth-it decisions, and per-tier counters read from the store's stats by a watcher
 thread; SGLang's own `StorageMetrics` come from `get_stats`. The worth-it rule
 (`offload.hicache.worth_it`): `batch_exists` reports the leading hits only if loading them is faster than
-recomputing them, at the read bandwidth measured on this backend's loads.
+recomputing them: the read bandwidth and a hit's fixed cost are measured on this backend's loads, the
+prefill speed is configured, estimated, or measured from a miss's query to its write-back.
 """
 
 from __future__ import annotations
@@ -311,7 +312,11 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if self.logical_anchor:
             return 0   # no bytes to verify without the pools (SGLang asks v2 for those)
-        return self._worth_loading(self._kv_hits(keys))
+        hits = self._kv_hits(keys)
+        n = self._worth_loading(hits)
+        if self.pages is not None:     # what the rule measures: a miss's prefill, a hit's cost
+            self.worth.note_query(keys, hits, n, self.pages.index_step, self.pages.page_bytes)
+        return n
 
     def _kv_hits(self, keys: Sequence[str]) -> int:
         """The leading run of KV pages all of whose objects are stored."""
@@ -334,16 +339,20 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # no KV bytes: SGLang writes the pools through v2
             return [True] * len(keys)
-        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
-                          split=self.plan)
+        ok = self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
+                        split=self.plan)
+        self.worth.note_stored(keys)
+        return ok
 
     @never_raises("batch_get_v1", all_false)
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # zero bytes to read; the v2 pools decide the hit
             return [True] * len(keys)
-        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices,
-                          write=False, split=self.plan)
+        ok = self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices,
+                        write=False, split=self.plan)
+        self.worth.note_loaded(keys, self.pages.page_bytes if self.pages is not None else 0)
+        return ok
 
     def _move(self, pool: str, pages: PageMap | None, make_keys: Callable[[Sequence[str]], list[bytes]],
               writes: bool, keys: Sequence[str], host_indices: "torch.Tensor | None", write: bool,

@@ -40,6 +40,7 @@ from offload import redact as _redact
 from offload.config import DeploymentConfig, load_file, to_dict
 from offload.errors import RunError
 from offload.hicache.contract import BACKEND_EXTRA
+from offload.hicache.worth_it import plan_text
 from offload.launch.device import DeviceChoice, choose
 from offload.launch.interpreter import Interpreter, check_interpreter
 from offload.launch.secrets import REDACTED, redact, runtime_dir, settings_path, write_settings
@@ -118,6 +119,11 @@ def write(p: LaunchCommand) -> None:
     write_settings(Path(p.settings_file), p.offload_tree)
 
 
+def worth_it_text(p: LaunchCommand) -> str:
+    """Which worth-it threshold the backend will apply on this device, and why."""
+    return plan_text(p.config.offload.worth_it, p.device.device)
+
+
 def render(p: LaunchCommand, config_file: str) -> str:
     d = p.decision
     lines = [f"sglang-offload launch: {config_file} (dry run)", "", "Decision",
@@ -128,6 +134,7 @@ def render(p: LaunchCommand, config_file: str) -> str:
         for r in d.rejected:
             lines += [f"    - {r.path}: {r.check}", f"        fix: {r.fix}"]
     lines += ["", f"Device: {p.device.device}"] + [f"  - {r}" for r in p.device.reasons]
+    lines += ["", "Worth-it threshold", f"  - {worth_it_text(p)}"]
     if p.sglang.warnings:
         lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
     lines += ["", "Notes", f"  - sglang arguments: checked with {p.sglang.parser_source}",
@@ -149,6 +156,7 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
                                       for r in d.rejected]},
             "device": {"device": p.device.device, "argv": p.device.argv, "env": p.device.env,
                        "reasons": p.device.reasons},
+            "worth_it": worth_it_text(p),
             "interpreter": {"executable": p.interpreter.executable, "sglang": p.interpreter.sglang,
                             "offload": p.interpreter.offload},
             "warnings": p.sglang.warnings, "notes": p.sglang.notes,
@@ -174,5 +182,6 @@ def summary(p: LaunchCommand, config_file: str) -> str:
              f"{'set' if store.get('salt') else 'unset'})",
              "  tiers: " + " -> ".join(tiers),
              f"  device {p.device.device}: " + "; ".join(p.device.reasons),
+             f"  {worth_it_text(p)}",
              f"  settings: {p.settings_file} (mode 600)", f"  exec: {p.command}"]
     return "\n".join(lines) + "\n"
