@@ -107,6 +107,16 @@ class StoreContract:
         assert self.joined(dests[0]) == block_bytes("b0", SIZE)
         assert self.joined(dests[2]) == block_bytes("b2", SIZE)
 
+    def test_a_put_batch_succeeds_per_key(self, store: BlockStore) -> None:
+        good = [self.ns.key("pb0"), self.ns.key("pb2")]
+        batch = [good[0], self.ns.key("pb1")[:31], good[1]]
+        blocks = [self.block("pb0"), self.block("pb1"), self.block("pb2")]
+        assert store.put_many(batch, blocks) == [True, False, True]
+        assert flush(store)
+        dests = self.dests(2)
+        assert store.get_many(good, dests) == [True, True]
+        assert [self.joined(d) for d in dests] == [block_bytes(p, SIZE) for p in ("pb0", "pb2")]
+
     def test_putting_a_stored_key_again_succeeds_and_keeps_it(self, store: BlockStore) -> None:
         ks = self.put(store, ["again"])
         assert store.put_many(ks, [self.block("again")]) == [True]
@@ -159,6 +169,11 @@ class StoreContract:
         assert store.delete_many(ks[:2]) == 0
         assert store.exists_many(ks) == [False, False, True, True, True]
         assert store.get_many(ks[:1], self.dests(1)) == [False]
+        assert self.put(store, ["d0"]) == ks[:1]          # a deleted key can be stored again
+        dests = self.dests(1)
+        assert store.get_many(ks[:1], dests) == [True]
+        assert self.joined(dests[0]) == block_bytes("d0", SIZE)
+        assert store.delete_many(ks[:1]) == 1
         if not self.supports_clear:
             return
         assert store.clear() == 3
