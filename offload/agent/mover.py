@@ -5,7 +5,8 @@ Primitives:
   (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
   `host/` (read from the metadata *before* loading it); several connections of one host share a
   peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
-  `drop_peer(name, conn)` forgets a peer when its last connection closes. A loaded peer is not
+  `drop_peer(name, conn)` forgets a peer when its last connection closes (once none of its
+  transfers runs: `Quarantine.drop_peer`). A loaded peer is not
   used until proven: `challenge(name, tag)` sends a fresh nonce to the endpoint the metadata
   names (a NIXL notification), `prove(name, md)` marks it usable once the host echoed it over
   its authenticated connection, `proven(name)`; newer metadata under the name is unproven again
@@ -82,7 +83,9 @@ class Mover:
         if name != host and not name.startswith(host + "/"):
             raise PeerError(f"NIXL metadata of agent {name!r} does not belong to host {host!r}")
         with self._lock:
-            peer = self._peers.get(name) or _Peer(b"", host, set())
+            peer = self._peers.get(name)
+            if peer is None:
+                peer = _Peer(b"", host, set())
             if peer.host != host:
                 raise PeerError(f"NIXL peer {name!r} belongs to another connection's host")
             if peer.md != md:
@@ -98,6 +101,7 @@ class Mover:
                 peer.md, peer.proven = md, False
             peer.owners.add(owner)
             self._peers[name] = peer
+            self.quarantine.revive(name)     # a dropped name in use again: not forgotten
             return name
 
     def update_peer(self, old: str, metadata: bytes, owner: int, host: str) -> str:
@@ -194,8 +198,16 @@ class Mover:
             if peer.owners:
                 return
             del self._peers[name]
-            # What its transfers held is freed only once NIXL forgot the peer (none can land).
-            self.quarantine.drop_peer(name, lambda: self._invalidate(name))
+        # Forgotten once none of its transfers runs; what they held freed once each is final.
+        self.quarantine.drop_peer(name, lambda: self._forget(name))
+
+    def _forget(self, name: str) -> None:
+        """A dropped peer none of whose transfers runs: NIXL forgets it, unless a connection
+        loaded the name again meanwhile."""
+        with self._lock:
+            if name in self._peers:
+                return
+            self._invalidate(name)
 
     def _invalidate(self, name: str) -> None:
         try:
