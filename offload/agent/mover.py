@@ -3,7 +3,9 @@
 Primitives:
 - `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host)` loads a host's metadata
   (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
-  `host/` (read from the metadata *before* loading it); several connections of one host share a
+  `host/` (read from the metadata *before* loading it); metadata not loaded before is first
+  checked and loaded by a child process (`offload.agent.vet`), so that what makes UCX abort
+  kills the child, not the agent; several connections of one host share a
   peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
   `drop_peer(name, conn)` forgets a peer when its last connection closes (once none of its
   transfers runs: `Quarantine.drop_peer`). A loaded peer is not
@@ -42,6 +44,7 @@ from typing import Any, Sequence
 from offload.agent import nixl_util
 from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
 from offload.agent.quarantine import Quarantine
+from offload.agent.vet import Vetter
 
 log = logging.getLogger(__name__)
 SUM_THREADS = 2               # checksum threads (xxh3 frees the GIL): about a core each
@@ -64,6 +67,8 @@ class Mover:
     def __init__(self, name: str):
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
+        self.vetter = Vetter()          # tenant metadata is loaded by its child first
+        self.vetter.start()
         self.quarantine = Quarantine(self.agent)
         # Where the DRAM tier's checksums run while a session's thread moves the next chunk
         # (`offload.agent.direct`); its threads start on first use.
@@ -82,6 +87,13 @@ class Mover:
             raise PeerError("unrecognised NIXL metadata")
         if name != host and not name.startswith(host + "/"):
             raise PeerError(f"NIXL metadata of agent {name!r} does not belong to host {host!r}")
+        with self._lock:
+            known = self._peers.get(name)
+            fresh = known is None or known.md != md
+        if fresh:           # loaded by a child first: UCX may abort on what it cannot unpack
+            why = self.vetter.vet(md)
+            if why is not None:
+                raise PeerError(why)
         with self._lock:
             peer = self._peers.get(name)
             if peer is None:
@@ -184,6 +196,9 @@ class Mover:
         data = buf[:n] if ok else None
         close()
         return data
+
+    def close(self) -> None:
+        self.vetter.close()
 
     def peers(self) -> int:
         with self._lock:

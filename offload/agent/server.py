@@ -205,6 +205,8 @@ class AgentServer:
     def stop(self) -> None:
         self.stopping = True
         self.acks.close()
+        if self.mover is not None:
+            self.mover.close()
         if self._sock is not None:
             try:
                 self._sock.close()

@@ -282,6 +282,7 @@ class Session:
             out["agent_nixl_peers"] = self.server.mover.peers()
             out["agent_quarantined_now"] = self.server.mover.quarantine.held()
             out["agent_quarantined_bytes_now"] = self.server.mover.quarantine.held_bytes()
+            out["agent_metadata_crashes"] = self.server.mover.vetter.crashes
         return out
 
     def _check(self, req: protocol.Blocks) -> str | None:
