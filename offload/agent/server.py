@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from offload.agent import protocol
 from offload.agent.access import Access
 from offload.agent.acks import Acks
+from offload.agent.rate import Challenges
 from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
 
@@ -83,6 +84,7 @@ class AgentServer:
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
         self._logged: dict[str, tuple[float, int]] = {}
         self.acks = Acks(store, self.count)
+        self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:

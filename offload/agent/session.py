@@ -44,6 +44,7 @@ from offload.agent import protocol
 from offload.agent.access import AccessError
 from offload.agent.acks import GET_WAIT_S, Settle
 from offload.agent.direct import direct_get, direct_put
+from offload.agent.rate import endpoint_of
 from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
 
@@ -156,6 +157,10 @@ class Session:
         mover = self.server.mover
         assert mover is not None
         self._challenge = None
+        why = self.server.challenges.take(self.staged.owner, endpoint_of(md))
+        if why is not None:           # nothing loaded, nothing sent: the flood costs its sender
+            self.server.count("rejected_challenges")
+            raise RequestError(why)
         if self.nixl_peer is None:
             self.nixl_peer = mover.add_peer(md, self.conn_id, self.host)
         else:

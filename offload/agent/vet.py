@@ -54,16 +54,26 @@ def check_metadata(md: bytes) -> str | None:
         return f"{len(md)} bytes of NIXL metadata (at most {MAX_METADATA})"
     if metadata_name(md) is None:
         return "not NIXL metadata (no nixlSerDes header with an agent name)"
+    addr = worker_address(md)
+    if addr is None:
+        return "NIXL metadata without UCX connection info"
+    if not addr:
+        return "the UCX worker address in the NIXL metadata runs past its end"
+    if addr[0] & 0xF not in UCP_ADDRESS_VERSIONS:
+        return "the UCX worker address in the NIXL metadata is of an unknown version"
+    return None
+
+
+def worker_address(md: bytes) -> bytes | None:
+    """The UCX worker address in NIXL metadata (b"" if it runs past the end), None if none."""
     i = md.find(_UCX_CONN)
     if i < 0:
-        return "NIXL metadata without UCX connection info"
+        return None
     start = i + len(_UCX_CONN) + 8
     n = int.from_bytes(md[start - 8:start], "little")
     if start > len(md) or n == 0 or n > len(md) - start:
-        return "the UCX worker address in the NIXL metadata runs past its end"
-    if md[start] & 0xF not in UCP_ADDRESS_VERSIONS:
-        return "the UCX worker address in the NIXL metadata is of an unknown version"
-    return None
+        return b""
+    return md[start:start + n]
 
 
 class Vetter:
