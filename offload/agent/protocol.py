@@ -26,6 +26,10 @@ Primitives:
 - Acknowledgements (version 4): a PUT's True means the agent has the block (stored unless its
   write or commit fails, and invisible to everyone until durable); DURABLE asks which keys are
   durable.
+- Block checksums (version 5): a PUT with descriptors carries each block's checksum
+  (`Blocks.sums`), checked by the agent after its READ; a GET reply carries the checksum of each
+  block the agent wrote (`Flags.sums`), checked by the host before it reports the block loaded
+  (`offload.agent.sums`).
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
@@ -50,9 +54,10 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 4                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
+VERSION = 5                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
                                    # is read back from the endpoint's memory (`Prove.addr`); 4: a
-                                   # PUT's True means received, not durable (DURABLE asks for it)
+                                   # PUT's True means received, not durable (DURABLE asks for it);
+                                   # 5: block checksums beside PUT / GET (`Blocks.sums`, `Flags.sums`)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"
@@ -95,6 +100,7 @@ class AuthError(ProtocolError):
 Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Sum = Annotated[int, msgspec.Meta(ge=0)]           # an xxh3-64 block checksum (a u64)
 Desc = tuple[Annotated[int, msgspec.Meta(ge=0)], Size]   # (address, length)
 BlockDescs = Annotated[list[Desc], msgspec.Meta(max_length=MAX_DESCS_PER_BLOCK)]
 
@@ -136,6 +142,9 @@ class Blocks(Msg):
     sizes: Annotated[list[Size], msgspec.Meta(max_length=MAX_KEYS)]
     descs: Annotated[list[BlockDescs], msgspec.Meta(max_length=MAX_KEYS)] | None = None
     budget_ms: Budget = 30_000
+    # PUT with descriptors: each block's checksum, checked by the agent after its READ
+    # (`offload.agent.sums`); None: not checked.
+    sums: Annotated[list[Sum], msgspec.Meta(max_length=MAX_KEYS)] | None = None
 
 
 class Durable(Msg):
@@ -151,6 +160,9 @@ class KeyList(Msg):
 
 class Flags(Msg):
     ok: list[bool]
+    # GET with descriptors: per block the checksum of what the agent wrote (0 for a miss),
+    # checked by the host before it reports the block loaded (`offload.agent.sums`).
+    sums: list[Sum] | None = None
 
 
 class Count(Msg):
@@ -245,6 +257,8 @@ class Channel:
         self.max_body = max_body
         self._send_seq = 0
         self._recv_seq = 0
+        # Called with a frame's body length before its body is allocated (raise to refuse it).
+        self.admit: Callable[[int], None] | None = None
 
     def proof(self, nonce: bytes) -> bytes:
         """What the host writes into its registered memory for a proof nonce (PROVE)."""
@@ -282,7 +296,7 @@ class Channel:
         if not first:
             raise EOFError("peer closed the connection")
         end = deadline if deadline is not None else time.monotonic() + self.io_timeout
-        header, body_len, view = read_frame(self.sock, first, self.max_body, end)
+        header, body_len, view = read_frame(self.sock, first, self.max_body, end, self.admit)
         return self.open(header, body_len, view)
 
     def open(self, header: bytes | bytearray, body_len: int, view: memoryview) -> Frame:
@@ -310,8 +324,8 @@ def _settimeout(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float
-               ) -> tuple[bytearray, int, memoryview]:
+def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float,
+               admit: Callable[[int], None] | None = None) -> tuple[bytearray, int, memoryview]:
     """The rest of a frame whose first byte was read: (header, body length, body + MAC), all of
     it by `deadline`. The header is checked (magic, version, `max_body`) before the body is read."""
     header = bytearray(HEADER.size)
@@ -326,6 +340,8 @@ def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float
         raise ProtocolError(f"frame body of {body_len} bytes exceeds the limit {max_body}")
     if body_len < META_LEN.size:
         raise ProtocolError(f"frame body of {body_len} bytes is too short")
+    if admit is not None:
+        admit(body_len)
     body = bytearray(body_len + MAC_BYTES)
     recv_exact_into(sock, memoryview(body), deadline)
     return header, body_len, memoryview(body)

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 from offload.agent import protocol
 from offload.agent.access import Access
 from offload.agent.acks import Acks
+from offload.agent.budget import MAX_MEMORY, MAX_MEMORY_PER_KEY, Memory
+from offload.agent.describe import Describer
 from offload.agent.rate import Challenges
 from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
@@ -56,7 +58,8 @@ class AgentServer:
                  staging_size: int = 64 << 20, io_timeout: float = 30.0,
                  idle_timeout: float = 3600.0, name: str | None = None,
                  max_requests: int = 32, max_namespaces: int = 1024,
-                 max_quarantine: int = 256 << 20):
+                 max_quarantine: int = 256 << 20, max_memory: int = MAX_MEMORY,
+                 max_memory_per_key: int = MAX_MEMORY_PER_KEY):
         self.store = store
         self.access = access if isinstance(access, Access) else Access.shared(access)
         self.access.max_conns = max_clients
@@ -85,6 +88,8 @@ class AgentServer:
         self._logged: dict[str, tuple[float, int]] = {}
         self.acks = Acks(store, self.count)
         self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
+        self.describer = Describer(store, max_namespaces, self.count)
+        self.memory = Memory(max_memory, max_memory_per_key)    # frames and staging
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -207,6 +212,7 @@ class AgentServer:
     def stop(self) -> None:
         self.stopping = True
         self.acks.close()
+        self.describer.close()
         if self.mover is not None:
             self.mover.close()
         if self._sock is not None:

@@ -49,6 +49,7 @@ from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
 
 if TYPE_CHECKING:
+    from offload.agent.mover import Mover
     from offload.agent.server import AgentServer
 
 log = logging.getLogger("offload.agent")
@@ -72,6 +73,7 @@ class Session:
         self._challenge: tuple[str, bytes, bytes] | None = None    # (peer, nonce, metadata)
         self._described: set[bytes] = set()    # namespaces described to the store
         self.staged = StagedPath(server, conn_id)
+        self._frame_bytes = 0                  # of the request being served (server.memory)
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -89,12 +91,16 @@ class Session:
             self.admitted = True
             self.ch = ch
             self._hello(ch, hello, frame.req_id)
+            ch.admit = self._admit_frame
             while not srv.stopping:
                 try:
                     frame = ch.recv(idle_timeout=srv.idle_timeout)
                 except EOFError:
                     return
-                self._dispatch(ch, frame)
+                try:
+                    self._dispatch(ch, frame)
+                finally:
+                    self._release_frame()
         except protocol.AuthError as e:
             srv.count("rejected_auth")
             srv.warn("auth", "rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
@@ -120,7 +126,21 @@ class Session:
             self.close()
             srv.release(self.host if self.admitted else None)
 
+    def _admit_frame(self, n: int) -> None:
+        """A request frame's body is allocated only within the agent's memory bound."""
+        why = self.server.memory.take(self.staged.owner, n)
+        if why is not None:
+            self.server.count("rejected_memory")
+            raise protocol.ProtocolError(f"frame of {n} bytes refused: {why}")
+        self._frame_bytes = n
+
+    def _release_frame(self) -> None:
+        n, self._frame_bytes = self._frame_bytes, 0
+        if n:
+            self.server.memory.give(self.staged.owner, n)
+
     def close(self) -> None:
+        self._release_frame()
         self.staged.close()
         mover = self.server.mover
         if self.nixl_peer is not None and mover is not None:
@@ -176,6 +196,8 @@ class Session:
         j = next((j for j, n in enumerate(msg.nonces) if c is not None and
                   hmac.compare_digest(n, c[1])), None)
         mac = None
+        if mover is not None and c is not None:
+            self._quarantine_room(mover)        # its read-back may be quarantined too
         if c is not None and mover is not None and j is not None and self.ch is not None:
             mac = mover.read_back(c[0], msg.addr + j * protocol.PROOF_MAC_BYTES,
                                   protocol.PROOF_MAC_BYTES,
@@ -230,10 +252,12 @@ class Session:
                 raise RequestError(why)
         if isinstance(msg, protocol.Blocks):
             if op == protocol.PUT:
-                self._describe(msg.keys)
-                return protocol.Flags(acks.put(msg.keys, lambda settle: self._put(msg, data, settle))), []
-            flags, payload = self._get(msg)
-            return protocol.Flags(flags), payload
+                flags = acks.put(msg.keys, lambda settle: self._put(msg, data, settle),
+                                 self.staged.owner)
+                self._describe([k for k, f in zip(msg.keys, flags) if f])
+                return protocol.Flags(flags), []
+            flags, payload, got = self._get(msg)
+            return protocol.Flags(flags, got), payload
         if isinstance(msg, protocol.Durable):
             deadline = time.monotonic() + msg.budget_ms / 1000.0
             return protocol.Flags(acks.durable(msg.keys, deadline)), []
@@ -263,14 +287,14 @@ class Session:
         return protocol.Empty(), []
 
     def _describe(self, keys: Sequence[bytes]) -> None:
-        """Describe a namespace to the store once this connection stores a block of it (a
-        namespace with no block never reaches the store's own records)."""
+        """Describe a namespace to the store once this connection stored a block of it (a
+        namespace with no block never reaches the store's own records), in the background and
+        bounded per host key (`offload.agent.describe`)."""
         for k in keys:
             digest = bytes(k[:NS_BYTES])
             if digest not in self._described:
                 ns = self.server.access.namespace(self.host, digest)
-                if ns is not None:
-                    self.server.store.register_namespace(ns)
+                if ns is not None and self.server.describer.stored(self.staged.owner, ns):
                     self._described.add(digest)
 
     def _stats(self) -> dict[str, int | float | str]:
@@ -317,16 +341,20 @@ class Session:
             if not self.server.mover.covers(peer, [d for ds in req.descs for d in ds]):
                 raise RequestError(f"descriptors outside the memory NIXL agent {peer} "
                                    "registered")
-            q, limit = self.server.mover.quarantine, self.server.max_quarantine
-            q.reap()
-            held = q.held_bytes(self.staged.owner)
-            if held >= limit:
-                self.server.count("rejected_quarantine")
-                raise RequestError(f"transfers of this host key that outlived their budget still "
-                                   f"hold {held} bytes in quarantine (--max-quarantine {limit}); "
-                                   "retry once NIXL reports them finished")
+            self._quarantine_room(self.server.mover)
             return peer
         return None
+
+    def _quarantine_room(self, mover: "Mover") -> None:
+        """Refuse a NIXL request (PROVE too) while this host key's quarantine is full."""
+        q, limit = mover.quarantine, self.server.max_quarantine
+        q.reap()
+        held = q.held_bytes(self.staged.owner)
+        if held >= limit:
+            self.server.count("rejected_quarantine")
+            raise RequestError(f"transfers of this host key that outlived their budget still "
+                               f"hold {held} bytes in quarantine (--max-quarantine {limit}); "
+                               "retry once NIXL reports them finished")
 
     def _put(self, req: protocol.Blocks, payload: memoryview, settle: Settle | None
              ) -> Sequence[bool | None]:
@@ -360,7 +388,8 @@ class Session:
         self.staged.put(req, todo, ok, peer, deadline, settle)
         return ok
 
-    def _get(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
+    def _get(self, req: protocol.Blocks
+             ) -> tuple[list[bool], list[memoryview], list[int] | None]:
         """A block put but not yet durable (`server.acks`) is waited for, briefly, then a miss."""
         acks = self.server.acks
         hidden = acks.hidden(req.keys)
@@ -374,13 +403,18 @@ class Session:
         sub = msgspec.structs.replace(
             req, keys=[req.keys[i] for i in idx], sizes=[req.sizes[i] for i in idx],
             descs=None if req.descs is None else [req.descs[i] for i in idx])
-        got, payload = self._get_visible(sub)
+        got, payload, sub_sums = self._get_visible(sub)
         flags = [False] * len(req.keys)
-        for i, f in zip(idx, got):
+        out_sums = None if sub_sums is None else [0] * len(req.keys)
+        for n, (i, f) in enumerate(zip(idx, got)):
             flags[i] = f
-        return flags, payload
+            if out_sums is not None and sub_sums is not None:
+                out_sums[i] = sub_sums[n]
+        return flags, payload, out_sums
 
-    def _get_visible(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
+    def _get_visible(self, req: protocol.Blocks
+                     ) -> tuple[list[bool], list[memoryview], list[int] | None]:
+        """(flags, inline payload, with descriptors each block's checksum for the host)."""
         peer = self._check(req)
         store = self.server.store
         if req.descs is None:
@@ -395,17 +429,17 @@ class Session:
             flags = store.get_many(req.keys, dests)
             out = [d[0] for d, f in zip(dests, flags) if f]
             self.server.count("bytes_inline_out", sum(v.nbytes for v in out))
-            return flags, out
+            return flags, out, None
         assert peer is not None and self.server.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
+        got = [0] * len(req.keys)
         q, owner = self.server.mover.quarantine, self.staged.owner
         allow = q.claim(owner, sum(req.sizes), self.server.max_quarantine)
         try:
-            rest = direct_get(self.server.direct(), peer, req, ok, deadline, owner, allow)
+            rest = direct_get(self.server.direct(), peer, req, ok, deadline, owner, allow, got)
         finally:
             q.unclaim(owner, allow)
-        if not rest:
-            return ok, []
-        self.staged.get(req, rest, ok, peer, deadline)
-        return ok, []
+        if rest:
+            self.staged.get(req, rest, ok, peer, deadline, got)
+        return ok, [], got

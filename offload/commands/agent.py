@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory that transfers past their deadline may hold, per host key (in "
                         "all with a shared secret); its NIXL requests are refused past it "
                         "(default 256MiB)")
+    p.add_argument("--max-memory", type=_size, default=Size(4 << 30), metavar="SIZE",
+                   help="request frames and staging memory of all connections together "
+                        "(default 4GiB)")
+    p.add_argument("--max-memory-per-key", type=_size, default=Size(1 << 30), metavar="SIZE",
+                   help="request frames and staging memory of one host key's connections "
+                        "(default 1GiB)")
     p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a started frame (and the whole handshake) may take to arrive "
                         "(default 30)")
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                          max_body=args.max_frame, staging_size=args.staging,
                          io_timeout=args.io_timeout, max_requests=args.max_requests,
                          max_namespaces=args.max_namespaces,
-                         max_quarantine=args.max_quarantine)
+                         max_quarantine=args.max_quarantine, max_memory=args.max_memory,
+                         max_memory_per_key=args.max_memory_per_key)
     try:
         server.start()
     except OSError as e:

@@ -360,3 +360,23 @@ def test_acknowledged_puts_leave_the_store_rounds_grouped_until_a_reader_waits(r
     out = [[bytearray(BLOCK)] for _ in range(6)]
     assert b.get_many(ks, out) == [True] * 6          # a reader kicks it: one round for all
     assert len(syncs) == 1 and a.flush() is True
+
+
+def test_one_tenants_backlog_makes_only_its_own_puts_wait() -> None:
+    """Issue 27: the hidden-until-durable table was bounded only in all, so one tenant whose
+    puts were not yet durable made every tenant's puts wait for their own commits. Now past its
+    own bound only that tenant's puts wait; another's are acknowledged at once."""
+    store = FakeStore()
+    acks = Acks(store, lambda name, n: None, max_hidden=100, max_hidden_per_key=2)
+    given: list[Any] = []
+
+    def write(settle: Any) -> list[bool | None]:
+        given.append(settle)
+        return [None] * 2 if settle is not None else [False] * 2
+
+    assert acks.put(keys(2, "a1"), write, "a") == [True, True]          # hidden: a's 2
+    assert acks.put(keys(2, "b1"), write, "b") == [True, True]          # b not affected
+    assert given[0] is not None and given[1] is not None
+    acks.put(keys(2, "a2"), write, "a")                                 # a waits for its own
+    assert given[2] is None
+    acks.close()
