@@ -14,7 +14,8 @@ is final frees what it held (a held handle is never released while it runs).
 Primitives: `Quarantine(agent)`; `.hold(handle, peer, blocks, release, owner=, nbytes=)`; `.reap()`
 (polls every held transfer, runs the release of the final ones, forgets the dropped peers none
 of whose transfers runs; called before each transfer and at each connection's close);
-`.drop_peer(peer, forget)`; `.revive(peer)` (a dropped peer's name loaded again: not forgotten); `.held()` -> blocks held now; `.total` ->
+`.drop_peer(peer, forget)`; `.revive(peer)` (a dropped peer's name loaded again: not
+forgotten); `.dying()` -> dropped peers not forgotten yet; `.held()` -> blocks held now; `.total` ->
 ever held; `.held_bytes(owner)` -> bytes held now (of one owner, or all).
 Bounded per owner (a tenant: `offload.agent.access.Access.tenant`): a host that stalls its own
 endpoint keeps every transfer unfinished, so without a bound it could quarantine the whole DRAM

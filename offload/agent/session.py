@@ -3,25 +3,8 @@
 Primitives: `Session(server, sock, peer).run()`. The first frame must be an authenticated HELLO
 (host name, transport, NIXL metadata of the host's registered KV pool), small and complete within
 `io_timeout` (`protocol.accept_hello`); only then does the connection count as a client
-(`server.admit`). Then each request is one frame and gets one reply:
-- PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
-  store writes the previous group (half B); blocks the store already holds are not read at all.
-  With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
-  A PUT is acknowledged once its blocks are written (through staging: once read into staging,
-  their write still running, `StagedPath.put`); a store that commits in the background (the disk
-  store) makes them durable later, and until then `server.acks` hides them from everyone:
-  EXISTS says no, a GET waits for them (briefly, then misses). DURABLE waits for them and says
-  per key whether it is durable.
-- GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
-  into host memory. A block is reported True only after its WRITE completed. With a store arena
-  NIXL WRITEs straight from the pinned slots.
-- PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
-  travel as the frame payload.
-- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
-  (newer NIXL metadata of this connection; the peer it replaces is released), PROVE (the nonce
-  sent to the endpoint, echoed; the MAC of it under this connection's key, read back through
-  the endpoint at the address given). Requests with descriptors are refused while the host
-  key's quarantined transfers hold `server.max_quarantine` bytes.
+(`server.admit`). Then each request is one frame and gets one reply; what each request does is
+described with the wire protocol, in `offload.agent.protocol` ("Requests").
 Keys of a namespace the host is not entitled to make the whole request refused (ERROR reply).
 A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
 with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
