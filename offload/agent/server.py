@@ -1,7 +1,8 @@
 """The storage agent: owns one block store and serves many inference hosts over TCP.
 
-Primitives: `AgentServer(store, access, host, port, ...)` (`access`: an `offload.agent.access.
-Access`, or a shared secret's bytes); `.start()` binds and listens (port 0 picks a free one,
+Primitives: `AgentServer(store, access, host, port, transport=, limits=, name=)` (`access`: an
+`offload.agent.access.Access`, or a shared secret's bytes; `limits`: one
+`offload.agent.limits.AgentLimits`); `.start()` binds and listens (port 0 picks a free one,
 `.port` tells which), `.serve_forever()` accepts until `.stop()`, each connection served by its
 own thread (`offload.agent.session.Session`). With `transport="ucx"` one NIXL agent
 (`offload.agent.mover.Mover`) moves the bytes of every host that registered its memory; with
@@ -33,11 +34,11 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from offload.agent import protocol
 from offload.agent.access import Access
 from offload.agent.acks import Acks
-from offload.agent.budget import MAX_MEMORY, MAX_MEMORY_PER_KEY, Memory
+from offload.agent.budget import Memory
 from offload.agent.describe import Describer
+from offload.agent.limits import AgentLimits
 from offload.agent.rate import Challenges
 from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
@@ -53,28 +54,24 @@ LOG_EVERY_S = 5.0          # repeated rejections of one kind are logged at most 
 
 class AgentServer:
     def __init__(self, store: BlockStore, access: Access | bytes, host: str = "0.0.0.0",
-                 port: int = 0, *, transport: str = "ucx", max_clients: int = 64,
-                 max_pending: int = 16, max_body: int = protocol.DEFAULT_MAX_BODY,
-                 staging_size: int = 64 << 20, io_timeout: float = 30.0,
-                 idle_timeout: float = 3600.0, name: str | None = None,
-                 max_requests: int = 32, max_namespaces: int = 1024,
-                 max_quarantine: int = 256 << 20, max_memory: int = MAX_MEMORY,
-                 max_memory_per_key: int = MAX_MEMORY_PER_KEY):
+                 port: int = 0, *, transport: str = "ucx", limits: AgentLimits | None = None,
+                 name: str | None = None):
+        lim = self.limits = limits or AgentLimits()
         self.store = store
         self.access = access if isinstance(access, Access) else Access.shared(access)
-        self.access.max_conns = max_clients
-        self.access.max_requests = max_requests
-        self.access.max_namespaces = max_namespaces
+        self.access.max_conns = lim.max_clients
+        self.access.max_requests = lim.max_requests
+        self.access.max_namespaces = lim.max_namespaces
         self.host = host
         self.port = port
         self.transport = transport
-        self.max_pending = max_pending
-        self.max_quarantine = int(max_quarantine)
-        self.max_body = int(max_body)
-        self.staging_size = int(staging_size)
-        self.max_block = min(staging_size // 2, max_body - (1 << 16))
-        self.io_timeout = io_timeout
-        self.idle_timeout = idle_timeout
+        self.max_pending = lim.max_pending
+        self.max_quarantine = int(lim.max_quarantine)
+        self.max_body = int(lim.max_body)
+        self.staging_size = int(lim.staging_size)
+        self.max_block = lim.max_block
+        self.io_timeout = lim.io_timeout
+        self.idle_timeout = lim.idle_timeout
         self.name = name or f"sglang-offload-agent-{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self.mover: "Mover | None" = None
@@ -88,8 +85,8 @@ class AgentServer:
         self._logged: dict[str, tuple[float, int]] = {}
         self.acks = Acks(store, self.count)
         self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
-        self.describer = Describer(store, max_namespaces, self.count)
-        self.memory = Memory(max_memory, max_memory_per_key)    # frames and staging
+        self.describer = Describer(store, lim.max_namespaces, self.count)
+        self.memory = Memory(lim.max_memory, lim.max_memory_per_key)    # frames and staging
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:

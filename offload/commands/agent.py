@@ -118,6 +118,7 @@ def open_store(args: argparse.Namespace) -> BlockStore:
 def run(args: argparse.Namespace) -> int:
     from offload.agent.access import Access
     from offload.agent.auth import load_keys, load_secret
+    from offload.agent.limits import AgentLimits
     from offload.agent.server import AgentServer
 
     agent_log = logging.getLogger("offload.agent")
@@ -133,13 +134,12 @@ def run(args: argparse.Namespace) -> int:
               else Access.shared(load_secret(args.secret_file)))
     store = open_store(args)
     host, port = args.listen
-    server = AgentServer(store, access, host, port, transport=args.transport,
-                         max_clients=args.max_clients, max_pending=args.max_pending,
+    limits = AgentLimits(max_clients=args.max_clients, max_pending=args.max_pending,
+                         max_requests=args.max_requests, max_namespaces=args.max_namespaces,
                          max_body=args.max_frame, staging_size=args.staging,
-                         io_timeout=args.io_timeout, max_requests=args.max_requests,
-                         max_namespaces=args.max_namespaces,
                          max_quarantine=args.max_quarantine, max_memory=args.max_memory,
-                         max_memory_per_key=args.max_memory_per_key)
+                         max_memory_per_key=args.max_memory_per_key, io_timeout=args.io_timeout)
+    server = AgentServer(store, access, host, port, transport=args.transport, limits=limits)
     try:
         server.start()
     except OSError as e:

@@ -17,6 +17,7 @@ import pytest
 
 from offload.agent.acks import Acks
 from offload.agent.client import AgentStore
+from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store import coalesce
@@ -208,7 +209,8 @@ def test_a_staged_put_is_acknowledged_while_its_write_runs_and_the_host_may_reus
 
     store = open_store(tmp_path / "store", 64 << 20)
     held = HeldWrites(store)
-    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx", staging_size=1 << 20)
+    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx",
+                      limits=AgentLimits(staging_size=1 << 20))
     srv.start()
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     a = AgentStore(f"127.0.0.1:{srv.port}", SECRET, timeout_s=30, connections=1)

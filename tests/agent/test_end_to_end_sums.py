@@ -23,6 +23,7 @@ import pytest
 
 from offload.agent import nixl_util
 from offload.agent.client import AgentStore
+from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store.memory import MemoryStore
@@ -73,7 +74,8 @@ def rig(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     corrupt = Corrupt(monkeypatch)
     store = (MemoryStore(64 << 20, reserve=8 << 20) if request.param == "memory"
              else open_store(tmp_path / "store", 64 << 20))
-    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx", staging_size=4 << 20)
+    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx",
+                      limits=AgentLimits(staging_size=4 << 20))
     srv.start()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()

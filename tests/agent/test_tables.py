@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from offload.agent.client import AgentStore
+from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store.memory import MemoryStore
@@ -39,7 +40,8 @@ class SlowRecords(MemoryStore):
 @pytest.fixture
 def served() -> Iterator[tuple[SlowRecords, AgentServer]]:
     store = SlowRecords()
-    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="tcp", max_namespaces=4)
+    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="tcp",
+                      limits=AgentLimits(max_namespaces=4))
     srv.start()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -95,7 +97,7 @@ def test_frames_and_staging_are_bounded_per_key_and_in_all() -> None:
     come back once a request is served."""
     store = MemoryStore(64 << 20)
     srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="tcp",
-                      max_memory_per_key=3 << 20)
+                      limits=AgentLimits(max_memory_per_key=3 << 20))
     srv.start()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
