@@ -28,6 +28,14 @@ class AgentLimits:
     io_timeout: float = 30.0           # a started frame (and the handshake) in all
     idle_timeout: float = 3600.0       # an authenticated connection with no request
 
+    def __post_init__(self) -> None:
+        # Plain numbers (a CLI `Size` is an int subclass the wire encoder does not take).
+        for f in ("max_clients", "max_pending", "max_requests", "max_namespaces", "max_body",
+                  "staging_size", "max_quarantine", "max_memory", "max_memory_per_key"):
+            object.__setattr__(self, f, int(getattr(self, f)))
+        for f in ("io_timeout", "idle_timeout"):
+            object.__setattr__(self, f, float(getattr(self, f)))
+
     @property
     def max_block(self) -> int:
         return min(self.staging_size // 2, self.max_body - (1 << 16))

@@ -35,10 +35,10 @@ Primitives:
 Requests (what the agent, `offload.agent.session`, does with each; one frame, one reply):
 - PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
   store writes the previous group (half B); blocks the store already holds are not read at all.
-  With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
+  With a store arena (`AgentServer.arena()`) NIXL READs straight into reserved slots, committed after.
   A PUT is acknowledged once its blocks are written (through staging: once read into staging,
   their write still running, `StagedPath.put`); a store that commits in the background (the disk
-  store) makes them durable later, and until then `server.acks` hides them from everyone:
+  store) makes them durable later, and until then `AgentServer.acks` hides them from everyone:
   EXISTS says no, a GET waits for them (briefly, then misses). DURABLE waits for them and says
   per key whether it is durable. With `Blocks.sums` (version 5) a block whose READ landed bytes
   of another checksum is not stored.
@@ -48,11 +48,12 @@ Requests (what the agent, `offload.agent.session`, does with each; one frame, on
   WRITEs straight from the pinned slots.
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
-- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
-  (newer NIXL metadata of this connection; the peer it replaces is released), PROVE (the nonce
-  sent to the endpoint, echoed; the MAC of it under this connection's key, read back through
-  the endpoint at the address given). Requests with descriptors are refused while the host
-  key's quarantined transfers hold `server.max_quarantine` bytes.
+- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants,
+  `AgentServer.access`), METADATA (newer NIXL metadata of this connection; the peer it replaces
+  is released), PROVE (the nonce sent to the endpoint, echoed; the MAC of it under this
+  connection's key, read back through the endpoint at the address given). Requests with
+  descriptors (and PROVE) are refused while the host key's quarantined transfers hold
+  `--max-quarantine` bytes.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
 `io_timeout` (`recv`), and a client waits for its reply until its request's deadline
 (`recv(deadline=...)`, `send(deadline=...)`); `idle_timeout` bounds the wait for the next frame.

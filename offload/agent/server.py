@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from offload.agent.access import Access
 from offload.agent.acks import Acks
 from offload.agent.budget import Memory
+from offload.agent.context import AgentContext
 from offload.agent.describe import Describer
 from offload.agent.limits import AgentLimits
 from offload.agent.rate import Challenges
@@ -87,6 +88,12 @@ class AgentServer:
         self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
         self.describer = Describer(store, lim.max_namespaces, self.count)
         self.memory = Memory(lim.max_memory, lim.max_memory_per_key)    # frames and staging
+        # What each connection may use of the agent (never the server itself).
+        self.ctx = AgentContext(
+            name=self.name, store=store, access=self.access, acks=self.acks, limits=lim,
+            memory=self.memory, describer=self.describer, challenges=self.challenges,
+            count=self.count, warn=self.warn, counters=self.counters, admit=self.admit,
+            release=self.release, direct=self.direct, stopping=lambda: self.stopping)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -150,7 +157,7 @@ class AgentServer:
         if self.transport == "ucx":
             from offload.agent.mover import Mover
 
-            self.mover = Mover(self.name)
+            self.mover = self.ctx.mover = Mover(self.name)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -195,7 +202,7 @@ class AgentServer:
             return
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=Session(self, conn, peer, conn_id).run,
+            t = threading.Thread(target=Session(self.ctx, conn, peer, conn_id).run,
                                  name=f"agent-conn-{conn_id}", daemon=True)
             with self._lock:
                 self._sessions[conn_id] = t

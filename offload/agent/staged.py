@@ -1,17 +1,16 @@
 """The staging path of one connection: NIXL moves a request's blocks through staging memory while
 the store reads or writes the other half.
 
-Primitives: `StagedPath(server, conn_id)`; `.put(req, todo, ok, peer, deadline, settle)` NIXL
-READs the `todo` blocks of a PUT from host memory into a staging half while the store writes the
-previous half (one `put_many` per whole half: the store's cost is per call). With `settle` the
-writes still running when the last READ completed are not waited for (their blocks are set None
-and the write reports to `settle`, `offload.agent.acks`): they go on while the next request's
-READ fills the other half (both halves' writes may run at once, on two store threads), and a
-half is reused only once its write is done. `.get(req, todo,
-ok, peer, deadline)` has the store read a half while NIXL WRITEs the previous one into host
-memory (a request that fits one half is cut in two, so that the two overlap; a block is True
-only after its WRITE completed); `.close()` (waits for the writes). Both set `ok[i]` and never
-raise.
+Primitives: `StagedPath(ctx, conn_id)` (`offload.agent.context.AgentContext`); `.put(req, todo, ok,
+peer, deadline, settle)` NIXL READs the `todo` blocks of a PUT from host memory into a staging half
+while the store writes the previous half (one `put_many` per whole half: the store's cost is per
+call). With `settle` the writes still running when the last READ completed are not waited for (their
+blocks are set None and the write reports to `settle`, `offload.agent.acks`): they go on while the
+next request's READ fills the other half (both halves' writes may run at once, on two store
+threads), and a half is reused only once its write is done. `.get(req, todo, ok, peer, deadline)`
+has the store read a half while NIXL WRITEs the previous one into host memory (a request that fits
+one half is cut in two, so that the two overlap; a block is True only after its WRITE completed);
+`.close()` (waits for the writes). Both set `ok[i]` and never raise.
 A transfer still running at its deadline may yet land in, or read, its staging half: the whole
 staging memory is then quarantined (`offload.agent.quarantine`) until NIXL says it is final, and
 the next request gets fresh staging. Used by `offload.agent.session` for stores without an arena
@@ -31,8 +30,8 @@ from offload.agent import nixl_util, protocol, sums
 from offload.agent.acks import Settle
 
 if TYPE_CHECKING:
+    from offload.agent.context import AgentContext
     from offload.agent.mover import Mover, Staging
-    from offload.agent.server import AgentServer
 
 log = logging.getLogger("offload.agent")
 
@@ -42,15 +41,15 @@ class NoMemory(Exception):
 
 
 class StagedPath:
-    def __init__(self, server: "AgentServer", conn_id: int):
-        self.server = server
+    def __init__(self, ctx: "AgentContext", conn_id: int):
+        self.ctx = ctx
         self.conn_id = conn_id
         self.owner = ""            # the connection's tenant: whose quarantine bound it counts in
         self.staging: "Staging | None" = None
         self._pool: ThreadPoolExecutor | None = None
         self._writing: list[Future | None] = [None, None]   # store write reading each half
         self._half = 1                                       # the half a put used last
-        self._taken: dict[int, int] = {}     # id(staging) -> bytes taken from server.memory
+        self._taken: dict[int, int] = {}     # id(staging) -> bytes taken from ctx.memory
 
     def close(self) -> None:
         if self._pool is not None:
@@ -62,8 +61,8 @@ class StagedPath:
             self.staging = None
 
     def _mover(self) -> "Mover":
-        assert self.server.mover is not None
-        return self.server.mover
+        assert self.ctx.mover is not None
+        return self.ctx.mover
 
     def _staging(self) -> "Staging":
         """This connection's staging, mapped on first use within the agent's memory bound
@@ -71,16 +70,16 @@ class StagedPath:
         if self.staging is None:
             from offload.agent.mover import Staging
 
-            size = self.server.staging_size
-            why = self.server.memory.take(self.owner, size)
+            size = self.ctx.limits.staging_size
+            why = self.ctx.memory.take(self.owner, size)
             if why is not None:
-                self.server.count("rejected_memory")
-                self.server.warn("memory", "no staging for host key %s: %s", self.owner, why)
+                self.ctx.count("rejected_memory")
+                self.ctx.warn("memory", "no staging for host key %s: %s", self.owner, why)
                 raise NoMemory(why)
             try:
                 staging = Staging(self._mover(), size)
             except BaseException:
-                self.server.memory.give(self.owner, size)
+                self.ctx.memory.give(self.owner, size)
                 raise
             self.staging = staging
             self._taken[id(staging)] = size
@@ -91,7 +90,7 @@ class StagedPath:
         try:
             staging.close()
         finally:
-            self.server.memory.give(self.owner, self._taken.pop(id(staging), 0))
+            self.ctx.memory.give(self.owner, self._taken.pop(id(staging), 0))
 
     def _io(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -130,7 +129,7 @@ class StagedPath:
         staging = self.staging
         self._mover().quarantine.hold(pending[0], peer, 1, lambda: self._close_staging(staging),
                                       owner=self.owner, nbytes=2 * staging.half_size)
-        self.server.count("staging_quarantined")
+        self.ctx.count("staging_quarantined")
         self.staging = None
 
     def put(self, req: protocol.Blocks, todo: list[int], ok: list[bool | None], peer: str,
@@ -155,8 +154,8 @@ class StagedPath:
                     mover.agent, "READ", local, remote, peer, deadline,
                     on_pending=pending.append):
                 break
-            self.server.count("bytes_nixl_in", off)
-            self.server.count("blocks_staged_in", len(group))
+            self.ctx.count("bytes_nixl_in", off)
+            self.ctx.count("blocks_staged_in", len(group))
             blocks, off = [], 0
             for i in group:
                 blocks.append([view[off:off + req.sizes[i]]])
@@ -189,13 +188,13 @@ class StagedPath:
         good = [sums.of_views(b) == req.sums[i] for i, b in zip(group, blocks)]
         if all(good):
             return group, blocks
-        self.server.count("checksum_mismatch_in", good.count(False))
+        self.ctx.count("checksum_mismatch_in", good.count(False))
         log.warning("%d block(s) read from the host do not have the checksum it sent: not "
                     "stored", good.count(False))
         return ([i for i, g in zip(group, good) if g], [b for b, g in zip(blocks, good) if g])
 
     def _store_put(self, keys: list[bytes], blocks: list) -> list[bool]:
-        return self.server.store.put_many(keys, blocks)
+        return self.ctx.store.put_many(keys, blocks)
 
     def get(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
             deadline: float, out_sums: list[int] | None = None) -> None:
@@ -230,8 +229,8 @@ class StagedPath:
             local, remote, nbytes = _pairs(req, hits, base, [o for o, f in zip(offs, flags) if f])
             if nixl_util.run_xfer(mover.agent, "WRITE", local, remote, peer, deadline,
                                   on_pending=pending.append):
-                self.server.count("bytes_nixl_out", nbytes)
-                self.server.count("blocks_staged_out", len(hits))
+                self.ctx.count("bytes_nixl_out", nbytes)
+                self.ctx.count("blocks_staged_out", len(hits))
                 for i in hits:
                     ok[i] = True
             elif pending:
@@ -253,7 +252,7 @@ class StagedPath:
             dests.append([view[off:off + req.sizes[i]]])
             offs.append(off)
             off += req.sizes[i]
-        flags = self.server.store.get_many([req.keys[i] for i in group], dests)
+        flags = self.ctx.store.get_many([req.keys[i] for i in group], dests)
         return flags, offs, [sums.of_views(d) if f else 0 for d, f in zip(dests, flags)]
 
 
