@@ -13,8 +13,9 @@ Primitives:
 - `value(key_path, value)`: the value of one config key fit to print (`repr`), masked if the key
   is secret-bearing. Every config error quoting a value goes through it.
 - `tree(section, data)`: a copy of an `offload:` or `sglang:` tree fit to print.
-- `argv(args)`: a command line with the values of SGLang's secret flags masked (display only;
-  SGLang itself gets the real ones).
+- `argv(args, parser=None)`: a command line with the values of SGLang's secret flags masked
+  (display only; SGLang itself gets the real ones), a flag being what SGLang's own parser
+  resolves it to (argparse takes unique prefixes: `--api-k` is `--api-key`).
 - `text(s, secrets)`: free text (an exception from a library, a YAML error) with URL passwords
   and each known secret string masked.
 - `config_secrets(cfg)`: the secret strings of an `OffloadConfig` (for `text`).
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from urllib.parse import unquote
 
 if TYPE_CHECKING:
+    import argparse
+
     from offload.config import OffloadConfig
 
 MASK = "***"
@@ -89,18 +92,46 @@ def tree(section: str, data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def argv(args: list[str]) -> list[str]:
-    """A command line fit to print: the values of SGLang's secret flags masked."""
-    flags = {"--" + k.replace("_", "-") for k in SGLANG_SECRET_KEYS}
+def argv(args: list[str], parser: "argparse.ArgumentParser | None" = None) -> list[str]:
+    """A command line fit to print: the values of SGLang's secret flags masked. A flag is what
+    SGLang's parser (`parser`, else `offload.launch.argspec.sglang_parser()`) resolves it to:
+    argparse takes a unique prefix of a long flag for it (`--api-k` is `--api-key`); a prefix it
+    finds ambiguous is masked if any flag it may mean is a secret."""
+    secret = _secret_flags(parser)
     out = list(args)
     for i, a in enumerate(args):
+        if not a.startswith("--") or a == "--":
+            continue
         name, eq, _ = a.partition("=")
-        if name in flags:
+        if secret(name):
             if eq:
                 out[i] = f"{name}={MASK}"
             elif i + 1 < len(args):
                 out[i + 1] = MASK
     return out
+
+
+def _secret_flags(parser: "argparse.ArgumentParser | None") -> "Callable[[str], bool]":
+    """Whether a long flag as typed names a secret, by the parser's own resolution."""
+    if parser is None:
+        try:
+            from offload.launch.argspec import sglang_parser
+
+            parser = sglang_parser()[0]
+        except Exception:  # noqa: BLE001 - without SGLang's parser: SGLang's own spellings
+            parser = None
+    dest: dict[str, str] = {"--" + k.replace("_", "-"): k for k in SGLANG_SECRET_KEYS}
+    if parser is not None:
+        dest = {o: a.dest for a in parser._actions for o in a.option_strings
+                if o.startswith("--")}
+
+    def secret(name: str) -> bool:
+        if name in dest:
+            return dest[name] in SGLANG_SECRET_KEYS
+        # argparse's abbreviation: every long flag the typed one is a prefix of.
+        return any(d in SGLANG_SECRET_KEYS for o, d in dest.items() if o.startswith(name))
+
+    return secret
 
 
 def text(s: str, secrets: Iterable[str] = ()) -> str:

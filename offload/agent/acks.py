@@ -18,8 +18,9 @@ them, counting those lost in `put_lost`); `hidden(keys)`; `wait(keys, deadline)`
 `durable(keys, deadline)` (DURABLE: per key, durable now); `settle(keys, ok)` (a write still
 running at the acknowledgement finished); `deleted(keys)` (a DELETE named hidden keys: deleted
 again once durable, not counted lost if never); `close()`. Bounded: with `max_hidden` keys
-hidden, a put waits for its own commit before it is acknowledged, so a stalled committer cannot
-grow the table.
+hidden in all, or `max_hidden_per_key` of the put's `owner` (its tenant), a put waits for its
+own commit before it is acknowledged, so a stalled committer cannot grow the table, and one
+tenant's backlog makes only its own puts wait.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from offload.store.base import BlockStore, durable
 log = logging.getLogger("offload.agent")
 
 MAX_HIDDEN = 1 << 18      # keys acknowledged, not yet known durable (then puts wait for theirs)
+MAX_HIDDEN_PER_KEY = 1 << 16   # ... of them of one host key (tenant): its backlog, not everyone's
 GET_WAIT_S = 1.0          # a GET of a hidden key waits this long for its commit (as the store's)
 RETRY_S = 0.05            # pause before asking again about keys still in flight
 Settle = Callable[[Sequence[bytes], Sequence[bool]], None]
@@ -42,11 +44,14 @@ Settle = Callable[[Sequence[bytes], Sequence[bool]], None]
 
 class Acks:
     def __init__(self, store: BlockStore, count: Callable[[str, int], None],
-                 max_hidden: int = MAX_HIDDEN):
+                 max_hidden: int = MAX_HIDDEN, max_hidden_per_key: int = MAX_HIDDEN_PER_KEY):
         self.store = store
         self.active = callable(getattr(store, "durable", None))
         self._count = count
         self._max = max_hidden
+        self._max_owned = max_hidden_per_key
+        self._owner: dict[bytes, str] = {}       # hidden key -> the tenant whose put hid it
+        self._owned: Counter[str] = Counter()    # tenant -> its keys hidden
         self._cond = threading.Condition()
         self._hidden: dict[bytes, int] = {}      # key -> puts of it not yet known durable
         self._queue: dict[bytes, int] = {}       # acknowledged, to confirm -> puts
@@ -56,7 +61,7 @@ class Acks:
 
     # ---------------------------------------------------------------- puts
     def put(self, keys: Sequence[bytes],
-            write: Callable[[Settle | None], Sequence[bool | None]]) -> list[bool]:
+            write: Callable[[Settle | None], Sequence[bool | None]], owner: str = "") -> list[bool]:
         """`write(settle)` (the put's store calls) with `keys` hidden; its flags, acknowledged
         now. A block `write` flags None was received but its store write is still running: it
         reports to `settle` when done (with None for `settle`, `write` must finish every write
@@ -65,8 +70,12 @@ class Acks:
             return [bool(f) for f in write(None)]
         keys = [bytes(k) for k in keys]
         with self._cond:
-            early = len(self._hidden) < self._max and not self._closed
+            early = (len(self._hidden) < self._max and self._owned[owner] < self._max_owned
+                     and not self._closed)
             for k in keys:
+                if k not in self._hidden:
+                    self._owner[k] = owner
+                    self._owned[owner] += 1
                 self._hidden[k] = self._hidden.get(k, 0) + 1
         flags: Sequence[bool | None] = [False] * len(keys)
         try:
@@ -114,7 +123,11 @@ class Acks:
                 if left > 0:
                     self._hidden[k] = left
                 else:
-                    self._hidden.pop(k, None)
+                    if self._hidden.pop(k, None) is not None:
+                        who = self._owner.pop(k, "")
+                        self._owned[who] -= 1
+                        if self._owned[who] <= 0:
+                            del self._owned[who]
                     self._deleted.discard(k)
             self._cond.notify_all()
 

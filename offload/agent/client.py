@@ -41,7 +41,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from offload.agent import protocol
+from offload.agent import protocol, sums
 from offload.agent.access import register_msg
 from offload.agent.conn import AgentConn, ConnHooks, ConnSettings, Down, Refused
 from offload.keys import Namespace
@@ -76,6 +76,7 @@ class AgentStore:
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}").lstrip("._@:-")[:128]
         self.nixl_name = f"{self.host_name}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.down_until = 0.0
+        self.get_mismatch = 0     # GET blocks whose bytes lacked the agent's checksum: misses
         self._lock = threading.RLock()        # registration state and namespaces
         settings = ConnSettings(self.address, secret, self.host_name, transport, timeout_s)
         hooks = ConnHooks(is_down=lambda: time.monotonic() < self.down_until,
@@ -302,8 +303,11 @@ class AgentStore:
                     inline_idx.append(i)
             counts = [len(descs.get(i, ())) for i in range(len(keys))]
             for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys, counts):
+                # A PUT's checksums travel in the MAC'd frame; the agent checks its READ by them.
                 req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                               descs=[descs[i] for i in batch], budget_ms=self._budget_ms())
+                               descs=[descs[i] for i in batch], budget_ms=self._budget_ms(),
+                               sums=[sums.of_regions(descs[i]) for i in batch]
+                               if op == protocol.PUT else None)
                 if not self._send_batch(c, op, req, batch, ok):
                     return ok
             room = info.max_body - (64 << 10)
@@ -326,7 +330,7 @@ class AgentStore:
             return True
         except Down:
             return False
-        flags = reply.ok  # type: ignore[attr-defined]
+        flags = list(reply.ok)  # type: ignore[attr-defined]
         if len(flags) != len(batch):
             c.fail(protocol.ProtocolError("reply flags do not match the request"))
             return False
@@ -342,6 +346,14 @@ class AgentStore:
                         mv = memoryview(b).cast("B")
                         mv[:] = data[off:off + mv.nbytes]
                         off += mv.nbytes
+        got = getattr(reply, "sums", None)
+        if op == protocol.GET and req.descs is not None and got is not None:
+            # What NIXL wrote into our memory must have the checksum the agent sent beside it.
+            for k, f in enumerate(flags):
+                if f and (len(got) != len(flags) or sums.of_regions(req.descs[k]) != got[k]):
+                    flags[k] = False
+                    with self._lock:
+                        self.get_mismatch += 1
         for i, f in zip(batch, flags):
             ok[i] = bool(f)
         return True
@@ -404,6 +416,7 @@ class AgentStore:
         s = StoreStats(**{k: v for k, v in fields.items() if k in names})
         s.extra = {k: v for k, v in fields.items() if k not in names}
         s.extra["agent"] = f"{self.address[0]}:{self.address[1]}"
+        s.extra["host_get_mismatch"] = self.get_mismatch
         return s
 
     def close(self) -> None:

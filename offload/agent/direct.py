@@ -5,8 +5,10 @@ Primitives: `Direct(store, arena, agent, quarantine, count, pool)`: what the mov
 by the server (`AgentServer.direct()`). `direct_put(direct, peer, req, todo, ok, deadline, owner,
 allow)` NIXL READs
 a PUT's blocks into slots from `reserve_slots`, then `commit_slots` (the store checksums each
-block) / `abort_slots`; `direct_get(...)` WRITEs a GET's blocks from slots held by `pin_slots` (the
-store verifies each block's checksum first), then `unpin_slots`. Blocks are posted to NIXL in
+block; a block whose bytes lack the checksum the host sent, `Blocks.sums`, is aborted instead) /
+`abort_slots`; `direct_get(..., out_sums)` WRITEs a GET's blocks from slots held by `pin_slots`
+(the store verifies each block's checksum first; `out_sums[i]` gets it, for the host to check),
+then `unpin_slots`. Blocks are posted to NIXL in
 chunks of about `CHUNK_BYTES`, and the store checksums (put: after its READ completed) or verifies
 (get: before its WRITE is posted) one chunk on the mover's checksum pool while this thread moves
 another (with UCX over TCP, posting a transfer copies its bytes in this thread). Each
@@ -25,7 +27,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from offload.agent import nixl_util
+from offload.agent import nixl_util, sums
 from offload.agent.mover import Arena
 from offload.agent.quarantine import Quarantine
 from offload.store.base import SlotStore
@@ -192,7 +194,7 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
             chunks.add(i, s, *descs)      # type: ignore[arg-type]
     if unused:
         store.abort_slots(unused)
-    commits = [(idx, done, _later(d, store.commit_slots, done))
+    commits = [(idx, done, _later(d, _check_commit, d, req, idx, done))
                for idx, done in chunks.wait(store.abort_slots, AHEAD)]
     for idx, done, fut in commits:
         for i, f in zip(idx, fut.result()):
@@ -202,8 +204,32 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
     return rest
 
 
+def _check_commit(d: Direct, req: "Blocks", idx: list[int], slots: list["Slot"]) -> list[bool]:
+    """Commit the slots a READ filled whose bytes have the checksum the host sent with the PUT
+    (`offload.agent.sums`); the others are aborted (a miss, counted). On the checksum pool."""
+    if req.sums is None:
+        return d.store.commit_slots(slots)
+    good = [sums.of_views([s.view]) == req.sums[i] for i, s in zip(idx, slots)]
+    bad = [s for s, g in zip(slots, good) if not g]
+    if bad:
+        d.store.abort_slots(bad)
+        d.count("checksum_mismatch_in", len(bad))
+        log.warning("%d block(s) read from the host do not have the checksum it sent: not stored",
+                    len(bad))
+    flags = iter(d.store.commit_slots([s for s, g in zip(slots, good) if g]))
+    return [g and next(flags) for g in good]
+
+
+def _pin_sums(store: SlotStore, keys: list[bytes]) -> tuple[list["Slot | None"], list[int]]:
+    """`pin_slots`, and the checksum of each pinned block (sent with the GET reply)."""
+    slots = store.pin_slots(keys)
+    return slots, [sums.of_views([s.view]) if s is not None and s.view is not None else 0
+                   for s in slots]
+
+
 def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool],
-               deadline: float, owner: str = "", allow: int = 1 << 62) -> list[int]:
+               deadline: float, owner: str = "", allow: int = 1 << 62,
+               out_sums: list[int] | None = None) -> list[int]:
     """NIXL WRITEs stored blocks straight from their pinned slots; returns the blocks left for
     the staging path (past `allow` bytes too). Blocks are pinned (the store verifies their
     checksums) a chunk at a time on the checksum pool, up to two chunks ahead of the one NIXL
@@ -215,11 +241,14 @@ def direct_get(d: Direct | None, peer: str | None, req: "Blocks", ok: list[bool]
     todo, rest = _within(req, list(range(len(req.keys))), allow)
     chunks = _Chunks(d, "WRITE", peer, deadline, owner)
     groups = _by_bytes(todo, req.sizes, CHUNK_BYTES)
-    pins = [_later(d, store.pin_slots, [req.keys[i] for i in g]) for g in groups[:2]]
+    pins = [_later(d, _pin_sums, store, [req.keys[i] for i in g]) for g in groups[:2]]
     for g, group in enumerate(groups):
-        slots = pins[g].result()      # pinned and verified while NIXL wrote the chunks before
+        slots, got = pins[g].result()  # pinned and verified while NIXL wrote the chunks before
         if g + 2 < len(groups):
-            pins.append(_later(d, store.pin_slots, [req.keys[i] for i in groups[g + 2]]))
+            pins.append(_later(d, _pin_sums, store, [req.keys[i] for i in groups[g + 2]]))
+        if out_sums is not None:
+            for i, c in zip(group, got):
+                out_sums[i] = c
         for i, s in zip(group, slots):
             descs = _descs(d.arena, req, i, s)
             if descs is None:

@@ -3,9 +3,12 @@
 Primitives:
 - `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host)` loads a host's metadata
   (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
-  `host/` (read from the metadata *before* loading it); several connections of one host share a
+  `host/` (read from the metadata *before* loading it); metadata not loaded before is first
+  checked and loaded by a child process (`offload.agent.vet`), so that what makes UCX abort
+  kills the child, not the agent; several connections of one host share a
   peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
-  `drop_peer(name, conn)` forgets a peer when its last connection closes. A loaded peer is not
+  `drop_peer(name, conn)` forgets a peer when its last connection closes (once none of its
+  transfers runs: `Quarantine.drop_peer`). A loaded peer is not
   used until proven: `challenge(name, tag)` sends a fresh nonce to the endpoint the metadata
   names (a NIXL notification), `prove(name, md)` marks it usable once the host echoed it over
   its authenticated connection, `proven(name)`; newer metadata under the name is unproven again
@@ -41,6 +44,7 @@ from typing import Any, Sequence
 from offload.agent import nixl_util
 from offload.agent.protocol import PROOF_MAGIC, PROOF_NONCE_BYTES
 from offload.agent.quarantine import Quarantine
+from offload.agent.vet import Vetter
 
 log = logging.getLogger(__name__)
 SUM_THREADS = 2               # checksum threads (xxh3 frees the GIL): about a core each
@@ -63,6 +67,8 @@ class Mover:
     def __init__(self, name: str):
         self.name = name
         self.agent: Any = nixl_util.make_agent(name)
+        self.vetter = Vetter()          # tenant metadata is loaded by its child first
+        self.vetter.start()
         self.quarantine = Quarantine(self.agent)
         # Where the DRAM tier's checksums run while a session's thread moves the next chunk
         # (`offload.agent.direct`); its threads start on first use.
@@ -82,7 +88,16 @@ class Mover:
         if name != host and not name.startswith(host + "/"):
             raise PeerError(f"NIXL metadata of agent {name!r} does not belong to host {host!r}")
         with self._lock:
-            peer = self._peers.get(name) or _Peer(b"", host, set())
+            known = self._peers.get(name)
+            fresh = known is None or known.md != md
+        if fresh:           # loaded by a child first: UCX may abort on what it cannot unpack
+            why = self.vetter.vet(md)
+            if why is not None:
+                raise PeerError(why)
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None:
+                peer = _Peer(b"", host, set())
             if peer.host != host:
                 raise PeerError(f"NIXL peer {name!r} belongs to another connection's host")
             if peer.md != md:
@@ -98,6 +113,7 @@ class Mover:
                 peer.md, peer.proven = md, False
             peer.owners.add(owner)
             self._peers[name] = peer
+            self.quarantine.revive(name)     # a dropped name in use again: not forgotten
             return name
 
     def update_peer(self, old: str, metadata: bytes, owner: int, host: str) -> str:
@@ -181,6 +197,9 @@ class Mover:
         close()
         return data
 
+    def close(self) -> None:
+        self.vetter.close()
+
     def peers(self) -> int:
         with self._lock:
             return len(self._peers)
@@ -194,8 +213,16 @@ class Mover:
             if peer.owners:
                 return
             del self._peers[name]
-            # What its transfers held is freed only once NIXL forgot the peer (none can land).
-            self.quarantine.drop_peer(name, lambda: self._invalidate(name))
+        # Forgotten once none of its transfers runs; what they held freed once each is final.
+        self.quarantine.drop_peer(name, lambda: self._forget(name))
+
+    def _forget(self, name: str) -> None:
+        """A dropped peer none of whose transfers runs: NIXL forgets it, unless a connection
+        loaded the name again meanwhile."""
+        with self._lock:
+            if name in self._peers:
+                return
+            self._invalidate(name)
 
     def _invalidate(self, name: str) -> None:
         try:

@@ -26,8 +26,34 @@ Primitives:
 - Acknowledgements (version 4): a PUT's True means the agent has the block (stored unless its
   write or commit fails, and invisible to everyone until durable); DURABLE asks which keys are
   durable.
+- Block checksums (version 5): a PUT with descriptors carries each block's checksum
+  (`Blocks.sums`), checked by the agent after its READ; a GET reply carries the checksum of each
+  block the agent wrote (`Flags.sums`), checked by the host before it reports the block loaded
+  (`offload.agent.sums`).
 - `ProtocolError` (malformed, oversized, truncated, wrong version) and `AuthError` (bad MAC): the
   receiver closes the connection; the agent logs the reason and keeps serving everyone else.
+Requests (what the agent, `offload.agent.session`, does with each; one frame, one reply):
+- PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
+  store writes the previous group (half B); blocks the store already holds are not read at all.
+  With a store arena (`AgentServer.arena()`) NIXL READs straight into reserved slots, committed after.
+  A PUT is acknowledged once its blocks are written (through staging: once read into staging,
+  their write still running, `StagedPath.put`); a store that commits in the background (the disk
+  store) makes them durable later, and until then `AgentServer.acks` hides them from everyone:
+  EXISTS says no, a GET waits for them (briefly, then misses). DURABLE waits for them and says
+  per key whether it is durable. With `Blocks.sums` (version 5) a block whose READ landed bytes
+  of another checksum is not stored.
+- GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
+  into host memory. A block is reported True only after its WRITE completed, with the checksum
+  of what was written (`Flags.sums`, version 5) for the host to check. With a store arena NIXL
+  WRITEs straight from the pinned slots.
+- PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
+  travel as the frame payload.
+- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants,
+  `AgentServer.access`), METADATA (newer NIXL metadata of this connection; the peer it replaces
+  is released), PROVE (the nonce sent to the endpoint, echoed; the MAC of it under this
+  connection's key, read back through the endpoint at the address given). Requests with
+  descriptors (and PROVE) are refused while the host key's quarantined transfers hold
+  `--max-quarantine` bytes.
 Deadlines cover whole frames, not single `recv` calls: a started frame must be complete within
 `io_timeout` (`recv`), and a client waits for its reply until its request's deadline
 (`recv(deadline=...)`, `send(deadline=...)`); `idle_timeout` bounds the wait for the next frame.
@@ -50,9 +76,10 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 4                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
+VERSION = 5                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
                                    # is read back from the endpoint's memory (`Prove.addr`); 4: a
-                                   # PUT's True means received, not durable (DURABLE asks for it)
+                                   # PUT's True means received, not durable (DURABLE asks for it);
+                                   # 5: block checksums beside PUT / GET (`Blocks.sums`, `Flags.sums`)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"
@@ -95,6 +122,7 @@ class AuthError(ProtocolError):
 Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Sum = Annotated[int, msgspec.Meta(ge=0)]           # an xxh3-64 block checksum (a u64)
 Desc = tuple[Annotated[int, msgspec.Meta(ge=0)], Size]   # (address, length)
 BlockDescs = Annotated[list[Desc], msgspec.Meta(max_length=MAX_DESCS_PER_BLOCK)]
 
@@ -136,6 +164,9 @@ class Blocks(Msg):
     sizes: Annotated[list[Size], msgspec.Meta(max_length=MAX_KEYS)]
     descs: Annotated[list[BlockDescs], msgspec.Meta(max_length=MAX_KEYS)] | None = None
     budget_ms: Budget = 30_000
+    # PUT with descriptors: each block's checksum, checked by the agent after its READ
+    # (`offload.agent.sums`); None: not checked.
+    sums: Annotated[list[Sum], msgspec.Meta(max_length=MAX_KEYS)] | None = None
 
 
 class Durable(Msg):
@@ -151,6 +182,9 @@ class KeyList(Msg):
 
 class Flags(Msg):
     ok: list[bool]
+    # GET with descriptors: per block the checksum of what the agent wrote (0 for a miss),
+    # checked by the host before it reports the block loaded (`offload.agent.sums`).
+    sums: list[Sum] | None = None
 
 
 class Count(Msg):
@@ -245,6 +279,8 @@ class Channel:
         self.max_body = max_body
         self._send_seq = 0
         self._recv_seq = 0
+        # Called with a frame's body length before its body is allocated (raise to refuse it).
+        self.admit: Callable[[int], None] | None = None
 
     def proof(self, nonce: bytes) -> bytes:
         """What the host writes into its registered memory for a proof nonce (PROVE)."""
@@ -282,7 +318,7 @@ class Channel:
         if not first:
             raise EOFError("peer closed the connection")
         end = deadline if deadline is not None else time.monotonic() + self.io_timeout
-        header, body_len, view = read_frame(self.sock, first, self.max_body, end)
+        header, body_len, view = read_frame(self.sock, first, self.max_body, end, self.admit)
         return self.open(header, body_len, view)
 
     def open(self, header: bytes | bytearray, body_len: int, view: memoryview) -> Frame:
@@ -310,8 +346,8 @@ def _settimeout(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float
-               ) -> tuple[bytearray, int, memoryview]:
+def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float,
+               admit: Callable[[int], None] | None = None) -> tuple[bytearray, int, memoryview]:
     """The rest of a frame whose first byte was read: (header, body length, body + MAC), all of
     it by `deadline`. The header is checked (magic, version, `max_body`) before the body is read."""
     header = bytearray(HEADER.size)
@@ -326,6 +362,8 @@ def read_frame(sock: socket.socket, first: bytes, max_body: int, deadline: float
         raise ProtocolError(f"frame body of {body_len} bytes exceeds the limit {max_body}")
     if body_len < META_LEN.size:
         raise ProtocolError(f"frame body of {body_len} bytes is too short")
+    if admit is not None:
+        admit(body_len)
     body = bytearray(body_len + MAC_BYTES)
     recv_exact_into(sock, memoryview(body), deadline)
     return header, body_len, memoryview(body)

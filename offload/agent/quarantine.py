@@ -4,12 +4,18 @@ A transfer still running at its request's deadline is not over: UCX may yet land
 READ into a store slot or staging memory) or read them (a WRITE from a pinned slot). Freeing that
 memory at the deadline lets a late transfer overwrite the next block placed there, or send it to
 the wrong host. So its handle and a `release` callback (free the slots, unpin them, close the
-staging) are held here until the transfer is final: NIXL reports DONE or ERR, or its peer is torn
-down (`drop_peer`, after NIXL forgot the peer: UCX cancels what its endpoint had in flight).
+staging) are held here until the transfer is final: NIXL reports DONE or ERR. That holds when its
+peer goes too (`drop_peer`): UCX may still complete a READ after the host's connection closed and
+even after NIXL forgot the peer (its endpoint's close flushes what it had in flight), so memory a
+running transfer of a dropped peer touches stays held, and the peer itself is forgotten (`forget`)
+only once none of its transfers runs any more (`reap` does it later). Only NIXL saying a transfer
+is final frees what it held (a held handle is never released while it runs).
 
 Primitives: `Quarantine(agent)`; `.hold(handle, peer, blocks, release, owner=, nbytes=)`; `.reap()`
-(polls every held transfer, runs the release of the final ones; called before each transfer and
-at each connection's close); `.drop_peer(peer, forget)`; `.held()` -> blocks held now; `.total` ->
+(polls every held transfer, runs the release of the final ones, forgets the dropped peers none
+of whose transfers runs; called before each transfer and at each connection's close);
+`.drop_peer(peer, forget)`; `.revive(peer)` (a dropped peer's name loaded again: not
+forgotten); `.dying()` -> dropped peers not forgotten yet; `.held()` -> blocks held now; `.total` ->
 ever held; `.held_bytes(owner)` -> bytes held now (of one owner, or all).
 Bounded per owner (a tenant: `offload.agent.access.Access.tenant`): a host that stalls its own
 endpoint keeps every transfer unfinished, so without a bound it could quarantine the whole DRAM
@@ -48,6 +54,7 @@ class Quarantine:
         self._held: list[_Held] = []
         self.total = 0                  # blocks (or staging areas) ever quarantined
         self._claimed: dict[str, int] = {}      # owner -> bytes its requests may still hold
+        self._dying: dict[str, Callable[[], None]] = {}   # dropped peer -> its deferred forget
 
     def hold(self, handle: Any, peer: str, blocks: int, release: Callable[[], None], *,
              owner: str = "", nbytes: int = 0) -> None:
@@ -84,23 +91,43 @@ class Quarantine:
 
     def reap(self) -> int:
         """Release what final transfers held; returns the blocks released."""
-        return self._finish(lambda h: nixl_util.xfer_state(self._agent, h.handle) != "PROC")
+        return self._finish()
 
     def drop_peer(self, peer: str, forget: Callable[[], None]) -> int:
-        """The peer's connections are gone: its transfers are released (NIXL cancels them), the
-        peer is forgotten (`forget`: UCX closes its endpoint), then what they held is freed."""
-        return self._finish(lambda h: h.peer == peer or
-                            nixl_util.xfer_state(self._agent, h.handle) != "PROC", forget)
-
-    def _finish(self, final: Callable[[_Held], bool],
-                forget: Callable[[], None] | None = None) -> int:
+        """The peer's connections are gone: it is forgotten (`forget`: NIXL removes it, UCX
+        closes its endpoint) once none of its transfers runs, now or at a later `reap`; what a
+        transfer held is freed only once NIXL says that transfer is final."""
         with self._lock:
-            done = [h for h in self._held if final(h)]
+            self._dying[peer] = forget
+        return self._finish()
+
+    def revive(self, peer: str) -> None:
+        """A dropped peer's name is in use again (a reconnect loaded it): never forget it."""
+        with self._lock:
+            self._dying.pop(peer, None)
+
+    def dying(self) -> int:
+        """Dropped peers not forgotten yet (a transfer of theirs still runs)."""
+        with self._lock:
+            return len(self._dying)
+
+    def _finish(self) -> int:
+        with self._lock:
+            held = list(self._held)
+        done = [h for h in held if nixl_util.xfer_state(self._agent, h.handle) != "PROC"]
+        with self._lock:
             self._held = [h for h in self._held if h not in done]
+            running = {h.peer for h in self._held}
+            gone = [(p, f) for p, f in self._dying.items() if p not in running]
+            for p, _ in gone:
+                del self._dying[p]
         for h in done:
             nixl_util.release(self._agent, h.handle)
-        if forget is not None:
-            forget()
+        for p, forget in gone:
+            try:
+                forget()
+            except Exception as e:  # noqa: BLE001
+                log.warning("forgetting NIXL peer %s failed: %s", p, e)
         for h in done:
             try:
                 h.release()

@@ -1,7 +1,8 @@
 """The storage agent: owns one block store and serves many inference hosts over TCP.
 
-Primitives: `AgentServer(store, access, host, port, ...)` (`access`: an `offload.agent.access.
-Access`, or a shared secret's bytes); `.start()` binds and listens (port 0 picks a free one,
+Primitives: `AgentServer(store, access, host, port, transport=, limits=, name=)` (`access`: an
+`offload.agent.access.Access`, or a shared secret's bytes; `limits`: one
+`offload.agent.limits.AgentLimits`); `.start()` binds and listens (port 0 picks a free one,
 `.port` tells which), `.serve_forever()` accepts until `.stop()`, each connection served by its
 own thread (`offload.agent.session.Session`). With `transport="ucx"` one NIXL agent
 (`offload.agent.mover.Mover`) moves the bytes of every host that registered its memory; with
@@ -33,9 +34,13 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from offload.agent import protocol
 from offload.agent.access import Access
 from offload.agent.acks import Acks
+from offload.agent.budget import Memory
+from offload.agent.context import AgentContext
+from offload.agent.describe import Describer
+from offload.agent.limits import AgentLimits
+from offload.agent.rate import Challenges
 from offload.agent.session import Session
 from offload.store.base import BlockStore, SlotStore
 
@@ -50,27 +55,24 @@ LOG_EVERY_S = 5.0          # repeated rejections of one kind are logged at most 
 
 class AgentServer:
     def __init__(self, store: BlockStore, access: Access | bytes, host: str = "0.0.0.0",
-                 port: int = 0, *, transport: str = "ucx", max_clients: int = 64,
-                 max_pending: int = 16, max_body: int = protocol.DEFAULT_MAX_BODY,
-                 staging_size: int = 64 << 20, io_timeout: float = 30.0,
-                 idle_timeout: float = 3600.0, name: str | None = None,
-                 max_requests: int = 32, max_namespaces: int = 1024,
-                 max_quarantine: int = 256 << 20):
+                 port: int = 0, *, transport: str = "ucx", limits: AgentLimits | None = None,
+                 name: str | None = None):
+        lim = self.limits = limits or AgentLimits()
         self.store = store
         self.access = access if isinstance(access, Access) else Access.shared(access)
-        self.access.max_conns = max_clients
-        self.access.max_requests = max_requests
-        self.access.max_namespaces = max_namespaces
+        self.access.max_conns = lim.max_clients
+        self.access.max_requests = lim.max_requests
+        self.access.max_namespaces = lim.max_namespaces
         self.host = host
         self.port = port
         self.transport = transport
-        self.max_pending = max_pending
-        self.max_quarantine = int(max_quarantine)
-        self.max_body = int(max_body)
-        self.staging_size = int(staging_size)
-        self.max_block = min(staging_size // 2, max_body - (1 << 16))
-        self.io_timeout = io_timeout
-        self.idle_timeout = idle_timeout
+        self.max_pending = lim.max_pending
+        self.max_quarantine = int(lim.max_quarantine)
+        self.max_body = int(lim.max_body)
+        self.staging_size = int(lim.staging_size)
+        self.max_block = lim.max_block
+        self.io_timeout = lim.io_timeout
+        self.idle_timeout = lim.idle_timeout
         self.name = name or f"sglang-offload-agent-{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self.mover: "Mover | None" = None
@@ -83,6 +85,15 @@ class AgentServer:
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
         self._logged: dict[str, tuple[float, int]] = {}
         self.acks = Acks(store, self.count)
+        self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
+        self.describer = Describer(store, lim.max_namespaces, self.count)
+        self.memory = Memory(lim.max_memory, lim.max_memory_per_key)    # frames and staging
+        # What each connection may use of the agent (never the server itself).
+        self.ctx = AgentContext(
+            name=self.name, store=store, access=self.access, acks=self.acks, limits=lim,
+            memory=self.memory, describer=self.describer, challenges=self.challenges,
+            count=self.count, warn=self.warn, counters=self.counters, admit=self.admit,
+            release=self.release, direct=self.direct, stopping=lambda: self.stopping)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -146,7 +157,7 @@ class AgentServer:
         if self.transport == "ucx":
             from offload.agent.mover import Mover
 
-            self.mover = Mover(self.name)
+            self.mover = self.ctx.mover = Mover(self.name)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -191,7 +202,7 @@ class AgentServer:
             return
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=Session(self, conn, peer, conn_id).run,
+            t = threading.Thread(target=Session(self.ctx, conn, peer, conn_id).run,
                                  name=f"agent-conn-{conn_id}", daemon=True)
             with self._lock:
                 self._sessions[conn_id] = t
@@ -205,6 +216,9 @@ class AgentServer:
     def stop(self) -> None:
         self.stopping = True
         self.acks.close()
+        self.describer.close()
+        if self.mover is not None:
+            self.mover.close()
         if self._sock is not None:
             try:
                 self._sock.close()

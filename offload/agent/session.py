@@ -1,27 +1,11 @@
 """One host connection on the agent: authenticate, then serve requests until it closes or errs.
 
-Primitives: `Session(server, sock, peer).run()`. The first frame must be an authenticated HELLO
+Primitives: `Session(ctx, sock, peer, conn_id).run()` (`ctx`: the agent's
+`offload.agent.context.AgentContext`). The first frame must be an authenticated HELLO
 (host name, transport, NIXL metadata of the host's registered KV pool), small and complete within
 `io_timeout` (`protocol.accept_hello`); only then does the connection count as a client
-(`server.admit`). Then each request is one frame and gets one reply:
-- PUT with descriptors: NIXL READs the blocks from host memory into staging (half A) while the
-  store writes the previous group (half B); blocks the store already holds are not read at all.
-  With a store arena (`server.arena()`) NIXL READs straight into reserved slots, committed after.
-  A PUT is acknowledged once its blocks are written (through staging: once read into staging,
-  their write still running, `StagedPath.put`); a store that commits in the background (the disk
-  store) makes them durable later, and until then `server.acks` hides them from everyone:
-  EXISTS says no, a GET waits for them (briefly, then misses). DURABLE waits for them and says
-  per key whether it is durable.
-- GET with descriptors: the store reads a group into staging while NIXL WRITEs the previous group
-  into host memory. A block is reported True only after its WRITE completed. With a store arena
-  NIXL WRITEs straight from the pinned slots.
-- PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
-  travel as the frame payload.
-- DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants, `server.access`), METADATA
-  (newer NIXL metadata of this connection; the peer it replaces is released), PROVE (the nonce
-  sent to the endpoint, echoed; the MAC of it under this connection's key, read back through
-  the endpoint at the address given). Requests with descriptors are refused while the host
-  key's quarantined transfers hold `server.max_quarantine` bytes.
+(`ctx.admit`). Then each request is one frame and gets one reply; what each request does is
+described with the wire protocol, in `offload.agent.protocol` ("Requests").
 Keys of a namespace the host is not entitled to make the whole request refused (ERROR reply).
 A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
 with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
@@ -44,11 +28,13 @@ from offload.agent import protocol
 from offload.agent.access import AccessError
 from offload.agent.acks import GET_WAIT_S, Settle
 from offload.agent.direct import direct_get, direct_put
+from offload.agent.rate import endpoint_of
 from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
 
 if TYPE_CHECKING:
-    from offload.agent.server import AgentServer
+    from offload.agent.context import AgentContext
+    from offload.agent.mover import Mover
 
 log = logging.getLogger("offload.agent")
 
@@ -58,8 +44,8 @@ class RequestError(Exception):
 
 
 class Session:
-    def __init__(self, server: "AgentServer", sock: socket.socket, peer: str, conn_id: int):
-        self.server = server
+    def __init__(self, ctx: "AgentContext", sock: socket.socket, peer: str, conn_id: int):
+        self.ctx = ctx
         self.sock = sock
         self.peer = peer
         self.conn_id = conn_id
@@ -70,14 +56,15 @@ class Session:
         self.proof_tag = os.urandom(protocol.PROOF_TAG_BYTES)
         self._challenge: tuple[str, bytes, bytes] | None = None    # (peer, nonce, metadata)
         self._described: set[bytes] = set()    # namespaces described to the store
-        self.staged = StagedPath(server, conn_id)
+        self.staged = StagedPath(ctx, conn_id)
+        self._frame_bytes = 0                  # of the request being served (ctx.memory)
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
-        srv = self.server
+        srv = self.ctx
         try:
-            ch, frame = protocol.accept_hello(self.sock, srv.access.secret, srv.io_timeout,
-                                              srv.max_body)
+            ch, frame = protocol.accept_hello(self.sock, srv.access.secret, srv.limits.io_timeout,
+                                              srv.limits.max_body)
             hello = frame.decode(protocol.Hello)
             why = srv.admit(hello.host)
             if why is not None:
@@ -88,12 +75,16 @@ class Session:
             self.admitted = True
             self.ch = ch
             self._hello(ch, hello, frame.req_id)
-            while not srv.stopping:
+            ch.admit = self._admit_frame
+            while not srv.stopping():
                 try:
-                    frame = ch.recv(idle_timeout=srv.idle_timeout)
+                    frame = ch.recv(idle_timeout=srv.limits.idle_timeout)
                 except EOFError:
                     return
-                self._dispatch(ch, frame)
+                try:
+                    self._dispatch(ch, frame)
+                finally:
+                    self._release_frame()
         except protocol.AuthError as e:
             srv.count("rejected_auth")
             srv.warn("auth", "rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
@@ -119,9 +110,23 @@ class Session:
             self.close()
             srv.release(self.host if self.admitted else None)
 
+    def _admit_frame(self, n: int) -> None:
+        """A request frame's body is allocated only within the agent's memory bound."""
+        why = self.ctx.memory.take(self.staged.owner, n)
+        if why is not None:
+            self.ctx.count("rejected_memory")
+            raise protocol.ProtocolError(f"frame of {n} bytes refused: {why}")
+        self._frame_bytes = n
+
+    def _release_frame(self) -> None:
+        n, self._frame_bytes = self._frame_bytes, 0
+        if n:
+            self.ctx.memory.give(self.staged.owner, n)
+
     def close(self) -> None:
+        self._release_frame()
         self.staged.close()
-        mover = self.server.mover
+        mover = self.ctx.mover
         if self.nixl_peer is not None and mover is not None:
             mover.drop_peer(self.nixl_peer, self.conn_id)
             self.nixl_peer = None
@@ -135,9 +140,9 @@ class Session:
     # ---------------------------------------------------------------- requests
     def _hello(self, ch: protocol.Channel, hello: protocol.Hello, req_id: int) -> None:
         self.host = hello.host          # a safe name: protocol.HOST_PATTERN
-        self.staged.owner = self.server.access.tenant(self.host)
+        self.staged.owner = self.ctx.access.tenant(self.host)
         nixl_ok = False
-        if hello.transport == "ucx" and hello.nixl_md and self.server.mover is not None:
+        if hello.transport == "ucx" and hello.nixl_md and self.ctx.mover is not None:
             try:
                 self._load(hello.nixl_md)
                 nixl_ok = True
@@ -147,15 +152,19 @@ class Session:
         log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
                  hello.transport, nixl_ok)
         ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
-            agent=self.server.name, max_body=self.server.max_body, max_keys=protocol.MAX_KEYS,
-            max_block=self.server.max_block, nixl=nixl_ok, proof_tag=self.proof_tag))
+            agent=self.ctx.name, max_body=self.ctx.limits.max_body, max_keys=protocol.MAX_KEYS,
+            max_block=self.ctx.limits.max_block, nixl=nixl_ok, proof_tag=self.proof_tag))
 
     def _load(self, md: bytes) -> None:
         """Load this connection's NIXL metadata and challenge its endpoint (unproven until the
         host echoes the nonce: PROVE). Raises on unusable metadata."""
-        mover = self.server.mover
+        mover = self.ctx.mover
         assert mover is not None
         self._challenge = None
+        why = self.ctx.challenges.take(self.staged.owner, endpoint_of(md))
+        if why is not None:           # nothing loaded, nothing sent: the flood costs its sender
+            self.ctx.count("rejected_challenges")
+            raise RequestError(why)
         if self.nixl_peer is None:
             self.nixl_peer = mover.add_peer(md, self.conn_id, self.host)
         else:
@@ -167,26 +176,28 @@ class Session:
         """One try per challenge: the nonce sent to the endpoint must come back, and the MAC of it
         under this connection's key must be in the endpoint's memory where the host says."""
         c, self._challenge = self._challenge, None
-        mover = self.server.mover
+        mover = self.ctx.mover
         j = next((j for j, n in enumerate(msg.nonces) if c is not None and
                   hmac.compare_digest(n, c[1])), None)
         mac = None
+        if mover is not None and c is not None:
+            self._quarantine_room(mover)        # its read-back may be quarantined too
         if c is not None and mover is not None and j is not None and self.ch is not None:
             mac = mover.read_back(c[0], msg.addr + j * protocol.PROOF_MAC_BYTES,
                                   protocol.PROOF_MAC_BYTES,
-                                  time.monotonic() + self.server.io_timeout, self.staged.owner)
+                                  time.monotonic() + self.ctx.limits.io_timeout, self.staged.owner)
         if c is None or mover is None or mac is None or self.ch is None \
                 or not hmac.compare_digest(mac, self.ch.proof(c[1])) or not mover.prove(c[0], c[2]):
-            self.server.count("proofs_failed")
+            self.ctx.count("proofs_failed")
             raise RequestError("the NIXL endpoint of this connection is not proven (no pending "
                                "challenge, a wrong nonce, its MAC not found in the endpoint's "
                                "memory, or newer metadata meanwhile)")
-        self.server.count("proofs")
+        self.ctx.count("proofs")
         log.info("host %s (%s): NIXL endpoint %s proven", self.host, self.peer, c[0])
 
     def _peer(self) -> str | None:
         """The connection's NIXL peer, if proven (its metadata unchanged since)."""
-        mover = self.server.mover
+        mover = self.ctx.mover
         return self.nixl_peer if mover is not None and mover.proven(self.nixl_peer) else None
 
     def _dispatch(self, ch: protocol.Channel, frame: protocol.Frame) -> None:
@@ -195,40 +206,42 @@ class Session:
         if typ is None or op == protocol.HELLO:
             raise protocol.ProtocolError(f"unknown op {op}")
         msg = frame.decode(typ)
-        access = self.server.access
+        access = self.ctx.access
         try:
             busy = access.begin(self.host)
             if busy is not None:
-                self.server.count("rejected_busy")
+                self.ctx.count("rejected_busy")
                 raise RequestError(busy)
             try:
                 reply, payload = self._serve(op, msg, frame.payload)
             finally:
                 access.end(self.host)
         except RequestError as e:
-            self.server.count("bad_requests")
+            self.ctx.count("bad_requests")
             log.warning("host %s (%s): %s request refused: %s", self.host, self.peer,
                         protocol.OP_NAMES[op], e)
             ch.send(protocol.ERROR | protocol.REPLY, frame.req_id, protocol.ErrorReply(str(e)))
             return
-        self.server.count(protocol.OP_NAMES[op])
+        self.ctx.count(protocol.OP_NAMES[op])
         ch.send(op | protocol.REPLY, frame.req_id, reply, payload)
 
     def _serve(self, op: int, msg: protocol.Msg, data: memoryview
                ) -> tuple[protocol.Msg, list[memoryview]]:
         """One request's reply and payload. Raises RequestError."""
-        store = self.server.store
-        acks = self.server.acks
+        store = self.ctx.store
+        acks = self.ctx.acks
         if isinstance(msg, (protocol.Blocks, protocol.KeyList, protocol.Durable)):
-            why = self.server.access.refused(self.host, msg.keys)
+            why = self.ctx.access.refused(self.host, msg.keys)
             if why is not None:
                 raise RequestError(why)
         if isinstance(msg, protocol.Blocks):
             if op == protocol.PUT:
-                self._describe(msg.keys)
-                return protocol.Flags(acks.put(msg.keys, lambda settle: self._put(msg, data, settle))), []
-            flags, payload = self._get(msg)
-            return protocol.Flags(flags), payload
+                flags = acks.put(msg.keys, lambda settle: self._put(msg, data, settle),
+                                 self.staged.owner)
+                self._describe([k for k, f in zip(msg.keys, flags) if f])
+                return protocol.Flags(flags), []
+            flags, payload, got = self._get(msg)
+            return protocol.Flags(flags, got), payload
         if isinstance(msg, protocol.Durable):
             deadline = time.monotonic() + msg.budget_ms / 1000.0
             return protocol.Flags(acks.durable(msg.keys, deadline)), []
@@ -241,11 +254,11 @@ class Session:
             return protocol.Count(store.delete_many(msg.keys)), []
         if isinstance(msg, protocol.RegisterNs):
             try:
-                self.server.access.register(self.host, msg)
+                self.ctx.access.register(self.host, msg)
             except AccessError as e:
                 raise RequestError(str(e)) from None
         elif isinstance(msg, protocol.Metadata):
-            if self.server.mover is None:
+            if self.ctx.mover is None:
                 raise RequestError("this agent runs without NIXL (--transport tcp)")
             try:
                 self._load(msg.nixl_md)
@@ -258,30 +271,31 @@ class Session:
         return protocol.Empty(), []
 
     def _describe(self, keys: Sequence[bytes]) -> None:
-        """Describe a namespace to the store once this connection stores a block of it (a
-        namespace with no block never reaches the store's own records)."""
+        """Describe a namespace to the store once this connection stored a block of it (a
+        namespace with no block never reaches the store's own records), in the background and
+        bounded per host key (`offload.agent.describe`)."""
         for k in keys:
             digest = bytes(k[:NS_BYTES])
             if digest not in self._described:
-                ns = self.server.access.namespace(self.host, digest)
-                if ns is not None:
-                    self.server.store.register_namespace(ns)
+                ns = self.ctx.access.namespace(self.host, digest)
+                if ns is not None and self.ctx.describer.stored(self.staged.owner, ns):
                     self._described.add(digest)
 
     def _stats(self) -> dict[str, int | float | str]:
-        s = self.server.store.stats()
+        s = self.ctx.store.stats()
         out: dict[str, int | float | str] = {}
         for f in dataclasses.fields(s):
             v = getattr(s, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[f.name] = v if type(v) in (int, float) else (
                     int(v) if isinstance(v, int) else float(v))
-        out.update({f"agent_{k}": v for k, v in self.server.counters().items()})
-        out.update({f"agent_quota_{k}": v for k, v in self.server.access.usage().items()})
-        if self.server.mover is not None:
-            out["agent_nixl_peers"] = self.server.mover.peers()
-            out["agent_quarantined_now"] = self.server.mover.quarantine.held()
-            out["agent_quarantined_bytes_now"] = self.server.mover.quarantine.held_bytes()
+        out.update({f"agent_{k}": v for k, v in self.ctx.counters().items()})
+        out.update({f"agent_quota_{k}": v for k, v in self.ctx.access.usage().items()})
+        if self.ctx.mover is not None:
+            out["agent_nixl_peers"] = self.ctx.mover.peers()
+            out["agent_quarantined_now"] = self.ctx.mover.quarantine.held()
+            out["agent_quarantined_bytes_now"] = self.ctx.mover.quarantine.held_bytes()
+            out["agent_metadata_crashes"] = self.ctx.mover.vetter.crashes
         return out
 
     def _check(self, req: protocol.Blocks) -> str | None:
@@ -292,9 +306,9 @@ class Session:
             raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
                                f"{len(req.descs or [])} descriptor lists")
         for size in req.sizes:
-            if size > self.server.max_block:
+            if size > self.ctx.limits.max_block:
                 raise RequestError(f"block of {size} bytes exceeds the agent's limit "
-                                   f"{self.server.max_block}")
+                                   f"{self.ctx.limits.max_block}")
         if req.descs is not None:
             total = sum(len(d) for d in req.descs)
             if total > protocol.MAX_DESCS_PER_REQUEST:
@@ -307,27 +321,31 @@ class Session:
             if peer is None:
                 raise RequestError("descriptors sent but this connection does not use NIXL "
                                    "(no NIXL metadata, or its endpoint is not proven: PROVE)")
-            assert self.server.mover is not None
-            if not self.server.mover.covers(peer, [d for ds in req.descs for d in ds]):
+            assert self.ctx.mover is not None
+            if not self.ctx.mover.covers(peer, [d for ds in req.descs for d in ds]):
                 raise RequestError(f"descriptors outside the memory NIXL agent {peer} "
                                    "registered")
-            q, limit = self.server.mover.quarantine, self.server.max_quarantine
-            q.reap()
-            held = q.held_bytes(self.staged.owner)
-            if held >= limit:
-                self.server.count("rejected_quarantine")
-                raise RequestError(f"transfers of this host key that outlived their budget still "
-                                   f"hold {held} bytes in quarantine (--max-quarantine {limit}); "
-                                   "retry once NIXL reports them finished")
+            self._quarantine_room(self.ctx.mover)
             return peer
         return None
 
+    def _quarantine_room(self, mover: "Mover") -> None:
+        """Refuse a NIXL request (PROVE too) while this host key's quarantine is full."""
+        q, limit = mover.quarantine, self.ctx.limits.max_quarantine
+        q.reap()
+        held = q.held_bytes(self.staged.owner)
+        if held >= limit:
+            self.ctx.count("rejected_quarantine")
+            raise RequestError(f"transfers of this host key that outlived their budget still "
+                               f"hold {held} bytes in quarantine (--max-quarantine {limit}); "
+                               "retry once NIXL reports them finished")
+
     def _put(self, req: protocol.Blocks, payload: memoryview, settle: Settle | None
              ) -> Sequence[bool | None]:
-        """Per block, written (durable later for the disk store: `server.acks`), or None: received
+        """Per block, written (durable later for the disk store: `ctx.acks`), or None: received
         in staging, its store write reports to `settle` (`StagedPath.put`)."""
         peer = self._check(req)
-        store = self.server.store
+        store = self.ctx.store
         if req.descs is None:
             if sum(req.sizes) != payload.nbytes:
                 raise RequestError(f"payload of {payload.nbytes} bytes, sizes add up to "
@@ -336,17 +354,17 @@ class Session:
             for size in req.sizes:
                 blocks.append([payload[off:off + size]])
                 off += size
-            self.server.count("bytes_inline_in", payload.nbytes)
+            self.ctx.count("bytes_inline_in", payload.nbytes)
             return store.put_many(req.keys, blocks)
-        assert peer is not None and self.server.mover is not None
+        assert peer is not None and self.ctx.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         present = store.exists_many(req.keys)
         ok: list[bool | None] = list(present)
         todo = [i for i, p in enumerate(present) if not p]
-        q, owner = self.server.mover.quarantine, self.staged.owner
-        allow = q.claim(owner, sum(req.sizes[i] for i in todo), self.server.max_quarantine)
+        q, owner = self.ctx.mover.quarantine, self.staged.owner
+        allow = q.claim(owner, sum(req.sizes[i] for i in todo), self.ctx.limits.max_quarantine)
         try:
-            todo = direct_put(self.server.direct(), peer, req, todo, ok, deadline, owner, allow)
+            todo = direct_put(self.ctx.direct(), peer, req, todo, ok, deadline, owner, allow)
         finally:
             q.unclaim(owner, allow)
         if not todo:
@@ -354,9 +372,10 @@ class Session:
         self.staged.put(req, todo, ok, peer, deadline, settle)
         return ok
 
-    def _get(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
-        """A block put but not yet durable (`server.acks`) is waited for, briefly, then a miss."""
-        acks = self.server.acks
+    def _get(self, req: protocol.Blocks
+             ) -> tuple[list[bool], list[memoryview], list[int] | None]:
+        """A block put but not yet durable (`ctx.acks`) is waited for, briefly, then a miss."""
+        acks = self.ctx.acks
         hidden = acks.hidden(req.keys)
         if any(hidden):
             end = time.monotonic() + min(GET_WAIT_S, req.budget_ms / 1000.0)
@@ -368,18 +387,23 @@ class Session:
         sub = msgspec.structs.replace(
             req, keys=[req.keys[i] for i in idx], sizes=[req.sizes[i] for i in idx],
             descs=None if req.descs is None else [req.descs[i] for i in idx])
-        got, payload = self._get_visible(sub)
+        got, payload, sub_sums = self._get_visible(sub)
         flags = [False] * len(req.keys)
-        for i, f in zip(idx, got):
+        out_sums = None if sub_sums is None else [0] * len(req.keys)
+        for n, (i, f) in enumerate(zip(idx, got)):
             flags[i] = f
-        return flags, payload
+            if out_sums is not None and sub_sums is not None:
+                out_sums[i] = sub_sums[n]
+        return flags, payload, out_sums
 
-    def _get_visible(self, req: protocol.Blocks) -> tuple[list[bool], list[memoryview]]:
+    def _get_visible(self, req: protocol.Blocks
+                     ) -> tuple[list[bool], list[memoryview], list[int] | None]:
+        """(flags, inline payload, with descriptors each block's checksum for the host)."""
         peer = self._check(req)
-        store = self.server.store
+        store = self.ctx.store
         if req.descs is None:
             total = sum(req.sizes)
-            if total + 4096 > self.server.max_body:
+            if total + 4096 > self.ctx.limits.max_body:
                 raise RequestError(f"reply of {total} bytes would exceed the frame limit")
             buf = memoryview(bytearray(total))
             dests, off = [], 0
@@ -388,18 +412,18 @@ class Session:
                 off += size
             flags = store.get_many(req.keys, dests)
             out = [d[0] for d, f in zip(dests, flags) if f]
-            self.server.count("bytes_inline_out", sum(v.nbytes for v in out))
-            return flags, out
-        assert peer is not None and self.server.mover is not None
+            self.ctx.count("bytes_inline_out", sum(v.nbytes for v in out))
+            return flags, out, None
+        assert peer is not None and self.ctx.mover is not None
         deadline = time.monotonic() + req.budget_ms / 1000.0
         ok = [False] * len(req.keys)
-        q, owner = self.server.mover.quarantine, self.staged.owner
-        allow = q.claim(owner, sum(req.sizes), self.server.max_quarantine)
+        got = [0] * len(req.keys)
+        q, owner = self.ctx.mover.quarantine, self.staged.owner
+        allow = q.claim(owner, sum(req.sizes), self.ctx.limits.max_quarantine)
         try:
-            rest = direct_get(self.server.direct(), peer, req, ok, deadline, owner, allow)
+            rest = direct_get(self.ctx.direct(), peer, req, ok, deadline, owner, allow, got)
         finally:
             q.unclaim(owner, allow)
-        if not rest:
-            return ok, []
-        self.staged.get(req, rest, ok, peer, deadline)
-        return ok, []
+        if rest:
+            self.staged.get(req, rest, ok, peer, deadline, got)
+        return ok, [], got

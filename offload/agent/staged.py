@@ -1,17 +1,16 @@
 """The staging path of one connection: NIXL moves a request's blocks through staging memory while
 the store reads or writes the other half.
 
-Primitives: `StagedPath(server, conn_id)`; `.put(req, todo, ok, peer, deadline, settle)` NIXL
-READs the `todo` blocks of a PUT from host memory into a staging half while the store writes the
-previous half (one `put_many` per whole half: the store's cost is per call). With `settle` the
-writes still running when the last READ completed are not waited for (their blocks are set None
-and the write reports to `settle`, `offload.agent.acks`): they go on while the next request's
-READ fills the other half (both halves' writes may run at once, on two store threads), and a
-half is reused only once its write is done. `.get(req, todo,
-ok, peer, deadline)` has the store read a half while NIXL WRITEs the previous one into host
-memory (a request that fits one half is cut in two, so that the two overlap; a block is True
-only after its WRITE completed); `.close()` (waits for the writes). Both set `ok[i]` and never
-raise.
+Primitives: `StagedPath(ctx, conn_id)` (`offload.agent.context.AgentContext`); `.put(req, todo, ok,
+peer, deadline, settle)` NIXL READs the `todo` blocks of a PUT from host memory into a staging half
+while the store writes the previous half (one `put_many` per whole half: the store's cost is per
+call). With `settle` the writes still running when the last READ completed are not waited for (their
+blocks are set None and the write reports to `settle`, `offload.agent.acks`): they go on while the
+next request's READ fills the other half (both halves' writes may run at once, on two store
+threads), and a half is reused only once its write is done. `.get(req, todo, ok, peer, deadline)`
+has the store read a half while NIXL WRITEs the previous one into host memory (a request that fits
+one half is cut in two, so that the two overlap; a block is True only after its WRITE completed);
+`.close()` (waits for the writes). Both set `ok[i]` and never raise.
 A transfer still running at its deadline may yet land in, or read, its staging half: the whole
 staging memory is then quarantined (`offload.agent.quarantine`) until NIXL says it is final, and
 the next request gets fresh staging. Used by `offload.agent.session` for stores without an arena
@@ -27,25 +26,30 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from offload.agent import nixl_util, protocol
+from offload.agent import nixl_util, protocol, sums
 from offload.agent.acks import Settle
 
 if TYPE_CHECKING:
+    from offload.agent.context import AgentContext
     from offload.agent.mover import Mover, Staging
-    from offload.agent.server import AgentServer
 
 log = logging.getLogger("offload.agent")
 
 
+class NoMemory(Exception):
+    """Staging past the agent's memory bound (`offload.agent.budget`)."""
+
+
 class StagedPath:
-    def __init__(self, server: "AgentServer", conn_id: int):
-        self.server = server
+    def __init__(self, ctx: "AgentContext", conn_id: int):
+        self.ctx = ctx
         self.conn_id = conn_id
         self.owner = ""            # the connection's tenant: whose quarantine bound it counts in
         self.staging: "Staging | None" = None
         self._pool: ThreadPoolExecutor | None = None
         self._writing: list[Future | None] = [None, None]   # store write reading each half
         self._half = 1                                       # the half a put used last
+        self._taken: dict[int, int] = {}     # id(staging) -> bytes taken from ctx.memory
 
     def close(self) -> None:
         if self._pool is not None:
@@ -53,19 +57,40 @@ class StagedPath:
             self._pool = None
         self._writing = [None, None]
         if self.staging is not None:
-            self.staging.close()
+            self._close_staging(self.staging)
             self.staging = None
 
     def _mover(self) -> "Mover":
-        assert self.server.mover is not None
-        return self.server.mover
+        assert self.ctx.mover is not None
+        return self.ctx.mover
 
     def _staging(self) -> "Staging":
+        """This connection's staging, mapped on first use within the agent's memory bound
+        (`offload.agent.budget`; raises `NoMemory` past it)."""
         if self.staging is None:
             from offload.agent.mover import Staging
 
-            self.staging = Staging(self._mover(), self.server.staging_size)
+            size = self.ctx.limits.staging_size
+            why = self.ctx.memory.take(self.owner, size)
+            if why is not None:
+                self.ctx.count("rejected_memory")
+                self.ctx.warn("memory", "no staging for host key %s: %s", self.owner, why)
+                raise NoMemory(why)
+            try:
+                staging = Staging(self._mover(), size)
+            except BaseException:
+                self.ctx.memory.give(self.owner, size)
+                raise
+            self.staging = staging
+            self._taken[id(staging)] = size
         return self.staging
+
+    def _close_staging(self, staging: "Staging") -> None:
+        """Unmap staging (no transfer can touch it any more) and give its bytes back."""
+        try:
+            staging.close()
+        finally:
+            self.ctx.memory.give(self.owner, self._taken.pop(id(staging), 0))
 
     def _io(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -101,9 +126,10 @@ class StagedPath:
         if not pending or self.staging is None:
             return
         self._drain()
-        self._mover().quarantine.hold(pending[0], peer, 1, self.staging.close, owner=self.owner,
-                                      nbytes=2 * self.staging.half_size)
-        self.server.count("staging_quarantined")
+        staging = self.staging
+        self._mover().quarantine.hold(pending[0], peer, 1, lambda: self._close_staging(staging),
+                                      owner=self.owner, nbytes=2 * staging.half_size)
+        self.ctx.count("staging_quarantined")
         self.staging = None
 
     def put(self, req: protocol.Blocks, todo: list[int], ok: list[bool | None], peer: str,
@@ -113,7 +139,10 @@ class StagedPath:
         write goes on while the next request's NIXL READ fills the other half."""
         mover = self._mover()
         mover.quarantine.reap()
-        staging = self._staging()
+        try:
+            staging = self._staging()
+        except NoMemory:
+            return                                       # its blocks stay unmoved: misses
         mine: list[tuple[list[int], Future]] = []        # this request's store writes
         pending: list = []                               # a READ that outlived the deadline
         for group in self._groups(todo, req.sizes):
@@ -125,12 +154,16 @@ class StagedPath:
                     mover.agent, "READ", local, remote, peer, deadline,
                     on_pending=pending.append):
                 break
-            self.server.count("bytes_nixl_in", off)
-            self.server.count("blocks_staged_in", len(group))
+            self.ctx.count("bytes_nixl_in", off)
+            self.ctx.count("blocks_staged_in", len(group))
             blocks, off = [], 0
             for i in group:
                 blocks.append([view[off:off + req.sizes[i]]])
                 off += req.sizes[i]
+            # Before it is acknowledged: what the READ landed has the checksum the host sent.
+            group, blocks = self._checked(req, group, blocks)
+            if not group:
+                continue
             # The store writes this group while NIXL reads the next one into the other half.
             fut = self._io().submit(self._store_put, [req.keys[i] for i in group], blocks)
             self._writing[h] = fut
@@ -146,14 +179,31 @@ class StagedPath:
                 for i, flag in zip(group, _flags(fut, len(group))):
                     ok[i] = flag
 
+    def _checked(self, req: protocol.Blocks, group: list[int], blocks: list
+                 ) -> tuple[list[int], list]:
+        """The blocks of `group` whose bytes in staging have the checksum the host sent with the
+        PUT (`offload.agent.sums`); the others are not stored (a miss, counted)."""
+        if req.sums is None:
+            return group, blocks
+        good = [sums.of_views(b) == req.sums[i] for i, b in zip(group, blocks)]
+        if all(good):
+            return group, blocks
+        self.ctx.count("checksum_mismatch_in", good.count(False))
+        log.warning("%d block(s) read from the host do not have the checksum it sent: not "
+                    "stored", good.count(False))
+        return ([i for i, g in zip(group, good) if g], [b for b, g in zip(blocks, good) if g])
+
     def _store_put(self, keys: list[bytes], blocks: list) -> list[bool]:
-        return self.server.store.put_many(keys, blocks)
+        return self.ctx.store.put_many(keys, blocks)
 
     def get(self, req: protocol.Blocks, todo: list[int], ok: list[bool], peer: str,
-            deadline: float) -> None:
+            deadline: float, out_sums: list[int] | None = None) -> None:
         mover = self._mover()
         mover.quarantine.reap()
-        staging = self._staging()
+        try:
+            staging = self._staging()
+        except NoMemory:
+            return
         self._drain()                                    # earlier puts' writes leave staging
         pending: list = []                               # a WRITE that outlived the deadline
         groups = self._groups(todo, req.sizes, split=True)
@@ -161,7 +211,7 @@ class StagedPath:
         for g, group in enumerate(groups):
             assert reading is not None
             try:
-                flags, offs = reading.result()
+                flags, offs, got = reading.result()
             except Exception as e:  # noqa: BLE001
                 log.warning("store read failed: %s", e)
                 reading = None
@@ -170,14 +220,17 @@ class StagedPath:
             reading = (self._io().submit(self._store_get, req, groups[g + 1], (g + 1) % 2)
                        if g + 1 < len(groups) and time.monotonic() < deadline else None)
             hits = [i for i, f in zip(group, flags) if f]
+            if out_sums is not None:
+                for i, c in zip(group, got):
+                    out_sums[i] = c
             if not hits or time.monotonic() > deadline:
                 continue
             _, base = staging.half(g % 2)
             local, remote, nbytes = _pairs(req, hits, base, [o for o, f in zip(offs, flags) if f])
             if nixl_util.run_xfer(mover.agent, "WRITE", local, remote, peer, deadline,
                                   on_pending=pending.append):
-                self.server.count("bytes_nixl_out", nbytes)
-                self.server.count("blocks_staged_out", len(hits))
+                self.ctx.count("bytes_nixl_out", nbytes)
+                self.ctx.count("blocks_staged_out", len(hits))
                 for i in hits:
                     ok[i] = True
             elif pending:
@@ -190,14 +243,17 @@ class StagedPath:
         self._abandon(pending, peer)
 
     def _store_get(self, req: protocol.Blocks, group: list[int], half: int
-                   ) -> tuple[list[bool], list[int]]:
+                   ) -> tuple[list[bool], list[int], list[int]]:
+        """The store reads a group into a staging half: (flags, offsets, each block's checksum
+        for the host to check, 0 for a miss)."""
         view, _ = self._staging().half(half)
         dests, offs, off = [], [], 0
         for i in group:
             dests.append([view[off:off + req.sizes[i]]])
             offs.append(off)
             off += req.sizes[i]
-        return self.server.store.get_many([req.keys[i] for i in group], dests), offs
+        flags = self.ctx.store.get_many([req.keys[i] for i in group], dests)
+        return flags, offs, [sums.of_views(d) if f else 0 for d, f in zip(dests, flags)]
 
 
 def _flags(fut: Future, n: int) -> list[bool]:

@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory that transfers past their deadline may hold, per host key (in "
                         "all with a shared secret); its NIXL requests are refused past it "
                         "(default 256MiB)")
+    p.add_argument("--max-memory", type=_size, default=Size(4 << 30), metavar="SIZE",
+                   help="request frames and staging memory of all connections together "
+                        "(default 4GiB)")
+    p.add_argument("--max-memory-per-key", type=_size, default=Size(1 << 30), metavar="SIZE",
+                   help="request frames and staging memory of one host key's connections "
+                        "(default 1GiB)")
     p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a started frame (and the whole handshake) may take to arrive "
                         "(default 30)")
@@ -112,6 +118,7 @@ def open_store(args: argparse.Namespace) -> BlockStore:
 def run(args: argparse.Namespace) -> int:
     from offload.agent.access import Access
     from offload.agent.auth import load_keys, load_secret
+    from offload.agent.limits import AgentLimits
     from offload.agent.server import AgentServer
 
     agent_log = logging.getLogger("offload.agent")
@@ -127,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
               else Access.shared(load_secret(args.secret_file)))
     store = open_store(args)
     host, port = args.listen
-    server = AgentServer(store, access, host, port, transport=args.transport,
-                         max_clients=args.max_clients, max_pending=args.max_pending,
+    limits = AgentLimits(max_clients=args.max_clients, max_pending=args.max_pending,
+                         max_requests=args.max_requests, max_namespaces=args.max_namespaces,
                          max_body=args.max_frame, staging_size=args.staging,
-                         io_timeout=args.io_timeout, max_requests=args.max_requests,
-                         max_namespaces=args.max_namespaces,
-                         max_quarantine=args.max_quarantine)
+                         max_quarantine=args.max_quarantine, max_memory=args.max_memory,
+                         max_memory_per_key=args.max_memory_per_key, io_timeout=args.io_timeout)
+    server = AgentServer(store, access, host, port, transport=args.transport, limits=limits)
     try:
         server.start()
     except OSError as e:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from offload import redact
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.hicache.contract import SGLANG_KEYS
@@ -84,14 +85,15 @@ def _type_word(action: argparse.Action) -> str:
 def _check_value(key: str, value: Any, action: argparse.Action) -> str | None:
     """One problem line for `sglang.<key>: value`, or None if SGLang's flag takes it."""
     where = f"sglang.{key}"
+    shown = redact.value(f"sglang.{action.dest}", value)     # a secret's value never quoted
     if isinstance(action, argparse._StoreTrueAction):
         return None if isinstance(value, bool) else (
-            f"{where}: {value!r} is not true or false (SGLang's {_flag(action)} is a switch)")
+            f"{where}: {shown} is not true or false (SGLang's {_flag(action)} is a switch)")
     if action.nargs == 0:
         return f"{where}: SGLang's {_flag(action)} cannot be set from a config file"
     if isinstance(value, (list, tuple)):
         if action.nargs in (None, "?"):
-            return f"{where}: {value!r} is a list; SGLang's {_flag(action)} takes one value"
+            return f"{where}: {shown} is a list; SGLang's {_flag(action)} takes one value"
         tokens = [str(v) for v in value]
     elif isinstance(value, Mapping):
         tokens = [json.dumps(value)]
@@ -107,13 +109,13 @@ def _check_value(key: str, value: Any, action: argparse.Action) -> str | None:
             try:
                 converted = action.type(token)
             except (TypeError, ValueError, argparse.ArgumentTypeError):
-                return (f"{where}: {value!r} is not {_type_word(action)} (SGLang's "
+                return (f"{where}: {shown} is not {_type_word(action)} (SGLang's "
                         f"{_flag(action)})")
         if action.choices is not None and converted not in action.choices:
             choices = [str(c) for c in action.choices]
             close = difflib.get_close_matches(str(converted), choices, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            return (f"{where}: {value!r} is not allowed{hint}; SGLang's {_flag(action)} takes "
+            return (f"{where}: {shown} is not allowed{hint}; SGLang's {_flag(action)} takes "
                     f"one of {', '.join(sorted(choices))}")
     return None
 

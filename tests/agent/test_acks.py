@@ -17,6 +17,7 @@ import pytest
 
 from offload.agent.acks import Acks
 from offload.agent.client import AgentStore
+from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store import coalesce
@@ -208,7 +209,8 @@ def test_a_staged_put_is_acknowledged_while_its_write_runs_and_the_host_may_reus
 
     store = open_store(tmp_path / "store", 64 << 20)
     held = HeldWrites(store)
-    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx", staging_size=1 << 20)
+    srv = AgentServer(store, SECRET, "127.0.0.1", 0, transport="ucx",
+                      limits=AgentLimits(staging_size=1 << 20))
     srv.start()
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     a = AgentStore(f"127.0.0.1:{srv.port}", SECRET, timeout_s=30, connections=1)
@@ -360,3 +362,23 @@ def test_acknowledged_puts_leave_the_store_rounds_grouped_until_a_reader_waits(r
     out = [[bytearray(BLOCK)] for _ in range(6)]
     assert b.get_many(ks, out) == [True] * 6          # a reader kicks it: one round for all
     assert len(syncs) == 1 and a.flush() is True
+
+
+def test_one_tenants_backlog_makes_only_its_own_puts_wait() -> None:
+    """Issue 27: the hidden-until-durable table was bounded only in all, so one tenant whose
+    puts were not yet durable made every tenant's puts wait for their own commits. Now past its
+    own bound only that tenant's puts wait; another's are acknowledged at once."""
+    store = FakeStore()
+    acks = Acks(store, lambda name, n: None, max_hidden=100, max_hidden_per_key=2)
+    given: list[Any] = []
+
+    def write(settle: Any) -> list[bool | None]:
+        given.append(settle)
+        return [None] * 2 if settle is not None else [False] * 2
+
+    assert acks.put(keys(2, "a1"), write, "a") == [True, True]          # hidden: a's 2
+    assert acks.put(keys(2, "b1"), write, "b") == [True, True]          # b not affected
+    assert given[0] is not None and given[1] is not None
+    acks.put(keys(2, "a2"), write, "a")                                 # a waits for its own
+    assert given[2] is None
+    acks.close()

@@ -42,6 +42,23 @@ time.sleep(600)
 """
 
 BLOCK, BLOCKS = 1 << 20, 4
+
+
+def stalled_attacker(agent, child: subprocess.Popen) -> tuple[Raw, int]:
+    """The attacker's authenticated connection, its endpoint (a STALLED_HOST child) proven;
+    and the address of the child's registered memory."""
+    assert child.stdout is not None and child.stdin is not None
+    md, addr_s = child.stdout.readline().split()
+    raw = Raw(agent, "attacker", bytes.fromhex(md))
+    assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl
+    note = bytes.fromhex(child.stdout.readline().strip())
+    nonce = note[len(protocol.PROOF_MAGIC) + protocol.PROOF_TAG_BYTES:]
+    child.stdin.write(raw.ch.proof(nonce).hex() + "\n")
+    child.stdin.flush()
+    assert child.stdout.readline().strip() == "ok"
+    addr = int(addr_s)
+    assert raw.call(protocol.PROVE, protocol.Prove([nonce], addr))[0] == protocol.Empty()
+    return raw, addr
 LIMIT = 4 << 20
 
 
@@ -56,17 +73,7 @@ def test_a_stalled_host_cannot_fill_the_quarantine(tmp_path: Path, agent_factory
                              text=True)
     victim = None
     try:
-        assert child.stdout is not None and child.stdin is not None
-        md, addr_s = child.stdout.readline().split()
-        addr = int(addr_s)
-        raw = Raw(agent, "attacker", bytes.fromhex(md))
-        assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl
-        note = bytes.fromhex(child.stdout.readline().strip())
-        nonce = note[len(protocol.PROOF_MAGIC) + protocol.PROOF_TAG_BYTES:]
-        child.stdin.write(raw.ch.proof(nonce).hex() + "\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "ok"
-        assert raw.call(protocol.PROVE, protocol.Prove([nonce], addr))[0] == protocol.Empty()
+        raw, addr = stalled_attacker(agent, child)
         child.send_signal(signal.SIGSTOP)          # its endpoint stops answering: READs hang
         refused = 0
         for r in range(8):
@@ -102,14 +109,17 @@ def test_claims_and_holdings_of_one_owner_stay_within_its_bound() -> None:
     transfers and its other requests' claims; another owner's are not counted."""
     from offload.agent.quarantine import Quarantine
 
-    class Proc:                      # every transfer still running
+    class Proc:                      # every transfer still running (until `done`)
+        done: set[str] = set()
+
         def check_xfer_state(self, h: str) -> str:
-            return "PROC"
+            return "DONE" if h in self.done else "PROC"
 
         def release_xfer_handle(self, h: str) -> None:
             pass
 
-    q = Quarantine(Proc())
+    agent = Proc()
+    q = Quarantine(agent)
     assert q.claim("a", 6, 10) == 6 and q.claim("a", 6, 10) == 4 and q.claim("b", 10, 10) == 10
     q.hold("h1", "peer-a", 1, lambda: None, owner="a", nbytes=6)
     q.unclaim("a", 6)                # the first request ended, its transfer quarantined
@@ -117,4 +127,10 @@ def test_claims_and_holdings_of_one_owner_stay_within_its_bound() -> None:
     assert q.held_bytes("a") == 6 and q.held_bytes() == 6 and q.claim("a", 10, 10) == 4
     q.unclaim("a", 4)
     q.unclaim("b", 10)
-    assert q.drop_peer("peer-a", lambda: None) == 1 and q.claim("a", 10, 10) == 10
+    # Its peer dropped while the transfer runs: held (and the peer not forgotten) until final.
+    forgotten: list[str] = []
+    assert q.drop_peer("peer-a", lambda: forgotten.append("peer-a")) == 0
+    assert q.held_bytes("a") == 6 and forgotten == [] and q.dying() == 1
+    agent.done.add("h1")
+    assert q.reap() == 1 and forgotten == ["peer-a"] and q.dying() == 0
+    assert q.claim("a", 10, 10) == 10

@@ -122,3 +122,51 @@ def test_redact_url_forms() -> None:
     assert redact_url("redis://:pw@h/1") == f"redis://:{REDACTED}@h/1"
     for plain in ("redis://h:6379", "redis://user@h", None):
         assert redact_url(plain) == plain
+
+
+API_KEY = "sk-api-4d1e9b"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--api-k", API_KEY], [f"--api-k={API_KEY}"], ["--admin-api", API_KEY],
+    ["--ssl-keyfile-pass", API_KEY], [f"--admin-api={API_KEY}"]])
+def test_abbreviated_secret_flags_after_dashdash_are_masked(capsys, tmp_path, runtime,
+                                                             flags: list[str]) -> None:
+    """SGLang's parser resolves unique prefixes (argparse): `--api-k` is `--api-key` to it, so it
+    is masked by what the parser resolves it to, in the JSON and in the text."""
+    cfg = deployment(tmp_path)
+    out = dry_run(capsys, cfg, "--", *flags)
+    assert API_KEY not in json.dumps(out), f"{flags} printed in the dry-run JSON"
+    rc, text, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", "/",
+                            "--", *flags)
+    assert rc == 0 and API_KEY not in text and API_KEY not in "\n".join(err)
+
+
+@pytest.mark.parametrize("key", ["api-key", "admin-api-key", "ssl-keyfile-password"])
+def test_a_secret_given_as_a_yaml_list_is_never_quoted_back(capsys, tmp_path, runtime,
+                                                            key: str) -> None:
+    cfg = write(tmp_path, BASE + f"  {key}: [{API_KEY}]\n")
+    for argv in (["config", "validate", str(cfg)], ["config", "validate", str(cfg), "--json"],
+                 ["launch", "--config", str(cfg), "--dry-run", "--root", "/"],
+                 ["launch", "--config", str(cfg), "--dry-run", "--json", "--root", "/"]):
+        rc, text, err = run_cli(capsys, *argv)
+        assert rc != 0, argv
+        assert API_KEY not in text + "\n".join(err), f"{key} quoted back by {argv}"
+        assert "is a list" in text + "\n".join(err)
+
+
+def test_redact_argv_resolves_flags_as_the_parser_does() -> None:
+    import argparse
+
+    from offload.redact import MASK, argv
+
+    p = argparse.ArgumentParser()
+    for flag in ("--api-key", "--admin-api-key", "--ssl-keyfile-password", "--ssl-keyfile",
+                 "--apis"):
+        p.add_argument(flag)
+    assert argv(["--api-k", "s", "--ssl-keyfile", "f", "--apis", "x"], p) == \
+        ["--api-k", MASK, "--ssl-keyfile", "f", "--apis", "x"]
+    assert argv(["--ssl-keyfile-p=s", "--admin=s"], p) == [f"--ssl-keyfile-p={MASK}",
+                                                           f"--admin={MASK}"]
+    # Ambiguous for the parser (it refuses it): masked if any flag it may mean is a secret.
+    assert argv(["--ap", "s"], p) == ["--ap", MASK]
