@@ -36,7 +36,8 @@ from offload.errors import RunError
 from offload.launch.server import LaunchedServer, Reply, free_port
 from tests.e2e.conftest import PAGE, deployment, full_pages, needs_serving, prompt
 
-pytestmark = needs_serving
+# a configuration starts up to four servers inside its first test (module fixture)
+pytestmark = [needs_serving, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SERVING = ("0002", "0003", "0004", "0005")   # the reference: what a CPU server needs to serve
