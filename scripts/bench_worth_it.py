@@ -64,9 +64,9 @@ def _flush(server: LaunchedServer) -> None:
 
 
 def _cold_then_l3(server: LaunchedServer, store: Path, ids: str) -> tuple:
+    before = store_usage(store)[0]                # before the request: its write-back is async
     cold = server.generate(ids, max_new_tokens=4)
-    blocks = store_usage(store)[0] + (cold.prompt_tokens - 1) // PAGE
-    wait_store(store, blocks)                     # the write-back landed
+    wait_store(store, before + (cold.prompt_tokens - 1) // PAGE)   # the write-back landed
     _flush(server)                                # L1 and L2 empty: the next hit is L3's
     again = server.generate(ids, max_new_tokens=4)
     return cold, again
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.setdefault((name, length), []).append(
                         (cold.ttft_s, again.ttft_s, again.details.get("storage", 0),
                          cold.prompt_tokens))
+                    print(f"# round {rnd} {name} {cold.prompt_tokens} tokens: cold "
+                          f"{cold.ttft_s:.3f} s, again {again.ttft_s:.3f} s, storage tokens "
+                          f"{again.details.get('storage', 0)}", file=sys.stderr, flush=True)
             finally:
                 s.stop(grace=20)
             if rule:
