@@ -7,9 +7,9 @@ On `device: cpu` (SGLang 0.5.23, a plain x86 or Arm box, no sgl-kernel CPU build
 - `SGLANG_USE_CPU_ENGINE=1`: SGLang takes its CPU code paths only with it when torch is a CUDA
   build (srt/utils/common.py `is_cpu`); harmless with a CPU build of torch.
 - `--attention-backend torch_native`: SGLang's x86 default, intel_amx, needs sgl-kernel's CPU
-  ops, which no registry ships. torch_native recomputes attention over the whole prompt even
-  when the prefix is cached (srt/layers/attention/torch_native_backend.py), so a cache hit saves
-  the projections and MLPs of the cached tokens, not their attention.
+  ops, which no registry ships. With patches/0008 its extend attends only the new tokens' queries
+  (upstream recomputes the whole prompt's attention even when the prefix is cached), so a cache
+  hit costs the uncached tail.
 - `--cuda-graph-backend-{decode,prefill} disabled`: there is no CUDA.
 - `--hicache-io-backend kernel` with the `page_first` layout: the distribution's pure-torch
   host<->device copies (patches/) serve both io backends on CPU; kernel keeps page_first, whose
@@ -60,8 +60,8 @@ def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
                "a CUDA build"]
     _pick(values, set_by_user, "attention_backend", "torch_native",
           "SGLang's x86 CPU default (intel_amx) needs sgl-kernel's CPU build, which no registry "
-          "ships; torch_native recomputes attention over the whole prompt even when the prefix "
-          "is cached", argv, reasons)
+          "ships; with patches/0008 a cached prefix costs no attention, only the new tokens' "
+          "queries are attended", argv, reasons)
     for phase in ("decode", "prefill"):
         _pick(values, set_by_user, f"cuda_graph_backend_{phase}", "disabled",
               "no CUDA on device cpu", argv, reasons)
