@@ -164,6 +164,13 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                                                      "hicache_storage_prefetch_policy",
                                                      "hicache_mem_layout", "hicache_io_backend",
                                                      "page_size", "model_path")}
+        ctx = info.get("context_length")
+        too_long = [n for n in lengths if isinstance(ctx, int) and n + args.max_new_tokens > ctx]
+        if too_long:
+            raise RunError(f"bench serve: --lengths {','.join(map(str, too_long))}: a prompt of "
+                           f"that many tokens plus --max-new-tokens {args.max_new_tokens} exceeds "
+                           f"the server's context-length {ctx}; use at most "
+                           f"{ctx - args.max_new_tokens}")
         if info.get("attention_backend") == "torch_native" and not has_patch("0008-"):
             result["note"] = TORCH_NATIVE_NOTE
         for _ in range(2):                       # warm-up: the cold and the L1/L2 path once

@@ -8,14 +8,21 @@ each prefix, and the verdict.
 - `verdict(l1l2_s, l3_s, raw_s)`: the issue-25 target, an L3 hit's first token at most the L1/L2
   hit's plus twice the raw read of its KV bytes plus 30 ms, with the limit and the slack;
 - `has_patch(prefix)`: whether the SGLang this process imports was built with a patch of
-  `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang.
+  `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang;
+- `missing_for_serve(config)`: why `bench serve` cannot start a server from a deployment file
+  here (SGLang not importable, its model neither a local directory nor in the Hugging Face cache:
+  a machine without network), or None; scripts/gpu-proof.sh asks it before `bench serve`.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import random
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from offload.bench.rawdisk import raw_bandwidth
 
@@ -58,3 +65,24 @@ def has_patch(prefix: str) -> bool | None:
         return None
     return any(line.split()[-1].startswith(prefix) for line in record.splitlines()
                if line.strip() and not line.startswith("#"))
+
+
+def missing_for_serve(config: str) -> str | None:
+    """Why a server cannot start from `config` on this machine, or None (nothing is imported)."""
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not importable by this Python"
+    try:
+        doc = yaml.safe_load(Path(config).read_text())
+        model = str(doc["sglang"]["model-path"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{config}: no sglang.model-path ({e})"
+    if Path(model).is_dir():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return f"model {model} is not a local directory and huggingface_hub is not installed"
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return None
+    return (f"model {model} is neither a local directory nor in the Hugging Face cache "
+            "(no network here: copy the weights in, or point model-path at them)")

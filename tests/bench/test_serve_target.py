@@ -34,3 +34,16 @@ def test_a_raw_read_is_timed_on_the_directory(tmp_path: Path) -> None:
 def test_the_installed_wheel_records_patch_0008() -> None:
     assert has_patch("0008-") is True
     assert has_patch("9999-") is False
+
+
+def test_a_deployment_without_local_weights_says_why(tmp_path: Path) -> None:
+    from offload.bench.serve_target import missing_for_serve
+
+    repo_id = tmp_path / "deploy.yaml"
+    repo_id.write_text("sglang: {model-path: example-org/not-cached-anywhere}\n")
+    assert "neither a local directory nor in the Hugging Face cache" in missing_for_serve(
+        str(repo_id))
+    local = tmp_path / "local.yaml"
+    local.write_text(f"sglang: {{model-path: {tmp_path}}}\n")
+    assert missing_for_serve(str(local)) is None
+    assert "no sglang.model-path" in missing_for_serve(str(tmp_path / "absent.yaml"))
