@@ -5,7 +5,8 @@ and during the L1/L2 hits of the same prompts right after, grouped by stage.
 
 Needs py-spy (`.venv/bin/pip install py-spy`) and ptrace rights over the server (root, or
 kernel.yama.ptrace_scope=0). Starts the server through `sglang-offload launch` (a private store
-and port in a scratch directory), sends `--repeat` prompts, waits for their write-back, restarts,
+and port in a scratch directory), sends `--repeat` prompts, waits for their write-back, empties
+SGLang's device and host caches (`/flush_cache`: what a restart leaves, without the restart),
 then runs `py-spy record --subprocesses --format raw` (on-CPU samples of every thread of every
 SGLang process) while the L3 hits go, and again while the same prompts go once more (L1/L2 hits).
 Prints per phase the requests' times to first token and the CPU seconds per stage (samples /
@@ -84,23 +85,21 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         seed = int(time.time())
         prompts = [_prompt(args.length, seed + 7919 * k) for k in range(args.repeat)]
-        server = LaunchedServer.start(cfg, work / "server-1.log", url)
+        server = LaunchedServer.start(cfg, work / "server.log", url)
         try:
             server.wait_ready(900)
             server.generate(_prompt(512, seed - 1), 8)
             for ids in prompts:
                 server.generate(ids, 8)
             wait_store(work / "store", (args.length - 1) // 64 * args.repeat + 7, 300)
-        finally:
-            server.stop()
-        server = LaunchedServer.start(cfg, work / "server-2.log", url)
-        try:
-            server.wait_ready(900)
+            server.get("/flush_cache")                       # L1 and L2 empty: the store is L3
             server.generate(_prompt(512, seed - 1), 8)       # one-off costs of the first load
             assert server.proc is not None
             ttft: dict[str, list[float]] = {}
             cpu: dict[str, Counter[str]] = {}
             for phase in ("l3", "l1l2"):
+                if phase == "l3":
+                    server.get("/flush_cache")
                 raw = work / f"{phase}.txt"
                 spy = _record(server.proc.pid, args.rate, raw)
                 time.sleep(2)
