@@ -31,8 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offload.bench.serve import _config, _prompt  # noqa: E402
-from offload.launch.server import LaunchedServer, free_port, wait_store  # noqa: E402
+from offload.bench.serve import _prompt  # noqa: E402
+from offload.bench.serve_target import private_server  # noqa: E402
+from offload.launch.server import wait_store  # noqa: E402
 
 # stage -> frame pattern (function name or file), first match wins
 STAGES = [
@@ -80,12 +81,9 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="l3-profile-") as work_dir:
         work = Path(work_dir)
-        port = free_port()
-        cfg = _config(args.config, work / "store", port)
-        url = f"http://127.0.0.1:{port}"
         seed = int(time.time())
         prompts = [_prompt(args.length, seed + 7919 * k) for k in range(args.repeat)]
-        server = LaunchedServer.start(cfg, work / "server.log", url)
+        server = private_server(args.config, work)
         try:
             server.wait_ready(900)
             server.generate(_prompt(512, seed - 1), 8)

@@ -25,8 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offload.bench.serve import _config, _prompt  # noqa: E402
-from offload.launch.server import LaunchedServer, free_port, wait_store  # noqa: E402
+from offload.bench.serve import _prompt  # noqa: E402
+from offload.bench.serve_target import private_server  # noqa: E402
+from offload.launch.server import wait_store  # noqa: E402
 
 POLICIES = ("wait_complete", "timeout", "best_effort")
 
@@ -51,12 +52,10 @@ def main() -> int:
     n_prompts = args.rounds * len(POLICIES)
     with tempfile.TemporaryDirectory(prefix="prefetch-policy-") as work_dir:
         work = Path(work_dir)
-        port = free_port()
-        cfg = _config(args.config, work / "store", port)
-        url = f"http://127.0.0.1:{port}"
         seed = int(time.time())
         prompts = [_prompt(args.length, seed + 7919 * k) for k in range(n_prompts)]
-        server = LaunchedServer.start(cfg, work / "server.log", url)
+        server = private_server(args.config, work)
+        url = server.url
         got: dict[str, list[tuple[float, int]]] = {p: [] for p in POLICIES}
         try:
             server.wait_ready(900)

@@ -9,6 +9,8 @@ each prefix, and the verdict.
   hit's plus twice the raw read of its KV bytes plus 30 ms, with the limit and the slack;
 - `has_patch(prefix)`: whether the SGLang this process imports was built with a patch of
   `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang;
+- `private_server(config, work)`: a server started from a deployment file through launch, on a
+  free loopback port with a private store under `work` (the measuring scripts' set-up);
 - `missing_for_serve(config)`: why `bench serve` cannot start a server from a deployment file
   here (SGLang not importable, its model neither a local directory nor in the Hugging Face cache:
   a machine without network), or None; scripts/gpu-proof.sh asks it before `bench serve`.
@@ -25,6 +27,7 @@ from typing import Any
 import yaml
 
 from offload.bench.rawdisk import raw_bandwidth
+from offload.launch.server import LaunchedServer, free_port
 
 SLACK_S = 0.030       # the target's fixed allowance
 CHUNK = 4 << 20       # raw read size (bytes)
@@ -86,3 +89,12 @@ def missing_for_serve(config: str) -> str | None:
         return None
     return (f"model {model} is neither a local directory nor in the Hugging Face cache "
             "(no network here: copy the weights in, or point model-path at them)")
+
+
+def private_server(config: str, work: Path, log: str = "server.log") -> LaunchedServer:
+    """Start a server from `config` on a free loopback port, its store in `work`/store."""
+    from offload.bench.serve import _config
+
+    port = free_port()
+    return LaunchedServer.start(_config(config, work / "store", port), work / log,
+                                f"http://127.0.0.1:{port}")
