@@ -7,15 +7,39 @@
 #      Llama-3.1-8B-shaped model against loading the same KV bytes from the block store through cpu
 #      staging and gds; writes gpu-proof.json + gpu-proof.png to $OUT (default ./gpu-proof-out).
 #
-#   bash scripts/gpu-proof.sh              on the GPU machine
-#   bash scripts/gpu-proof.sh --dry-run    anywhere: install into the target, run a tiny model on
-#                                          the CPU, skip the GPU parts with the reason
+#   4. with --config FILE (a GPU host's deployment file, e.g. configs/llama-3.1-8b-128k-h200.yaml,
+#      taken unchanged): `sglang-offload bench serve` on a real SGLang server started from it
+#      (cold, L1/L2, and the L3 triples after a restart, with the L3 target verdict) at
+#      SERVE_LENGTHS tokens, into $OUT/bench-serve.txt + bench-serve.json; skipped, with the
+#      reason, where SGLang does not import or the file's model is not on local disk (no network).
+#
+#   bash scripts/gpu-proof.sh [--config FILE]             on the GPU machine
+#   bash scripts/gpu-proof.sh --dry-run [--config FILE]   anywhere: install into the target, run a
+#                          tiny model on the CPU, skip the GPU parts with the reason; with --config,
+#                          check the file and print the SGLang command and the bench serve command
 # Environment: PYTHON (default: python3 with torch, else .venv/bin/python), OUT, WHEELS (default
-# .whl), TARGET (default /tmp/sglang-offload-proof-site), CACHE_DIR (the store, on local disk).
+# .whl), TARGET (default /tmp/sglang-offload-proof-site), CACHE_DIR (the store, on local disk),
+# SERVE_LENGTHS (default 8192,32768,131008: 128K less a page, so 8 new tokens fit a 131072
+# context), SERVE_TIMEOUT (seconds, default 1800).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
-[ "${1:-}" = "--dry-run" ] && dry=1
+config=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --config) [ $# -ge 2 ] || { echo "gpu-proof: error: --config needs a FILE" >&2; exit 2; }
+              config="$2"; shift ;;
+    *) echo "gpu-proof: error: unknown argument $1 (use --dry-run, --config FILE)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -n "$config" ] && [ ! -f "$config" ]; then
+  echo "gpu-proof: error: --config $config: no such file" >&2
+  exit 2
+fi
+SERVE_LENGTHS="${SERVE_LENGTHS:-8192,32768,131008}"
+SERVE_TIMEOUT="${SERVE_TIMEOUT:-1800}"
 WHEELS="${WHEELS:-.whl}"
 TARGET="${TARGET:-/tmp/sglang-offload-proof-site}"
 OUT="${OUT:-$PWD/gpu-proof-out}"
@@ -49,10 +73,35 @@ import kvikio, torch
 print(f"gpu-proof: kvikio {kvikio.__version__}; torch {torch.__version__} (CUDA {torch.version.cuda})")
 PY
 
+serve_cmd=("$PYTHON" -m offload.cli bench serve --config "$config" --lengths "$SERVE_LENGTHS"
+           --repeat 3 --dir "$CACHE_DIR" --json)
+# bench serve on the deployment file: needs SGLang and the file's model on local disk
+bench_serve() {
+  [ -n "$config" ] || { say "skip: bench serve (no --config FILE)"; return 0; }
+  local why
+  why=$("$PYTHON" -c 'import sys; from offload.bench.serve_target import missing_for_serve
+why = missing_for_serve(sys.argv[1]); print(why or "ok"); sys.exit(1 if why else 0)' "$config" 2>&1) ||
+    { say "skip: bench serve ($why)"; return 0; }
+  say "bench serve: ${serve_cmd[*]}"
+  mkdir -p "$CACHE_DIR"
+  timeout "$SERVE_TIMEOUT" "${serve_cmd[@]}" > "$OUT/bench-serve.txt" 2> "$OUT/bench-serve.log"
+  local serve_rc=$?
+  sed -n '/^bench serve:/,/^{/p' "$OUT/bench-serve.txt" | sed '$d'
+  sed -n '/^{/,$p' "$OUT/bench-serve.txt" > "$OUT/bench-serve.json"
+  say "bench serve exit $serve_rc (table: $OUT/bench-serve.txt, log: $OUT/bench-serve.log)"
+  return "$serve_rc"
+}
+
 rc=0
 if [ "$dry" = 1 ]; then
   say "skip: the gpu-marked tests (--dry-run: no GPU)"
   "$PYTHON" scripts/gpu_proof.py --dry-run --out "$OUT" --cache-dir "$CACHE_DIR" || rc=$?
+  if [ -n "$config" ]; then
+    "$PYTHON" -m offload.cli config validate "$config" > /dev/null || exit 2
+    say "the SGLang command launch would run from $config:"
+    "$PYTHON" -m offload.cli launch --config "$config" --dry-run 2>/dev/null | sed -n '/^Command$/{n;p}'
+    say "skip: bench serve (--dry-run); on the GPU machine: ${serve_cmd[*]}"
+  fi
   exit "$rc"
 fi
 
@@ -65,4 +114,5 @@ test_rc=${PIPESTATUS[0]}
 say "gpu tests exit $test_rc (log: $OUT/gpu-tests.txt)"
 timeout 420 "$PYTHON" scripts/gpu_proof.py --out "$OUT" --cache-dir "$CACHE_DIR" || rc=$?
 [ "$rc" = 0 ] && rc=$test_rc
+bench_serve || { [ "$rc" = 0 ] && rc=1; }
 exit "$rc"

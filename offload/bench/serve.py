@@ -1,23 +1,23 @@
 """`sglang-offload bench serve`: time to first token of a real server, cold vs from each cache tier.
 
 For each prompt length (exact, as `input_ids`, so any model serves it), `--repeat` different
-prompts, each sent cold (a fresh store, nothing cached), sent again (an L1/L2 hit: SGLang's
-device and host pools), and - after a restart on the same store, L1/L2 empty - sent a third time
-(an L3 hit from the offload store); the median of the tries is reported, with every try. Each
-reply's cached tokens and its greedy output (which must equal the cold one) are recorded, and
-the store's blocks and bytes. Ratios are to the cold prefill measured in the same run. A short
-warm-up prompt goes through each phase first (the first load from the store pays one-off costs:
-its time is reported apart, `first_l3_request_s`). The server: started from `--config FILE`
-through `sglang-offload launch` (a free loopback port and a private store under `--dir`, removed
-at the end), or one already running at `--url` (no restart there: cold and L1/L2 only; fresh
-prompts make the cold row cold).
+prompts, each sent cold (a fresh store, nothing cached) and again (an L1/L2 hit: SGLang's device
+and host pools). Then a restart on the same store (L1/L2 empty) and, per prompt, an interleaved
+triple on the restarted server (`offload.bench.serve_target`): a fresh prompt (cold), the prompt
+from before the restart (an L3 hit from the offload store), the same again (an L1/L2 hit), and
+the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between. The L3 target:
+the L3 hit's first token at most the L1/L2 hit's plus twice that raw read plus 30 ms (medians of
+the triples). Each reply's cached tokens and its greedy output (which must equal the cold one)
+are recorded, and the store's blocks and bytes. A short warm-up prompt goes through each phase
+first (the first load from the store pays one-off costs: its time is reported apart,
+`first_l3_request_s`). The server: started from `--config FILE` through `sglang-offload launch`
+(a free loopback port and a private store under `--dir`, removed at the end), or one already
+running at `--url` (no restart there: cold and L1/L2 only; fresh prompts make the cold row cold).
 
-Note, printed with the result: SGLang's `torch_native` attention (the CPU backend) recomputes
-attention over the whole prompt even when the prefix is cached
-(srt/layers/attention/torch_native_backend.py:128-172): a hit saves the cached tokens' QKV
-projections and MLPs but not their attention, so on CPU the gain is understated.
-`--plot` and `bench plot` draw the result with `offload.bench.plot` (bars per length: time to
-first token per phase, speed-up over cold).
+On a wheel without patches/0008 (SGLang's own torch_native, the CPU backend) a note says that
+attention is recomputed over the whole prompt even when the prefix is cached, which hides the
+gain. `--plot` and `bench plot` draw the result with `offload.bench.plot` (bars per length: time
+to first token per phase, speed-up over cold).
 """
 
 from __future__ import annotations
@@ -33,16 +33,19 @@ from typing import Any
 import yaml
 
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
+from offload.bench.serve_target import has_patch, raw_read_s, triple_prompts, verdict
 from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
 
 PHASES = ("cold", "l1l2", "l3")
+RESTARTED = ("cold_restarted", "l1l2_restarted")   # the triples' fresh prompt and repeated hit
 WARM = 512            # tokens of the warm-up prompt, sent through each phase before any timing
-TORCH_NATIVE_NOTE = ("SGLang's torch_native attention recomputes attention over the whole prompt "
-                     "even when the prefix is cached (srt/layers/attention/"
-                     "torch_native_backend.py:128-172): a hit saves the cached tokens' "
-                     "projections and MLPs, not their attention, which understates the gain")
+TORCH_NATIVE_NOTE = ("this SGLang lacks patches/0008: its torch_native attention recomputes "
+                     "attention over the whole prompt even when the prefix is cached "
+                     "(srt/layers/attention/torch_native_backend.py _run_sdpa_forward_extend): "
+                     "a hit saves the cached tokens' projections and MLPs, not their attention, "
+                     "which hides the gain")
 
 
 def _lengths(text: str) -> str:
@@ -151,7 +154,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
         url = f"http://127.0.0.1:{port}"
         server = LaunchedServer.start(cfg, work / "server-1.log", url)
     servers = [server]
-    tries: dict[str, dict[int, list[Reply]]] = {p: {n: [] for n in lengths} for p in PHASES}
+    tries: dict[str, dict[int, list[Reply]]] = {p: {n: [] for n in lengths}
+                                                for p in (*PHASES, *RESTARTED)}
     try:
         if not args.url:
             server.wait_ready(args.start_timeout)
@@ -160,7 +164,14 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                                                      "hicache_storage_prefetch_policy",
                                                      "hicache_mem_layout", "hicache_io_backend",
                                                      "page_size", "model_path")}
-        if info.get("attention_backend") == "torch_native":
+        ctx = info.get("context_length")
+        too_long = [n for n in lengths if isinstance(ctx, int) and n + args.max_new_tokens > ctx]
+        if too_long:
+            raise RunError(f"bench serve: --lengths {','.join(map(str, too_long))}: a prompt of "
+                           f"that many tokens plus --max-new-tokens {args.max_new_tokens} exceeds "
+                           f"the server's context-length {ctx}; use at most "
+                           f"{ctx - args.max_new_tokens}")
+        if info.get("attention_backend") == "torch_native" and not has_patch("0008-"):
             result["note"] = TORCH_NATIVE_NOTE
         for _ in range(2):                       # warm-up: the cold and the L1/L2 path once
             server.generate(warm, args.max_new_tokens)
@@ -182,16 +193,19 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             # extension); it is timed and reported, not counted in the rows
             result["first_l3_request_s"] = round(server.generate(warm, args.max_new_tokens)
                                                  .ttft_s, 3)
-            for n in lengths:
-                tries["l3"][n] = [server.generate(ids, args.max_new_tokens) for ids in prompts[n]]
+            _triples(args, server, store, lengths, prompts, seed, page, tries, result)
         for n in lengths:
             row = result["rows"][str(n)]
             row["cold"] = _summary(tries["cold"][n], None)
-            for p in ("l1l2", "l3"):
+            for p in ("l1l2", "l3", "l1l2_restarted"):
                 if tries[p][n]:
                     row[p] = _summary(tries[p][n], tries["cold"][n])
                     row[p]["speedup"] = (round(row["cold"]["ttft_s"] / row[p]["ttft_s"], 3)
                                          if row[p]["ttft_s"] > 0 else None)
+            if tries["cold_restarted"][n]:
+                row["cold_restarted"] = _summary(tries["cold_restarted"][n], None)
+                row["target"] = verdict(row["l1l2_restarted"]["ttft_s"], row["l3"]["ttft_s"],
+                                        statistics.median(row["raw_read_s_tries"]))
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data}
     except (RunError, OSError) as e:
@@ -203,6 +217,27 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
     finally:
         for s in servers:
             s.stop()
+
+
+def _triples(args: Args, server: LaunchedServer, store: Path, lengths: list[int],
+             prompts: dict[int, list[list[int]]], seed: int, page: int,
+             tries: dict[str, dict[int, list[Reply]]], result: dict[str, Any]) -> None:
+    """Per prompt, on the restarted server: a fresh prompt (cold), the prompt from before the
+    restart (L3), the same again (L1/L2), then the raw disk's O_DIRECT read of that L3 hit's KV
+    bytes (its pages times the store's mean block size) in the store's directory."""
+    blocks, data = store_usage(store)
+    block_bytes = data // blocks if blocks else 0
+    result["store_block_bytes"] = block_bytes
+    for n in lengths:
+        raws = []
+        for ids, fresh in zip(prompts[n], triple_prompts(n, seed, args.repeat)):
+            tries["cold_restarted"][n].append(server.generate(fresh, args.max_new_tokens))
+            hit = server.generate(ids, args.max_new_tokens)
+            tries["l3"][n].append(hit)
+            tries["l1l2_restarted"][n].append(server.generate(ids, args.max_new_tokens))
+            raws.append(round(raw_read_s(str(store), hit.cached_tokens // page * block_bytes), 5))
+        result["rows"][str(n)]["raw_read_s_tries"] = raws
+        print(f"  {n} tokens: {len(raws)} triples after the restart done", file=sys.stderr)
 
 
 def _fmt(d: dict[str, Any], key: str, fmt: str) -> str:
@@ -224,6 +259,16 @@ def _print(result: dict[str, Any]) -> None:
               f"{f(a, 'speedup', '.2f'):>6} {f(a, 'cached_tokens', 'd'):>7} "
               f"{f(b, 'ttft_s', '.3f'):>8} {f(b, 'speedup', '.2f'):>6} "
               f"{f(b, 'cached_tokens', 'd'):>7} {'yes' if same else 'NO':>5}")
+    for n, row in result["rows"].items():
+        t = row.get("target")
+        if t:
+            print(f"L3 target at {n} tokens (restarted server, medians of "
+                  f"{len(row['raw_read_s_tries'])} triples): cold "
+                  f"{row['cold_restarted']['ttft_s']:.3f} s, L3 {t['l3_s']:.3f} s, L1/L2 "
+                  f"{t['l1l2_s']:.3f} s, raw read {1000 * t['raw_read_s']:.1f} ms; limit "
+                  f"{t['limit_s']:.3f} s (L1/L2 + 2 x raw + 30 ms): "
+                  f"{'met' if t['met'] else 'MISSED'} (L3 - L1/L2 = "
+                  f"{1000 * t['l3_extra_s']:.0f} ms)")
     st = result.get("store") or {}
     if st.get("blocks") is not None:
         print(f"store: {st['blocks']} blocks, {st['data_bytes']} bytes")

@@ -7,16 +7,18 @@ On `device: cpu` (SGLang 0.5.23, a plain x86 or Arm box, no sgl-kernel CPU build
 - `SGLANG_USE_CPU_ENGINE=1`: SGLang takes its CPU code paths only with it when torch is a CUDA
   build (srt/utils/common.py `is_cpu`); harmless with a CPU build of torch.
 - `--attention-backend torch_native`: SGLang's x86 default, intel_amx, needs sgl-kernel's CPU
-  ops, which no registry ships. torch_native recomputes attention over the whole prompt even
-  when the prefix is cached (srt/layers/attention/torch_native_backend.py), so a cache hit saves
-  the projections and MLPs of the cached tokens, not their attention.
+  ops, which no registry ships. With patches/0008 its extend attends only the new tokens' queries
+  (upstream recomputes the whole prompt's attention even when the prefix is cached), so a cache
+  hit costs the uncached tail.
 - `--cuda-graph-backend-{decode,prefill} disabled`: there is no CUDA.
 - `--hicache-io-backend kernel` with the `page_first` layout: the distribution's pure-torch
   host<->device copies (patches/) serve both io backends on CPU; kernel keeps page_first, whose
   page of every layer is one contiguous store block.
-- `--hicache-storage-prefetch-policy wait_complete`: a CPU's prefill is far slower than a read
-  from the store, so waiting for the whole prefetch always wins (SGLang's default, timeout,
-  can start a prefill with part of the hit still loading).
+- `--hicache-storage-prefetch-policy wait_complete`: measured (docs/benchmarks.md, 2026-12-02,
+  the demo model): recomputing a cached 8K / 16K prefix on a CPU took 12 / 55 s, reading its KV
+  from the raw disk 21 / 54 ms and the whole L3 hit 1.2 / 2.6 s; a policy that starts the prefill
+  with part of the hit still loading (SGLang's default, timeout, or best_effort) recomputes that
+  part at ~1,000x the cost of waiting for it.
 On a GPU (or device unset: SGLang picks cuda where it sees one) SGLang's own defaults stand.
 """
 
@@ -60,8 +62,8 @@ def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
                "a CUDA build"]
     _pick(values, set_by_user, "attention_backend", "torch_native",
           "SGLang's x86 CPU default (intel_amx) needs sgl-kernel's CPU build, which no registry "
-          "ships; torch_native recomputes attention over the whole prompt even when the prefix "
-          "is cached", argv, reasons)
+          "ships; with patches/0008 a cached prefix costs no attention, only the new tokens' "
+          "queries are attended", argv, reasons)
     for phase in ("decode", "prefill"):
         _pick(values, set_by_user, f"cuda_graph_backend_{phase}", "disabled",
               "no CUDA on device cpu", argv, reasons)
@@ -69,6 +71,6 @@ def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
           "pure-torch host<->device copies on CPU (patches/), page_first kept: one page of every "
           "layer is one store block", argv, reasons)
     _pick(values, set_by_user, "hicache_storage_prefetch_policy", "wait_complete",
-          "a CPU prefill is far slower than a store read: wait for the whole prefetch", argv,
-          reasons)
+          "measured on CPU: recomputing a cached prefix costs ~1,000x reading it from the "
+          "store (12 s vs 21 ms at 8K tokens), so wait for the whole prefetch", argv, reasons)
     return DeviceChoice("cpu", argv, dict(CPU_ENV), reasons)

@@ -51,11 +51,17 @@ def test_gpu_proof_dry_run_end_to_end(wheels: Path, tmp_path: Path) -> None:
            "CACHE_DIR": str(tmp_path / "store"), "PYTHON": str(REPO / ".venv" / "bin" / "python")}
     if not Path(env["PYTHON"]).exists():
         env.pop("PYTHON")
-    res = subprocess.run(["bash", str(SCRIPTS / "gpu-proof.sh"), "--dry-run"], capture_output=True,
-                         text=True, timeout=900, env=env, cwd=tmp_path)
+    h200 = REPO / "configs" / "llama-3.1-8b-128k-h200.yaml"      # a GPU host's file, unchanged
+    res = subprocess.run(["bash", str(SCRIPTS / "gpu-proof.sh"), "--dry-run", "--config",
+                          str(h200)], capture_output=True, text=True, timeout=900, env=env,
+                         cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "gpu-proof: kvikio 26." in res.stdout
     assert "skip: the gpu-marked tests (--dry-run: no GPU)" in res.stdout
+    # the deployment file is checked and shown as the SGLang command and bench serve's command
+    assert "-m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct" in res.stdout
+    assert (f"skip: bench serve (--dry-run); on the GPU machine: {env.get('PYTHON', 'python3')} "
+            f"-m offload.cli bench serve --config {h200} --lengths 8192,32768,131008") in res.stdout
     assert (tmp_path / "site" / "kvikio").is_dir()
     result = json.loads((out / "gpu-proof.json").read_text())
     assert result["dry_run"] is True and result["gds"]["skipped"] == "dry run: no GPU"
@@ -86,3 +92,15 @@ def test_llama_8b_shape_and_kv_bytes() -> None:
     shape = proof.LLAMA_8B
     assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads) == (32, 4096, 32, 8)
     assert shape.kv_bytes_per_token(2) == 128 << 10          # 128 KiB per token in bf16
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--config"], "--config needs a FILE"),
+    (["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: no such file"),
+    (["--fast"], "unknown argument --fast"),
+])
+def test_gpu_proof_bad_arguments_are_one_error_line(argv: list[str], expected: str,
+                                                     tmp_path: Path) -> None:
+    res = subprocess.run(["bash", str(SCRIPTS / "gpu-proof.sh"), *argv], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 2 and expected in res.stderr, res.stderr

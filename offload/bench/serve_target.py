@@ -1,0 +1,100 @@
+"""`bench serve`'s L3 target: interleaved triples on the restarted server, the raw-disk read of
+each prefix, and the verdict.
+
+- `triple_prompts(n, seed, repeat)`: the fresh prompts of the restarted server's triples (never
+  sent before the restart);
+- `raw_read_s(directory, nbytes)`: seconds the raw disk under `directory` takes to read `nbytes`
+  sequentially with O_DIRECT (`offload.bench.rawdisk`, 4 MiB reads), measured in the run;
+- `verdict(l1l2_s, l3_s, raw_s)`: the issue-25 target, an L3 hit's first token at most the L1/L2
+  hit's plus twice the raw read of its KV bytes plus 30 ms, with the limit and the slack;
+- `has_patch(prefix)`: whether the SGLang this process imports was built with a patch of
+  `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang;
+- `private_server(config, work)`: a server started from a deployment file through launch, on a
+  free loopback port with a private store under `work` (the measuring scripts' set-up);
+- `missing_for_serve(config)`: why `bench serve` cannot start a server from a deployment file
+  here (SGLang not importable, its model neither a local directory nor in the Hugging Face cache:
+  a machine without network), or None; scripts/gpu-proof.sh asks it before `bench serve`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import random
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from offload.bench.rawdisk import raw_bandwidth
+from offload.launch.server import LaunchedServer, free_port
+
+SLACK_S = 0.030       # the target's fixed allowance
+CHUNK = 4 << 20       # raw read size (bytes)
+TRIPLE_SEED = 104_729
+
+
+def triple_prompts(length: int, seed: int, repeat: int) -> list[list[int]]:
+    """`repeat` fresh prompts of `length` token ids in [10, 250), none sent before."""
+    out = []
+    for k in range(repeat):
+        r = random.Random((seed + TRIPLE_SEED * (k + 1)) * 1_000_003 + length)
+        out.append([r.randrange(10, 250) for _ in range(length)])
+    return out
+
+
+def raw_read_s(directory: str, nbytes: int) -> float:
+    """Seconds to read `nbytes` from the raw disk under `directory` (O_DIRECT, sequential)."""
+    total = max(CHUNK, -(-nbytes // CHUNK) * CHUNK)
+    _write, read_gbs = raw_bandwidth(directory, total, chunk=CHUNK)
+    return nbytes / (read_gbs * 1e9) if read_gbs > 0 else 0.0
+
+
+def verdict(l1l2_s: float, l3_s: float, raw_s: float) -> dict[str, Any]:
+    limit = l1l2_s + 2 * raw_s + SLACK_S
+    return {"l1l2_s": round(l1l2_s, 4), "l3_s": round(l3_s, 4), "raw_read_s": round(raw_s, 4),
+            "limit_s": round(limit, 4), "l3_extra_s": round(l3_s - l1l2_s, 4),
+            "met": l3_s <= limit}
+
+
+def has_patch(prefix: str) -> bool | None:
+    """True/False: the installed SGLang's record lists a patch starting with `prefix`; None: no
+    record (not this distribution's wheel)."""
+    try:
+        record = importlib.metadata.distribution("sglang").read_text("OFFLOAD_PATCHES")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if record is None:
+        return None
+    return any(line.split()[-1].startswith(prefix) for line in record.splitlines()
+               if line.strip() and not line.startswith("#"))
+
+
+def missing_for_serve(config: str) -> str | None:
+    """Why a server cannot start from `config` on this machine, or None (nothing is imported)."""
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not importable by this Python"
+    try:
+        doc = yaml.safe_load(Path(config).read_text())
+        model = str(doc["sglang"]["model-path"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{config}: no sglang.model-path ({e})"
+    if Path(model).is_dir():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return f"model {model} is not a local directory and huggingface_hub is not installed"
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return None
+    return (f"model {model} is neither a local directory nor in the Hugging Face cache "
+            "(no network here: copy the weights in, or point model-path at them)")
+
+
+def private_server(config: str, work: Path, log: str = "server.log") -> LaunchedServer:
+    """Start a server from `config` on a free loopback port, its store in `work`/store."""
+    from offload.bench.serve import _config
+
+    port = free_port()
+    return LaunchedServer.start(_config(config, work / "store", port), work / log,
+                                f"http://127.0.0.1:{port}")
