@@ -315,7 +315,7 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.redis.url: {redact.value('offload.redis.url', r.url)} is not a "
                         "redis://, rediss:// or redis+cluster:// URL")
     elif r.url is not None:
-        from offload.store.redis_link import parse_url  # (imports nothing native)
+        from offload.store.redis.link import parse_url  # (imports nothing native)
 
         try:
             parse_url(r.url)

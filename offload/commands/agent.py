@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def open_store(args: argparse.Namespace) -> BlockStore:
     if args.memory:
-        from offload.store.memory import MemoryStore
+        from offload.store.memory.store import MemoryStore
 
         # Memory kept faulted in ahead of the fill point: a burst of puts copies without faults.
         store = MemoryStore(capacity=args.capacity, reserve=args.memory_reserve)
@@ -103,7 +103,7 @@ def open_store(args: argparse.Namespace) -> BlockStore:
     if not args.store:
         raise ConfigError(["agent: name the cache directory with --store DIR (or use --memory)"])
     try:
-        from offload.store.disk import DiskStore
+        from offload.store.disk.store import DiskStore
     except ImportError as e:
         raise StoreError(f"the disk store is not available: {e}") from None
     return DiskStore(StoreConfig(path=args.store, capacity=Size(args.capacity)))

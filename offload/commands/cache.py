@@ -73,7 +73,7 @@ def stored_capacity(directory: str) -> int:
     if not os.path.isfile(path):
         raise UsageError(f"{directory}: not a cache directory (no {INDEX}; the directory named by "
                          "offload.store.path)")
-    from offload.store.index_schema import read_only
+    from offload.store.disk.index.schema import read_only
 
     try:
         rows = read_only(path, "SELECT value FROM meta WHERE name='capacity'", timeout=30)
@@ -83,7 +83,7 @@ def stored_capacity(directory: str) -> int:
 
 
 def open_store(directory: str) -> Any:
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     cap = stored_capacity(directory)
     log.debug("opening %s (capacity %s read from %s)", directory, format_size(cap),

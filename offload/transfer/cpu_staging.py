@@ -91,7 +91,7 @@ class CpuStagingPath(StoreBookkeeping):
     def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None
              ) -> "CpuStagingPath":
         if store is None:
-            from offload.store.disk import DiskStore
+            from offload.store.disk.store import DiskStore
 
             store = DiskStore(cfg.store)
         node = cfg.transfer.numa_node

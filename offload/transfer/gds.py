@@ -46,7 +46,7 @@ def wsum64(data: Any) -> int:
 
 def wsum64_numpy(buf: Buffer) -> int:
     """The same checksum on the CPU (the store's own `slot_format.wsum64`, which verifies GDS blocks)."""
-    from offload.store.slot_format import wsum64 as cpu_wsum64
+    from offload.store.disk.slab.format import wsum64 as cpu_wsum64
 
     return cpu_wsum64([buf])
 
@@ -86,7 +86,7 @@ class GdsPath(StoreBookkeeping):
         if not ok and cfg.transfer.path == "gds":
             raise PathUnavailableError(f"offload.transfer.path gds: {why}")
         if store is None:
-            from offload.store.disk import DiskStore
+            from offload.store.disk.store import DiskStore
 
             store = DiskStore(cfg.store)
         if not isinstance(store, SlotStore) or store.slot_medium != "file":

@@ -11,7 +11,7 @@ import torch
 
 from offload.errors import ConfigError, PathUnavailableError
 from offload.hicache import backend as hicache
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.hicache import hicache_pools as hp
 
 P = hp.PAGE

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from offload.store.base import Slot, SlotStore, get_bytes
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.store.blocks import data, key
 
 KiB = 1024

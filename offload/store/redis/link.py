@@ -32,7 +32,7 @@ from offload import redact
 from offload.config import RedisConfig
 from offload.errors import ConfigError, StoreError
 from offload.store.base import Buffer
-from offload.store.redis_call import (
+from offload.store.redis.call import (
     CONTROL_RECV_BYTES,
     REPLY_BYTES_PER_COMMAND,
     BoundedSocket,
@@ -43,7 +43,7 @@ from offload.store.redis_call import (
 )
 from offload.store.secret import read_secret_file
 
-log = logging.getLogger("offload.store.redis")
+log = logging.getLogger("offload.store.redis.store")
 T = TypeVar("T")
 
 _SCHEMES = {"redis": (False, False), "rediss": (True, False),

@@ -10,7 +10,7 @@ size and reused (the blocks of one deployment all have the same size), so that a
 into memory already in use instead of faulting in new pages (about 5x slower on small VMs).
 With `reserve > 0` (the agent's DRAM tier) slots are carved from one arena of `capacity` bytes of
 address space that a background thread keeps faulted in `reserve` bytes ahead of the fill point
-(`offload.store.reserve`), so that a burst of puts into an empty tier costs no page faults either.
+(`offload.store.memory.arena`), so that a burst of puts into an empty tier costs no page faults either.
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
@@ -35,8 +35,8 @@ from typing import Sequence
 
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
-from offload.store.reserve import ReservedArena, pages
-from offload.store.slot_format import checksum
+from offload.store.disk.slab.format import checksum
+from offload.store.memory.arena import ReservedArena, pages
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,13 @@ from typing import Callable
 
 from offload.errors import StoreError
 from offload.keys import NS_BYTES, Namespace
-from offload.store import scrub, slab
 from offload.store.base import StoreStats
-from offload.store.commit import Committer
-from offload.store.index import Freed, Location
-from offload.store.index_access import BUSY, LOCK_TIMEOUT_S, IndexAccess
-from offload.store.slot_format import ReadOutcome
+from offload.store.disk import scrub
+from offload.store.disk.commit import Committer
+from offload.store.disk.index.access import BUSY, LOCK_TIMEOUT_S, IndexAccess
+from offload.store.disk.index.db import Freed, Location
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab.format import ReadOutcome
 
 
 class DiskAdmin:
