@@ -91,9 +91,9 @@ class CpuStagingPath(StoreBookkeeping):
     def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None
              ) -> "CpuStagingPath":
         if store is None:
-            from offload.store.disk.store import DiskStore
+            from offload.store.factory import open_disk
 
-            store = DiskStore(cfg.store)
+            store = open_disk(cfg.store)
         node = cfg.transfer.numa_node
         if node is None and decision is not None:
             node = getattr(decision, "numa_node", None)

@@ -18,7 +18,7 @@ import os
 from concurrent.futures import Executor
 from typing import Callable
 
-from offload.store.disk.index.db import Location
+from offload.store.disk.location import Location
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab.format import ReadOutcome, corrupt
 

@@ -14,7 +14,7 @@ address space that a background thread keeps faulted in `reserve` bytes ahead of
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
-Every block carries the store's per-block checksum (xxh3-64, `slot_format.checksum`), taken when
+Every block carries the store's per-block checksum (xxh3-64, `offload.store.checksum`), taken when
 it is stored (after the copy, or from the slot at `commit_slots`) and verified before it is served
 (`get_many`, `pin_slots`): a mismatch is a miss, counted (`checksum_failures`), and the block is
 dropped with its slot (never reused: whatever wrote into it may not be done).
@@ -35,7 +35,7 @@ from typing import Sequence
 
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
-from offload.store.disk.slab.format import checksum
+from offload.store.checksum import checksum
 from offload.store.memory.arena import ReservedArena, pages
 
 log = logging.getLogger(__name__)

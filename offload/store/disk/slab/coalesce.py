@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future, wait
 from typing import Callable, Sequence, TypeVar
 
 from offload.store.base import Buffer
-from offload.store.disk.index.db import Location
+from offload.store.disk.location import Location
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
 from offload.store.disk.slab.format import ReadOutcome
