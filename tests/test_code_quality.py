@@ -101,6 +101,12 @@ def test_launch_never_imports_commands() -> None:
     assert not any(bad.values()), f"offload.launch imports offload.commands: {bad}"
 
 
+def test_config_imports_no_store() -> None:
+    """The config tree (and the Redis URL grammar in it) stands below every tier."""
+    bad = _names(_imports(PKG / "config.py"), "offload.store")
+    assert not bad, f"offload/config.py imports {bad}"
+
+
 def test_top_level_holds_only_the_shared_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert top == ["__init__.py", "cli.py", "config.py", "errors.py", "keys.py", "metrics.py",

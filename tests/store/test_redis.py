@@ -6,10 +6,9 @@ import struct
 
 import pytest
 
-from offload.config import ConfigError, load_offload
+from offload.config import ConfigError, load_offload, parse_url
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.redis.link import parse_url
 from offload.store.redis.store import RedisStore
 from offload.store.redis.value import HEADER, MAGIC, VERSION, ValueCodec
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
