@@ -1,4 +1,5 @@
-"""In-memory block store: the DRAM tier and the fake the tests use (with failure switches).
+"""In-memory block store: the DRAM tier (and, as `MemoryStore()`, the plain fake the tests use;
+the one with failure switches is `offload.store.faults.FaultyMemoryStore`).
 
 Primitives: `MemoryStore(capacity, reserve=0)` implementing `BlockStore`.
 Lifecycle: construct with a capacity; blocks are evicted least-recently-used past it; `close()`
@@ -73,9 +74,6 @@ class MemoryStore:
         reserve = pages(min(reserve, capacity))
         self._arena = (ReservedArena(capacity, reserve, self._lock)
                        if reserve > 0 and sys.platform.startswith("linux") else None)
-        # Failure switches for tests: keys whose reads/writes fail.
-        self.fail_reads: set[bytes] = set()
-        self.fail_writes: set[bytes] = set()
         self.namespaces: dict[bytes, dict[str, object]] = {}
 
     def wait_reserve(self, timeout: float) -> bool:
@@ -185,7 +183,7 @@ class MemoryStore:
             self._busy()
             for key, size in zip(keys, sizes):
                 if (len(key) != KEY_BYTES or key in self._blocks or key in self._reserved
-                        or key in self.fail_writes or size <= 0 or size > self.capacity):
+                        or size <= 0 or size > self.capacity):
                     out.append(None)
                     continue
                 slot = self._make_room(size) and self._slot(size)
@@ -243,8 +241,8 @@ class MemoryStore:
             for key in keys:
                 slot = self._blocks.get(key)
                 pin = self._pins.get(key)
-                if slot is None or key in self.fail_reads or (pin is not None and pin[1] is not slot):
-                    self._stats.misses += slot is None or key in self.fail_reads
+                if slot is None or (pin is not None and pin[1] is not slot):
+                    self._stats.misses += slot is None
                     out.append(None)       # (a pinned slot not this block's: its deleted copy)
                     sums.append(None)
                     continue
@@ -291,7 +289,7 @@ class MemoryStore:
         with self._lock:
             self._busy()
             for key, bufs in zip(keys, blocks):
-                if key in self.fail_writes or len(key) != KEY_BYTES:   # a key is 32 bytes
+                if len(key) != KEY_BYTES:   # a key is 32 bytes
                     self._stats.put_skipped += 1
                     out.append(False)
                     continue
@@ -333,7 +331,7 @@ class MemoryStore:
             self._busy()
             for key, bufs in zip(keys, dests):
                 slot = self._blocks.get(key)
-                if slot is None or key in self.fail_reads or total_len(bufs) != slot.nbytes \
+                if slot is None or total_len(bufs) != slot.nbytes \
                         or not self._intact(key, slot):
                     self._stats.misses += 1
                     out.append(False)
