@@ -8,7 +8,7 @@ Primitives:
   breaker. `link.run(fn)` calls `fn(client)`; on a connection error or timeout it counts the
   failure, drops the client and refuses calls for `backoff_s` (they return None at once), then
   lets the next call reconnect. redis-py's own retries are off, so a dead or hung Redis costs
-  one timeout, then nothing. Every call is bounded as a whole (`redis_call`): `link.call(nbytes,
+  one timeout, then nothing. Every call is bounded as a whole (`call`): `link.call(nbytes,
   commands)` bounds the calls made inside it (a deadline of `timeout_s` + nbytes / 128 MiB/s, a
   reply allowance); a `run` outside one is bounded by itself (`timeout_s`, 64 MiB of reply).
   A `ProtocolError` from `fn` (a reply stream out of step) is a failure like any other: the
@@ -55,7 +55,7 @@ class Vectored:
 
 def _connection_class(tls: bool, bounds: CallBounds) -> type:
     """A redis-py connection class whose packer writes `Vectored` arguments buffer by buffer and
-    whose socket enforces `bounds` (`redis_call.BoundedSocket`)."""
+    whose socket enforces `bounds` (`call.BoundedSocket`)."""
     from redis.connection import Connection, SSLConnection
 
     base: type = SSLConnection if tls else Connection
@@ -172,7 +172,7 @@ class RedisLink:
 
     def call(self, nbytes: int = 0, commands: int = 1) -> AbstractContextManager[None]:
         """Bound every `run` inside this block as one call: it ends within `timeout_s` + nbytes /
-        128 MiB/s and receives at most nbytes + 256 bytes a command + 1 MiB (`redis_call`).
+        128 MiB/s and receives at most nbytes + 256 bytes a command + 1 MiB (`call`).
 
         Args:
             nbytes: the bytes the call moves (values sent plus values expected back).
