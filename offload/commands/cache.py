@@ -192,7 +192,7 @@ def _verify(args: argparse.Namespace) -> int:
             checked, bad = store.verify(bar.update)
     finally:
         store.close()
-    rows = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": got.reason,
+    rows: list[dict[str, Any]] = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": got.reason,
              "deleted": got.corrupt} for k, got in bad]
     if args.json:
         print(json.dumps({"dir": os.path.abspath(args.dir), "checked": checked, "bad": rows},

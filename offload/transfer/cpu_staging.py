@@ -182,7 +182,7 @@ class _GpuStager:
                         n = b.numel() * b.element_size()
                         buf[off:off + n].copy_(self._flat(b), non_blocking=True)
                         off += n
-                    views.append([memoryview(buf[off - sizes[i]:off].numpy())])
+                    views.append([memoryview(buf[off - sizes[i]:off].numpy())])  # type: ignore[arg-type]
                 event.record(self.stream)
             if pending is not None:   # the store writes chunk g-1 while the GPU copies chunk g
                 self._store(pending, keys, ok)
@@ -211,7 +211,8 @@ class _GpuStager:
                 events[g % 2].synchronize()
             views, off = [], 0
             for i in group:
-                views.append([memoryview(buf[off:off + sizes[i]].numpy())])
+                # an ndarray has the buffer protocol (numpy's stubs do not say so)
+                views.append([memoryview(buf[off:off + sizes[i]].numpy())])  # type: ignore[arg-type]
                 off += sizes[i]
             flags = self.path._run(self.path.store.get_many, [keys[i] for i in group], views)
             with torch.cuda.stream(self.stream):

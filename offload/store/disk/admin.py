@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Executor
-from typing import Callable
+from typing import Any, Callable
 
 from offload.errors import StoreError
 from offload.keys import NS_BYTES, Namespace
@@ -65,7 +65,7 @@ class DiskAdmin:
             self._refresh_keys()
         return 0 if n is BUSY else int(n)  # type: ignore[arg-type]
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         """Blocks, bytes and age per namespace (with descriptions): `cache stats`."""
         self._commits.settle(LOCK_TIMEOUT_S)
         with self._lock:
