@@ -9,7 +9,7 @@ Steps (run by scripts/gpu-proof.sh after the `gpu` tests):
                   (flash / memory-efficient kernels only: a math fallback would need T^2 memory)
   prefill()       time one forward pass over each prompt length; the longest one's K and V of every
                   layer are kept, page by page (64 tokens: SGLang's page_first layout)
-  populate()      those pages into the block store (offload.store.disk.DiskStore) on local disk
+  populate()      those pages into the block store (offload.store.disk.store.DiskStore) on local disk
                   through the cpu path, then fsync'ed and dropped from the page cache
   load_cpu()      each prompt's pages back into GPU memory through cpu staging (pinned host
                   buffers, O_DIRECT reads): offload.transfer.cpu_staging.CpuStagingPath
@@ -323,7 +323,7 @@ def run(out: Path, tokens: list[int], cache_dir: str, dry_run: bool) -> dict[str
     import torch
 
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
     from offload.transfer.cpu_staging import CpuStagingPath
 
     notes: list[str] = []

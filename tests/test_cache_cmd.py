@@ -16,8 +16,8 @@ import pytest
 from offload.cli import main
 from offload.config import Size, StoreConfig
 from offload.keys import Namespace
-from offload.store.disk import DiskStore
-from offload.store.slot_format import HEADER_BYTES, parse_segment_name
+from offload.store.disk.slab.format import HEADER_BYTES, parse_segment_name
+from offload.store.disk.store import DiskStore
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 64 << 10
@@ -196,7 +196,7 @@ def test_verify_text_output_names_the_bad_block(tmp_path, capsys):
 WRITER = """
 import os, sys, time
 from offload.config import Size, StoreConfig
-from offload.store.disk import DiskStore
+from offload.store.disk.store import DiskStore
 s = DiskStore(StoreConfig(path=sys.argv[1], capacity=Size(int(sys.argv[2])), min_free=Size(0)))
 print("ready", flush=True)
 i, end = 0, time.monotonic() + float(sys.argv[3])

@@ -155,7 +155,7 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
         '"stock_file": {"write_gbps": 0.5, "read_gbps": 1.0}, '
         '"offload": {"write_gbps": 1.8, "read_gbps": 2.7}}')
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     DiskStore(StoreConfig(path=str(d / "cache"), capacity=Size(64 << 20), min_free=Size(0))).close()
     return d

@@ -1,8 +1,10 @@
 """The code stays lint-clean, typed where promised, and shaped as ARCHITECTURE.md says.
 
-ruff (lint + import order) and mypy (offload/store, keys, config, errors) run with the settings in
+ruff (lint + import order) and mypy (every package but agent/, hw/, hicache/, bench/) run with the settings in
 pyproject.toml; argparse lives only in the command modules (and launch/, which reads SGLang's own
-flags); no import cycle between packages.
+flags); no import cycle between packages; the disk store's two halves stay apart (index/ is SQLite
+only and never imports slab/; slab/ is files only and never imports sqlite3 or index/); launch/
+never imports commands/ (it builds a store through offload.store.factory).
 """
 
 from __future__ import annotations
@@ -68,6 +70,41 @@ def test_no_import_from_one_package_into_the_other(a: str, b: str) -> None:
     bad = [str(p.relative_to(ROOT)) for p in (PKG / a).rglob("*.py")
            if any(_package(m) == b for m in _imports(p))]
     assert not bad, f"offload.{a} imports offload.{b}: {bad}"
+
+
+DISK = PKG / "store" / "disk"
+
+
+def _under(pkg: Path) -> list[Path]:
+    return sorted(p for p in pkg.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _names(imports: set[str], *prefixes: str) -> list[str]:
+    return sorted(m for m in imports if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+def test_disk_index_never_imports_slab() -> None:
+    bad = {str(p.relative_to(ROOT)): _names(_imports(p), "offload.store.disk.slab")
+           for p in _under(DISK / "index")}
+    assert _under(DISK / "index") and not any(bad.values()), f"index/ imports slab/: {bad}"
+
+
+def test_disk_slab_never_imports_sqlite_or_index() -> None:
+    bad = {str(p.relative_to(ROOT)): _names(_imports(p), "sqlite3", "offload.store.disk.index")
+           for p in _under(DISK / "slab")}
+    assert _under(DISK / "slab") and not any(bad.values()), f"slab/ imports sqlite3 or index/: {bad}"
+
+
+def test_launch_never_imports_commands() -> None:
+    bad = {str(p.relative_to(ROOT)): _names(_imports(p), "offload.commands")
+           for p in _under(PKG / "launch")}
+    assert not any(bad.values()), f"offload.launch imports offload.commands: {bad}"
+
+
+def test_config_imports_no_store() -> None:
+    """The config tree (and the Redis URL grammar in it) stands below every tier."""
+    bad = _names(_imports(PKG / "config.py"), "offload.store")
+    assert not bad, f"offload/config.py imports {bad}"
 
 
 def test_top_level_holds_only_the_shared_modules() -> None:

@@ -199,7 +199,7 @@ def test_redis_tier_at_a_closed_port(planted: dict[str, Any], seen: Seen) -> Non
     from offload.config import load_file
     from offload.errors import OffloadError
     from offload.keys import Namespace
-    from offload.store.redis import RedisStore
+    from offload.store.redis.store import RedisStore
 
     cfg = load_file(planted["good"]).offload
     store = RedisStore(cfg.redis)

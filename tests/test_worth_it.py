@@ -14,7 +14,7 @@ import torch
 from offload.config import WorthItConfig
 from offload.hicache import backend as hicache
 from offload.hicache.worth_it import Ewma, WorthIt, estimate_prefill_tps, from_config
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.hicache import hicache_pools as hp
 
 P = hp.PAGE

@@ -1,7 +1,7 @@
 """PUTs the agent acknowledged before its store made them durable: hidden until the store did.
 
 The disk store's `put_many` returns once a block's bytes are written; its group committer makes
-the block durable and visible later (`offload.store.commit`), and a sync or commit failure then
+the block durable and visible later (`offload.store.disk.commit`), and a sync or commit failure then
 loses it, counted. The agent acknowledges a PUT when `put_many` returns, or through staging
 once the blocks are in its staging memory with their write running (`offload.agent.staged`) —
 the local store's promise: "stored unless its write or commit fails; invisible until durable" —

@@ -212,7 +212,7 @@ def run(args: Args) -> Outcome:
 
 
 def _cpu(tmp: str, size: int, total: int, batch: int, buf: memoryview) -> dict[str, float]:
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
     from offload.transfer.cpu_staging import CpuStagingPath
 
     d = tempfile.mkdtemp(prefix=f"cpu-{size}-", dir=tmp)  # a fresh store for every try

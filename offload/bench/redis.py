@@ -153,7 +153,7 @@ def _measure(url: str, size: int, count: int, batch: int, rounds: int,
 
 def _open(url: str, secret_file: str | None) -> Any:
     """The tier on `url`, checked with a PING: an unreachable server is one StoreError line."""
-    from offload.store.redis import RedisStore
+    from offload.store.redis.store import RedisStore
 
     try:
         cfg = load_offload({"redis": {"url": url, "timeout_s": 30.0,
@@ -163,7 +163,7 @@ def _open(url: str, secret_file: str | None) -> Any:
         names = (("offload.redis.url", "--url"), ("offload.redis.secret_file", "--secret-file"))
         raise UsageError("\n".join(next((p.replace(k, flag, 1) for k, flag in names
                                           if p.startswith(k)), p) for p in e.problems)) from None
-    quiet = logging.getLogger("offload.store.redis")
+    quiet = logging.getLogger("offload.store.redis.store")
     level = quiet.level
     quiet.setLevel(logging.ERROR)       # the reason is in the error below, not in a warning too
     try:
@@ -188,7 +188,7 @@ def _redis_benchmark(url: str, size: int, count: int, batch: int) -> dict[str, f
     not installed, the URL needs TLS/cluster/a password, or keys of its names already exist."""
     import redis
 
-    from offload.store.redis_link import parse_url
+    from offload.store.redis.link import parse_url
 
     exe = shutil.which("redis-benchmark")
     t = parse_url(url)

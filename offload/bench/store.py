@@ -83,8 +83,8 @@ class Steps:
 
 
 def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> dict[str, float]:
-    from offload.store.disk import DiskStore
-    from offload.store.disk_spare import RANGE_BYTES, RANGE_SHARE
+    from offload.store.disk.spare import RANGE_BYTES, RANGE_SHARE
+    from offload.store.disk.store import DiskStore
 
     d = os.path.join(root, f"store-{size}")
     n = max(batch, total // size)
@@ -128,8 +128,8 @@ def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> di
 
 
 def bench_index(root: str, nblocks: int) -> dict[str, float]:
-    from offload.store.disk import DiskStore
-    from offload.store.index import Index
+    from offload.store.disk.index.db import Index
+    from offload.store.disk.store import DiskStore
 
     d = os.path.join(root, "index")
     os.mkdir(d, 0o700)             # private, as a cache directory must be (no chmod warning)

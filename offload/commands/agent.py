@@ -98,10 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def open_store(args: argparse.Namespace) -> BlockStore:
     if args.memory:
-        from offload.store.memory import MemoryStore
+        from offload.store.factory import open_memory
 
         # Memory kept faulted in ahead of the fill point: a burst of puts copies without faults.
-        store = MemoryStore(capacity=args.capacity, reserve=args.memory_reserve)
+        store = open_memory(args.capacity, reserve=args.memory_reserve)
         if not store.wait_reserve(timeout=600.0):
             logging.getLogger("offload.agent").warning(
                 "the DRAM reserve is not fully faulted in yet; serving anyway")
@@ -109,10 +109,10 @@ def open_store(args: argparse.Namespace) -> BlockStore:
     if not args.store:
         raise ConfigError(["agent: name the cache directory with --store DIR (or use --memory)"])
     try:
-        from offload.store.disk import DiskStore
+        from offload.store.factory import open_disk
     except ImportError as e:
         raise StoreError(f"the disk store is not available: {e}") from None
-    return DiskStore(StoreConfig(path=args.store, capacity=Size(args.capacity)))
+    return open_disk(StoreConfig(path=args.store, capacity=Size(args.capacity)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,17 +23,16 @@ import argparse
 import json
 import logging
 import os
-import sqlite3
 import sys
 import time
 import urllib.request
 from typing import Any
 
 from offload.commands.argtypes import arg
-from offload.config import Size, StoreConfig, format_size
-from offload.errors import RunError, StoreError, UsageError
+from offload.config import Size, format_size
+from offload.errors import RunError, UsageError
+from offload.store.factory import open_existing
 
-INDEX = "index.db"
 log = logging.getLogger("offload.cache")
 
 
@@ -63,32 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--all", action="store_true",
                        help="every block of the directory (asks first; --yes skips the question)")
     c.add_argument("--yes", action="store_true", help="do not ask before --all")
-
-
-def stored_capacity(directory: str) -> int:
-    """The capacity cap recorded in the directory's index (kept when the command opens it)."""
-    path = os.path.join(directory, INDEX)
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: not a cache directory (no such directory)")
-    if not os.path.isfile(path):
-        raise UsageError(f"{directory}: not a cache directory (no {INDEX}; the directory named by "
-                         "offload.store.path)")
-    from offload.store.index_schema import read_only
-
-    try:
-        rows = read_only(path, "SELECT value FROM meta WHERE name='capacity'", timeout=30)
-    except sqlite3.Error as e:
-        raise StoreError(f"{path}: cannot read the index: {e}") from None
-    return int(rows[0][0]) if rows else 0
-
-
-def open_store(directory: str) -> Any:
-    from offload.store.disk import DiskStore
-
-    cap = stored_capacity(directory)
-    log.debug("opening %s (capacity %s read from %s)", directory, format_size(cap),
-              os.path.join(directory, INDEX))
-    return DiskStore(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
 
 
 def _when(t: float | None) -> str:
@@ -154,7 +127,7 @@ def describe(d: dict[str, Any] | None) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    store = open_store(args.dir)
+    store = open_existing(args.dir)
     try:
         summary = store.summary()
         st = store.stats()
@@ -211,7 +184,7 @@ def _stats(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    store = open_store(args.dir)
+    store = open_existing(args.dir)
     try:
         total = store.stats().blocks
         log.debug("verifying %d blocks of %s", total, args.dir)
@@ -219,7 +192,7 @@ def _verify(args: argparse.Namespace) -> int:
             checked, bad = store.verify(bar.update)
     finally:
         store.close()
-    rows = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": got.reason,
+    rows: list[dict[str, Any]] = [{"key": k.hex(), "namespace": k[:16].hex(), "reason": got.reason,
              "deleted": got.corrupt} for k, got in bad]
     if args.json:
         print(json.dumps({"dir": os.path.abspath(args.dir), "checked": checked, "bad": rows},
@@ -235,7 +208,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _evict(args: argparse.Namespace) -> int:
     target = args.to
-    store = open_store(args.dir)
+    store = open_existing(args.dir)
     try:
         before = store.stats().bytes_used
         log.debug("%s: %d bytes used, evicting down to %d", args.dir, before, target)
@@ -258,7 +231,7 @@ def _clear(args: argparse.Namespace) -> int:
         if len(digest) != 16:
             raise UsageError(f"--namespace {args.namespace!r}: expected a 32-digit hex digest "
                              "as shown by `cache stats`")
-    store = open_store(args.dir)
+    store = open_existing(args.dir)
     try:
         held = {n["digest"]: n["blocks"] for n in store.summary()["namespaces"]}
         if digest is not None and digest.hex() not in held:

@@ -95,7 +95,7 @@ def _secret_files(cfg: OffloadConfig) -> list[str]:
 
 
 def _redis_reachable(cfg: OffloadConfig, connect: Connect) -> list[str]:
-    from offload.store.redis_link import parse_url
+    from offload.config import parse_url
 
     if not cfg.redis.url:
         return []

@@ -40,9 +40,9 @@ def store_usage(directory: str | Path) -> tuple[int, int]:
     """(blocks, data bytes) in a cache directory; (0, 0) when it holds no index yet."""
     if not (Path(directory) / "index.db").exists():
         return 0, 0
-    from offload.commands.cache import open_store
+    from offload.store.factory import open_existing
 
-    store = open_store(str(directory))
+    store = open_existing(str(directory))
     try:
         return store.stats().blocks, sum(n["data_bytes"] for n in store.summary()["namespaces"])
     finally:

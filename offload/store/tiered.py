@@ -267,6 +267,6 @@ def make_tiered(local: BlockStore, cfg: RedisConfig) -> BlockStore:
     """The store the backend uses: `local` alone without a Redis URL, else local + Redis."""
     if not cfg.url:
         return local
-    from offload.store.redis import RedisStore
+    from offload.store.redis.store import RedisStore
 
     return TieredStore(local, RedisStore(cfg), policy_from_config(cfg))

@@ -91,9 +91,9 @@ class CpuStagingPath(StoreBookkeeping):
     def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None
              ) -> "CpuStagingPath":
         if store is None:
-            from offload.store.disk import DiskStore
+            from offload.store.factory import open_disk
 
-            store = DiskStore(cfg.store)
+            store = open_disk(cfg.store)
         node = cfg.transfer.numa_node
         if node is None and decision is not None:
             node = getattr(decision, "numa_node", None)
@@ -182,7 +182,7 @@ class _GpuStager:
                         n = b.numel() * b.element_size()
                         buf[off:off + n].copy_(self._flat(b), non_blocking=True)
                         off += n
-                    views.append([memoryview(buf[off - sizes[i]:off].numpy())])
+                    views.append([memoryview(buf[off - sizes[i]:off].numpy())])  # type: ignore[arg-type]
                 event.record(self.stream)
             if pending is not None:   # the store writes chunk g-1 while the GPU copies chunk g
                 self._store(pending, keys, ok)
@@ -211,7 +211,8 @@ class _GpuStager:
                 events[g % 2].synchronize()
             views, off = [], 0
             for i in group:
-                views.append([memoryview(buf[off:off + sizes[i]].numpy())])
+                # an ndarray has the buffer protocol (numpy's stubs do not say so)
+                views.append([memoryview(buf[off:off + sizes[i]].numpy())])  # type: ignore[arg-type]
                 off += sizes[i]
             flags = self.path._run(self.path.store.get_many, [keys[i] for i in group], views)
             with torch.cuda.stream(self.stream):

@@ -45,8 +45,8 @@ def wsum64(data: Any) -> int:
 
 
 def wsum64_numpy(buf: Buffer) -> int:
-    """The same checksum on the CPU (the store's own `slot_format.wsum64`, which verifies GDS blocks)."""
-    from offload.store.slot_format import wsum64 as cpu_wsum64
+    """The same checksum on the CPU (the store's own `checksum.wsum64`, which verifies GDS blocks)."""
+    from offload.store.checksum import wsum64 as cpu_wsum64
 
     return cpu_wsum64([buf])
 
@@ -86,9 +86,9 @@ class GdsPath(StoreBookkeeping):
         if not ok and cfg.transfer.path == "gds":
             raise PathUnavailableError(f"offload.transfer.path gds: {why}")
         if store is None:
-            from offload.store.disk import DiskStore
+            from offload.store.factory import open_disk
 
-            store = DiskStore(cfg.store)
+            store = open_disk(cfg.store)
         if not isinstance(store, SlotStore) or store.slot_medium != "file":
             raise PathUnavailableError(f"gds: {type(store).__name__} has no slots in files for "
                                        "cuFile (a SlotStore, reserve_slots, of medium 'file')")

@@ -106,7 +106,7 @@ def test_quotas_are_per_host_key_and_shared_secret_holders_are_one_tenant(tmp_pa
 def test_a_connection_refused_at_admission_leaves_the_pending_count_balanced() -> None:
     from offload.agent.limits import AgentLimits
     from offload.agent.server import AgentServer
-    from offload.store.memory import MemoryStore
+    from offload.store.memory.store import MemoryStore
 
     srv = AgentServer(MemoryStore(1 << 20), b"s" * 32, transport="tcp",
                       limits=AgentLimits(max_clients=1))

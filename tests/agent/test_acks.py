@@ -2,7 +2,7 @@
 
 The agent runs in this process on loopback (`--transport tcp`: the bytes travel on the
 connection) over a real `DiskStore`; its group commit is held back or failed by wrapping the
-store's one fdatasync step (`offload.store.coalesce.sync_segments`), the one thing that decides
+store's one fdatasync step (`offload.store.disk.slab.coalesce.sync_segments`), the one thing that decides
 when a written block becomes durable. Clients are real `AgentStore`s, one per "host".
 """
 
@@ -20,7 +20,7 @@ from offload.agent.client import AgentStore
 from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
-from offload.store import coalesce
+from offload.store.disk.slab import coalesce
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
 from tests.store.test_disk import open_store
 

@@ -175,7 +175,7 @@ def test_agent_killed_mid_transfer_then_back(agent_factory, transport: str) -> N
 
 
 def test_restart_keeps_blocks(agent_factory, tmp_path: Path) -> None:
-    pytest.importorskip("offload.store.disk", reason="the disk store has not landed yet")
+    pytest.importorskip("offload.store.disk.store", reason="the disk store has not landed yet")
     store_dir = tmp_path / "store"
     agent = agent_factory("--store", str(store_dir), "--capacity", "64MiB", "--transport", "tcp")
     store = client(agent, transport="tcp")

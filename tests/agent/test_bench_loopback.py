@@ -7,7 +7,7 @@ import mmap
 import os
 
 from offload.bench.paths import Loopback, measure
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import needs_nixl
 
 SIZE, BATCH = 64 << 10, 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import needs_nixl
 from tests.agent.test_agent import DIM, HEADS, LAYERS, PAGE_TOKENS, client, host_pool, keys, page
 
@@ -46,7 +46,7 @@ def test_memory_tier_moves_blocks_with_no_staging_copy(agent_factory) -> None:
 
 @needs_nixl
 def test_disk_store_keeps_the_staging_path(agent_factory, tmp_path) -> None:
-    pytest.importorskip("offload.store.disk")
+    pytest.importorskip("offload.store.disk.store")
     agent = agent_factory("--store", str(tmp_path / "store"), "--capacity", "64MiB")
     store = client(agent)
     try:

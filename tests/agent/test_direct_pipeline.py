@@ -21,7 +21,7 @@ from offload.agent.direct import Direct, direct_get, direct_put
 from offload.agent.mover import Arena
 from offload.agent.protocol import Blocks
 from offload.agent.quarantine import Quarantine
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 
 BLOCK = 1 << 20
 N = 8

@@ -11,7 +11,8 @@ import torch
 
 from offload.errors import ConfigError, PathUnavailableError
 from offload.hicache import backend as hicache
-from offload.store.memory import MemoryStore
+from offload.store.faults import FaultyMemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.hicache import hicache_pools as hp
 
 P = hp.PAGE
@@ -115,7 +116,7 @@ class _BrokenStore(MemoryStore):
 
 
 def test_read_failures_are_misses(tmp_path, monkeypatch):
-    mem = MemoryStore()
+    mem = FaultyMemoryStore()
     monkeypatch.setattr(hicache, "_open_store", lambda cfg: mem)
     b, host = _backend(tmp_path)
     hp.fill(host, 4)

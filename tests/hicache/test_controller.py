@@ -11,7 +11,7 @@ import os
 import pytest
 
 from offload.keys import block_key
-from offload.store import slot_format
+from offload.store.disk.slab import format as slot_format
 from tests.hicache import controller_harness as ch
 from tests.hicache import hicache_pools as hp
 

@@ -250,14 +250,15 @@ def test_no_v2_call_raises_into_sglang(tmp_path):
 
 
 def test_pool_namespaces_are_described_for_cache_stats(tmp_path):
-    from offload.commands.cache import describe, open_store
+    from offload.commands.cache import describe
+    from offload.store.factory import open_existing
 
     backend, anchor, pools = _attach("mamba", hp.extra(str(tmp_path)))
     try:
         _write(backend, anchor, pools, _keys(2))
     finally:
         backend.close()
-    store = open_store(str(tmp_path))
+    store = open_existing(str(tmp_path))
     try:
         nss = store.summary()["namespaces"]
     finally:

@@ -17,7 +17,7 @@ def main() -> int:
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR"), "run with PROMETHEUS_MULTIPROC_DIR"
     from offload.config import Size, StoreConfig
     from offload.metrics import StoreWatch, tier_metrics
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     store = DiskStore(StoreConfig(path=store_dir, capacity=Size(64 << 20), min_free=Size(0),
                                   io_threads=2))

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from offload.metrics import StoreWatch, TierMetrics, counted_by_backend, path_of
 from offload.store.base import StoreStats
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.hicache import hicache_pools as hp
 

@@ -151,7 +151,7 @@ def open_writer(opts: dict) -> BlockWriter | SGLangWriter:
         secret = os.environ["SGLANG_OFFLOAD_SECRET"].encode()
         return BlockWriter(AgentStore(opts["address"], secret, transport="tcp", timeout_s=20))
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     cfg = StoreConfig(path=opts["dir"], capacity=Size(1 << 30), min_free=Size(0),
                       segment_size=Size(1 << 20), o_direct=opts.get("o_direct", "auto"))

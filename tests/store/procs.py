@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from offload.config import Size, StoreConfig  # noqa: E402
 from offload.keys import Namespace  # noqa: E402
-from offload.store.disk import DiskStore  # noqa: E402
+from offload.store.disk.store import DiskStore  # noqa: E402
 from tests.store.blocks import data, key  # noqa: E402
 
 

@@ -200,8 +200,8 @@ def run_replica(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
 def _replica_main(spec_path: str, out_path: str) -> None:
     from offload.config import load_offload
     from offload.keys import Namespace
-    from offload.store.memory import MemoryStore
-    from offload.store.redis import RedisStore
+    from offload.store.memory.store import MemoryStore
+    from offload.store.redis.store import RedisStore
     from offload.store.tiered import TieredStore, policy_from_config
 
     spec = json.loads(Path(spec_path).read_text())

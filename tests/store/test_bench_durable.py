@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 
 from offload.bench import store as bench
-from offload.store.disk import DiskStore
+from offload.store.disk.store import DiskStore
 
 
 def test_put_figure_includes_the_flush(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from offload.errors import StoreError
-from offload.store import cachedir
+from offload.store.disk import cachedir
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 

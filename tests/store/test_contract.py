@@ -13,8 +13,8 @@ import pytest
 
 from offload.config import Size, StoreConfig, load_offload
 from offload.store.base import BlockStore
-from offload.store.memory import MemoryStore
-from offload.store.redis import RedisStore
+from offload.store.memory.store import MemoryStore
+from offload.store.redis.store import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.agent.conftest import SECRET, AgentProc, needs_nixl
 from tests.store.contract import StoreContract
@@ -33,7 +33,7 @@ class TestDiskContract(StoreContract):
     persistent = True
 
     def _open(self) -> BlockStore:
-        from offload.store.disk import DiskStore
+        from offload.store.disk.store import DiskStore
 
         return DiskStore(StoreConfig(path=str(self.path), capacity=Size(64 << 20),
                                      min_free=Size(0), o_direct="auto"))

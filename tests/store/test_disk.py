@@ -16,7 +16,7 @@ from offload.config import Size, StoreConfig
 from offload.errors import StoreError
 from offload.keys import Namespace
 from offload.store.base import get_bytes, leading_hits
-from offload.store.disk import DiskStore
+from offload.store.disk.store import DiskStore
 from tests.store.blocks import NS, data, key
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")

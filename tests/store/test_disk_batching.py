@@ -11,8 +11,11 @@ import sqlite3
 
 import pytest
 
-from offload.store import coalesce, disk_write, slab, slot_format
-from offload.store.index import Location
+from offload.store.disk import writes as disk_write
+from offload.store.disk.index.db import Location
+from offload.store.disk.slab import coalesce
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 

@@ -12,8 +12,8 @@ import sqlite3
 import subprocess
 import sys
 
-from offload.store import slot_format
 from offload.store.base import get_bytes
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import index_rows, open_store
 from tests.store.test_disk_rebuild import damage

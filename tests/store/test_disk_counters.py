@@ -10,7 +10,7 @@ import dataclasses
 from prometheus_client import CollectorRegistry
 
 from offload.metrics import StoreWatch, TierMetrics
-from offload.store.index import Location
+from offload.store.disk.index.db import Location
 from tests.store.blocks import key
 from tests.store.test_disk import open_store
 from tests.store.test_disk_cleanup import HOSTILE, SIZE, edit_rows, exact, put

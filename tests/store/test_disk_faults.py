@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 from offload.store.base import get_bytes
-from offload.store.disk import DiskStore
+from offload.store.disk.store import DiskStore
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store, worker
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import sqlite3
 
-from offload.store import disk_write
-from offload.store.index import Index
+from offload.store.disk import writes as disk_write
+from offload.store.disk.index.db import Index
 from tests.store.blocks import key
 from tests.store.test_disk import index_rows, open_store, worker
 from tests.store.test_disk_write_path import SIZE, exact, put

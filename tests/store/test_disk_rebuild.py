@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
-from offload.store import recovery, slot_format
 from offload.store.base import get_bytes
-from offload.store.index import Index
+from offload.store.disk import recovery
+from offload.store.disk.index.db import Index
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 from tests.store.test_disk_recovery import _damage_index as damage
@@ -28,7 +29,7 @@ STEPS = ["start", "created", "filled", "synced", "set aside", "renamed"]
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[3])
-from offload.store import recovery
+from offload.store.disk import recovery
 from tests.store.test_disk import open_store
 def step(name):
     if name == sys.argv[2]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import threading
 
-from offload.store import cachedir, slab, slot_format
 from offload.store.base import get_bytes
+from offload.store.disk import cachedir
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 

@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 
 from offload.errors import StoreError
-from offload.store import slot_format
 from offload.store.base import get_bytes
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 

@@ -180,14 +180,14 @@ def test_a_writer_paused_holding_the_write_lock_is_waited_for_never_set_aside(tm
 LEASE = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from offload.store.owner import Lease
+from offload.store.disk.owner import Lease
 print(Lease(sys.argv[1]).token, flush=True)
 time.sleep(600)
 """
 
 
 def test_a_lease_is_alive_while_its_process_is_even_stopped_and_dead_once_it_is_killed(tmp_path):
-    from offload.store.owner import live_leases, owner_alive
+    from offload.store.disk.owner import live_leases, owner_alive
 
     p = subprocess.Popen([sys.executable, "-c", LEASE, str(tmp_path), ROOT], stdout=subprocess.PIPE,
                          text=True)

@@ -5,7 +5,7 @@ Real processes, real files."""
 
 from __future__ import annotations
 
-from offload.store import slot_format
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 from tests.store.test_disk_shared_dir import line, proc

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from offload.store import slot_format
 from offload.store.base import Slot, SlotStore, get_bytes
+from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store
 

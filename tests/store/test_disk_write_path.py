@@ -13,9 +13,10 @@ import threading
 
 import pytest
 
-from offload.store import disk_write, recovery
 from offload.store.base import durable
-from offload.store.index import Index
+from offload.store.disk import recovery
+from offload.store.disk import writes as disk_write
+from offload.store.disk.index.db import Index
 from tests.store.blocks import data, key
 from tests.store.test_disk import open_store, worker
 from tests.store.test_disk_faults import small_tmpfs

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from offload.store.base import Slot, SlotStore, get_bytes
-from offload.store.memory import MemoryStore
+from offload.store.faults import FaultyMemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.store.blocks import data, key
 
 KiB = 1024
@@ -96,7 +97,7 @@ def test_reserve_is_faulted_in_ahead_of_the_fill_point() -> None:
 
 
 def test_failure_switches_and_clear_namespace() -> None:
-    s = MemoryStore()
+    s = FaultyMemoryStore()
     k1, k2 = key(1), key(2)
     s.fail_writes.add(k1)
     assert s.put_many([k1, k2], [[b"a" * 10], [b"b" * 10]]) == [False, True]
@@ -106,6 +107,11 @@ def test_failure_switches_and_clear_namespace() -> None:
     assert get_bytes(s, k2, 10) == b"b" * 10
     assert s.clear(b"\0" * 16) == 0 and s.clear(k2[:16]) == 1
     assert s.stats().put_skipped == 1 and s.stats().misses == 1
+    s.fail_reads.add(k2)
+    s.fail_writes.add(k1)
+    assert s.pin_slots([k1, k2]) == [None, None] and s.reserve_slots([k1], [10]) == [None]
+    assert s.stats().misses == 3
+    assert not hasattr(MemoryStore(), "fail_reads"), "the production DRAM tier has no switches"
 
 
 def test_threads_share_one_store() -> None:

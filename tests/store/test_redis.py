@@ -6,12 +6,11 @@ import struct
 
 import pytest
 
-from offload.config import ConfigError, load_offload
+from offload.config import ConfigError, load_offload, parse_url
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.redis import RedisStore
-from offload.store.redis_link import parse_url
-from offload.store.redis_value import HEADER, MAGIC, VERSION, ValueCodec
+from offload.store.redis.store import RedisStore
+from offload.store.redis.value import HEADER, MAGIC, VERSION, ValueCodec
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
@@ -173,7 +172,7 @@ def test_redis_not_imported_by_offload() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, offload, offload.store.redis, offload.store.tiered, offload.bench.redis;"
+    code = ("import sys, offload, offload.store.redis.store, offload.store.tiered, offload.bench.redis;"
             "print('redis' in sys.modules or 'cryptography' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -201,7 +200,7 @@ def test_many_threads_share_one_store(redis_server: RedisProc) -> None:
 def test_clear_by_namespace_uses_scan_and_keeps_other_namespaces(redis_server):
     from offload.config import RedisConfig
     from offload.keys import Namespace
-    from offload.store.redis import RedisStore
+    from offload.store.redis.store import RedisStore
 
     a = Namespace("m", "bf16", "page_first", 16, salt="a")
     b = Namespace("m", "bf16", "page_first", 16, salt="b")

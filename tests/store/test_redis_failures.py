@@ -16,8 +16,8 @@ from offload.config import load_offload
 from offload.errors import StoreError
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.memory import MemoryStore
-from offload.store.redis import RedisStore
+from offload.store.memory.store import MemoryStore
+from offload.store.redis.store import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 

@@ -20,8 +20,8 @@ import pytest
 
 from offload.config import load_offload
 from offload.keys import Namespace
-from offload.store.redis import RedisStore
-from offload.store.redis_value import HEADER
+from offload.store.redis.store import RedisStore
+from offload.store.redis.value import HEADER
 from tests.store.hostile_redis import HostileProxy
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
@@ -112,7 +112,7 @@ _RSS_PROBE = r"""
 import json, resource, sys
 from offload.config import load_offload
 from offload.keys import Namespace
-from offload.store.redis import RedisStore
+from offload.store.redis.store import RedisStore
 
 cfg = load_offload({"redis": {"url": sys.argv[1], "timeout_s": 5.0}}).redis
 s = RedisStore(cfg)

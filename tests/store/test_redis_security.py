@@ -16,8 +16,8 @@ import pytest
 from offload.config import ConfigError, Size, StoreConfig, load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.redis import RedisStore
-from offload.store.redis_value import BOUND, HEADER, ValueCodec
+from offload.store.redis.store import RedisStore
+from offload.store.redis.value import BOUND, HEADER, ValueCodec
 from offload.store.secret import read_secret_file
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
@@ -44,7 +44,7 @@ def keys(n: int, start: int = 0) -> list[bytes]:
 
 
 def disk(tmp_path: Path, name: str) -> object:
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     return DiskStore(StoreConfig(path=str(tmp_path / name), capacity=Size(64 << 20),
                                  min_free=Size(0), o_direct="off"))
@@ -105,15 +105,15 @@ def test_forged_and_truncated_values_are_misses_left_in_place(redis_server: Redi
 def test_without_a_secret_a_warning_names_the_setting_once(
         redis_server: RedisProc, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import offload.store.redis as redis_mod
+    import offload.store.redis.store as redis_mod
 
     monkeypatch.setattr(redis_mod, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="offload.store.redis"):
+    with caplog.at_level(logging.WARNING, logger="offload.store.redis.store"):
         store = make(redis_server.url)
         make(redis_server.url)                        # a second store (a bench size, a rank)
         make(redis_server.url).close()
     assert caplog.text.count("secret_file is unset") == 1, caplog.text
-    with caplog.at_level(logging.WARNING, logger="offload.store.redis"):
+    with caplog.at_level(logging.WARNING, logger="offload.store.redis.store"):
         make(redis_server.url, key_prefix="sglo:other")   # another tenant's prefix: its own line
     assert caplog.text.count("secret_file is unset") == 2, caplog.text
     assert store.stats().extra["authenticated"] is False

@@ -7,7 +7,7 @@ from typing import Any
 from offload.config import load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.redis import RedisStore
+from offload.store.redis.store import RedisStore
 from tests.store.redis_fixtures import (  # noqa: F401
     RedisProc,
     block_bytes,

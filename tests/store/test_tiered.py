@@ -7,7 +7,8 @@ from pathlib import Path
 from offload.config import Size, StoreConfig, load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
-from offload.store.memory import MemoryStore
+from offload.store.faults import FaultyMemoryStore
+from offload.store.memory.store import MemoryStore
 from offload.store.tiered import SeenN, TieredStore, WriteThrough, make_tiered, policy_from_config
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 
@@ -23,8 +24,8 @@ def data(*names: str) -> list[list[bytes]]:
     return [[block_bytes(n, SIZE)] for n in names]
 
 
-def tiers(policy: object = None) -> tuple[TieredStore, MemoryStore, MemoryStore]:
-    local, shared = MemoryStore(), MemoryStore()
+def tiers(policy: object = None) -> tuple[TieredStore, FaultyMemoryStore, FaultyMemoryStore]:
+    local, shared = FaultyMemoryStore(), FaultyMemoryStore()
     return TieredStore(local, shared, policy or WriteThrough()), local, shared  # type: ignore
 
 
@@ -121,8 +122,8 @@ def test_policy_and_factory_from_config() -> None:
 
 
 def test_disk_local_redis_shared_two_hosts(redis_server: RedisProc, tmp_path: Path) -> None:
-    from offload.store.disk import DiskStore
-    from offload.store.redis import RedisStore
+    from offload.store.disk.store import DiskStore
+    from offload.store.redis.store import RedisStore
 
     cfg = load_offload({"redis": {"url": redis_server.url, "timeout_s": 2.0}}).redis
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from offload.config import Size, StoreConfig
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from offload.transfer.cpu_staging import (
     CpuStagingPath,
     node_cpus,
@@ -73,7 +73,7 @@ def test_no_pinning_on_one_node_or_unknown_node(tmp_path: Path) -> None:
 
 
 def test_pages_through_the_disk_store_byte_identical(tmp_path: Path) -> None:
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(64 << 20),
                                   min_free=Size(0)))
@@ -95,7 +95,7 @@ def test_gpu_pages_are_staged_double_buffered(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU with CUDA")
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 30),
                                   min_free=Size(0)))

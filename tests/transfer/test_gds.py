@@ -10,7 +10,7 @@ import pytest
 from offload.config import load_offload
 from offload.errors import PathUnavailableError
 from offload.store.base import SlotStore
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from offload.store.tiered import TieredStore, WriteThrough
 from offload.transfer.gds import GdsPath, gds_really_available, wsum64, wsum64_numpy
 
@@ -59,7 +59,7 @@ def test_store_without_slots_is_refused() -> None:
 
 def test_disk_store_has_the_file_slots_gds_needs(tmp_path) -> None:
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     with DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 24),
                                min_free=Size(0))) as store:
@@ -73,7 +73,7 @@ def test_gds_roundtrip_on_gpu(tmp_path) -> None:
         pytest.skip("needs an NVIDIA GPU with CUDA")
     pytest.importorskip("kvikio", reason="kvikio (pip install 'sglang-offload[gds]')")
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 30),
                                   min_free=Size(0)))
@@ -144,7 +144,7 @@ def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path
     import types
 
     from offload.config import Size, StoreConfig
-    from offload.store.disk import DiskStore
+    from offload.store.disk.store import DiskStore
 
     fake = types.ModuleType("kvikio")
     fake.CuFile = _FakeCuFile                              # type: ignore[attr-defined]

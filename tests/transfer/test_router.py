@@ -9,7 +9,7 @@ import pytest
 
 from offload.config import load_offload
 from offload.errors import PathUnavailableError
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from offload.transfer.base import choose_path, open_path
 
 

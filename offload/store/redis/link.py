@@ -1,14 +1,14 @@
 """The connection to Redis behind the Redis tier: URL parsing, AUTH/TLS, cluster, circuit breaker.
 
 Primitives:
-- `parse_url(url)` -> `RedisTarget` (standalone or cluster, TLS or not, nodes, db, credentials).
+- The URL grammar (`parse_url(url)` -> `RedisTarget`) is `offload.config`'s: a bad URL is a config error.
 - `Vectored(parts)`: one bulk-string argument sent as several buffers, so a block header and
   the caller's (possibly many) page buffers go on the socket without being joined first.
 - `RedisLink(cfg)`: owns one redis-py client (built lazily, rebuilt after a failure) and a circuit
   breaker. `link.run(fn)` calls `fn(client)`; on a connection error or timeout it counts the
   failure, drops the client and refuses calls for `backoff_s` (they return None at once), then
   lets the next call reconnect. redis-py's own retries are off, so a dead or hung Redis costs
-  one timeout, then nothing. Every call is bounded as a whole (`redis_call`): `link.call(nbytes,
+  one timeout, then nothing. Every call is bounded as a whole (`call`): `link.call(nbytes,
   commands)` bounds the calls made inside it (a deadline of `timeout_s` + nbytes / 128 MiB/s, a
   reply allowance); a `run` outside one is bounded by itself (`timeout_s`, 64 MiB of reply).
   A `ProtocolError` from `fn` (a reply stream out of step) is a failure like any other: the
@@ -20,19 +20,16 @@ redis-py is imported inside the functions that need it, never at import of `offl
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar, cast
-from urllib.parse import unquote
 
 from offload import redact
-from offload.config import RedisConfig
+from offload.config import RedisConfig, parse_url
 from offload.errors import ConfigError, StoreError
 from offload.store.base import Buffer
-from offload.store.redis_call import (
+from offload.store.redis.call import (
     CONTROL_RECV_BYTES,
     REPLY_BYTES_PER_COMMAND,
     BoundedSocket,
@@ -43,80 +40,8 @@ from offload.store.redis_call import (
 )
 from offload.store.secret import read_secret_file
 
-log = logging.getLogger("offload.store.redis")
+log = logging.getLogger("offload.store.redis.store")
 T = TypeVar("T")
-
-_SCHEMES = {"redis": (False, False), "rediss": (True, False),
-            "redis+cluster": (False, True), "rediss+cluster": (True, True)}
-
-
-@dataclass(frozen=True)
-class RedisTarget:
-    tls: bool
-    cluster: bool
-    nodes: list[tuple[str, int]] = field(default_factory=list)
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-
-    def display(self) -> str:
-        """The URL without credentials (for messages and logs)."""
-        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
-        return f"{scheme}://{hosts}" + (f"/{self.db}" if self.db else "")
-
-
-def _part(part: str, url: str, what: str) -> str:
-    """A piece of the URL to quote, or `what` it is when the URL has userinfo (a password
-    holding `/` or `,` would put part of it in the piece)."""
-    return repr(part) if "@" not in url else what
-
-
-def parse_url(url: str) -> RedisTarget:
-    """`redis[s][+cluster]://[[user]:password@]host[:port][,host:port...][/db]`.
-
-    Raises ConfigError; its lines show the URL with the password masked (`redact.url`)."""
-    shown = redact.value("offload.redis.url", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _SCHEMES:
-        raise ConfigError([f"offload.redis.url: {shown} is not a redis://, rediss://, "
-                           "redis+cluster:// or rediss+cluster:// URL"])
-    tls, cluster = _SCHEMES[scheme]
-    if "?" in rest or "#" in rest:
-        raise ConfigError([f"offload.redis.url: query options are not read; set TLS and "
-                           f"password in offload.redis instead (got {shown})"])
-    netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, _, netloc = netloc.rpartition("@")
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
-    nodes: list[tuple[str, int]] = []
-    for hp in netloc.split(","):
-        host, port = hp, "6379"
-        if hp.startswith("["):                       # [ipv6]:port
-            host, bracket, tail = hp[1:].partition("]")
-            port = tail[1:] if tail.startswith(":") else "6379" if bracket and not tail else ""
-            ok_host = bool(re.fullmatch(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?", host))
-        else:
-            if ":" in hp:
-                host, _, port = hp.rpartition(":")
-            ok_host = bool(re.fullmatch(r"[A-Za-z0-9_.-]+", host))   # a name or IPv4; IPv6 in []
-        if not ok_host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError([f"offload.redis.url: {_part(hp, url, 'a host')} in {shown} is not "
-                               "HOST[:PORT] (port 1..65535)"])
-        nodes.append((host, int(port)))
-    if len(nodes) > 1 and not cluster:
-        raise ConfigError([f"offload.redis.url: several hosts need redis+cluster:// ({shown})"])
-    db = 0
-    if path:
-        if not path.isdigit() or (cluster and int(path) != 0):
-            raise ConfigError([f"offload.redis.url: database {_part(path, url, 'path')} is not a number"
-                               + (" (a cluster has only database 0)" if cluster else "")])
-        db = int(path)
-    return RedisTarget(tls, cluster, nodes, db, username, password)
-
 
 class Vectored:
     """One bulk-string argument sent as several buffers (no join, no copy on the client)."""
@@ -130,7 +55,7 @@ class Vectored:
 
 def _connection_class(tls: bool, bounds: CallBounds) -> type:
     """A redis-py connection class whose packer writes `Vectored` arguments buffer by buffer and
-    whose socket enforces `bounds` (`redis_call.BoundedSocket`)."""
+    whose socket enforces `bounds` (`call.BoundedSocket`)."""
     from redis.connection import Connection, SSLConnection
 
     base: type = SSLConnection if tls else Connection
@@ -247,7 +172,7 @@ class RedisLink:
 
     def call(self, nbytes: int = 0, commands: int = 1) -> AbstractContextManager[None]:
         """Bound every `run` inside this block as one call: it ends within `timeout_s` + nbytes /
-        128 MiB/s and receives at most nbytes + 256 bytes a command + 1 MiB (`redis_call`).
+        128 MiB/s and receives at most nbytes + 256 bytes a command + 1 MiB (`call`).
 
         Args:
             nbytes: the bytes the call moves (values sent plus values expected back).

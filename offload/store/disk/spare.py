@@ -1,7 +1,7 @@
 """A disk store's reserved range: slots its next puts take without an index transaction.
 
 `Index.reserve` hands a process slots ahead (rows of `reserved`, owned by it, counted against the
-capacity: `index_alloc.py`). The process keeps the ones not written yet here, per slot size, in
+capacity: `disk/index/alloc.py`). The process keeps the ones not written yet here, per slot size, in
 slab order (so a batch gets consecutive slots and is written in few calls). Guarded by the store's
 state lock. They go back to the index on close (as they are: never written), are reclaimed by
 the next open if the process dies, and are forgotten when the index is rebuilt by another process

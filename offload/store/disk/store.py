@@ -9,7 +9,7 @@ Put: skip keys already stored or in flight -> reserve slots in one unsynced tran
 least-recently-used blocks past the high watermark, down to the low one; skipping blocks when the
 cap or the file system is full) -> this thread checksums each run of blocks while the I/O threads
 write the run before it (header + data, O_DIRECT, vectored) -> `put_many` returns (the caller's
-buffers are free again; `disk_write.py`).
+buffers are free again; `disk/writes.py`).
 The group committer (`commit.py`) then fdatasyncs every touched slab and makes all the blocks
 written since its last round visible in one synced transaction: other processes, and a restart
 after a crash, see a block only once it is durable. This process counts its blocks in flight as stored (exists
@@ -29,7 +29,7 @@ dead processes' slots are reclaimed.
 A slab found missing later (a read, a write, a sync) is dropped the same way.
 
 The data path (put/get/exists/delete) never raises (`never_raises`): it returns per-block flags and
-logs why. It never waits on the index longer than `DATA_LOCK_TIMEOUT_S` (`index_access.py`: reads
+logs why. It never waits on the index longer than `DATA_LOCK_TIMEOUT_S` (`disk/index/access.py`: reads
 and writes go through separate connections, so gets go on while a write waits); past that a read
 is a miss and a write is skipped, counted in `stats().index_busy`; an index row that fails the
 range checks is a miss for that block and dropped, counted in `stats().damaged_rows`.
@@ -47,17 +47,19 @@ from typing import Any, Callable, Sequence
 
 from offload.config import StoreConfig
 from offload.errors import StoreError
-from offload.store import cachedir, coalesce, fdcache, slab
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
-from offload.store.commit import Committer
-from offload.store.disk_admin import DiskAdmin
-from offload.store.disk_slots import SlotAccess
-from offload.store.disk_spare import Spare
-from offload.store.disk_write import DiskWrites
-from offload.store.index import Freed, Index, Location
-from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
-from offload.store.owner import Lease
-from offload.store.recovery import open_index
+from offload.store.disk import cachedir
+from offload.store.disk.admin import DiskAdmin
+from offload.store.disk.commit import Committer
+from offload.store.disk.index.access import BUSY, DATA_LOCK_TIMEOUT_S, LOCK_TIMEOUT_S, IndexAccess
+from offload.store.disk.index.db import Freed, Index, Location
+from offload.store.disk.owner import Lease
+from offload.store.disk.recovery import open_index
+from offload.store.disk.slab import coalesce, fdcache
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slots import SlotAccess
+from offload.store.disk.spare import Spare
+from offload.store.disk.writes import DiskWrites
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from offload.store.index import Location
+from offload.store.disk.location import Location
 
 log = logging.getLogger(__name__)
 

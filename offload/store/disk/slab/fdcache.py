@@ -22,8 +22,8 @@ from collections import OrderedDict
 from typing import Iterator
 
 from offload.errors import StoreError
-from offload.store import cachedir
-from offload.store.slot_format import segment_name
+from offload.store.disk import cachedir
+from offload.store.disk.slab.format import segment_name
 
 log = logging.getLogger(__name__)
 

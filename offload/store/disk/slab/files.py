@@ -1,6 +1,6 @@
 """Slab files: the bytes of the disk store. No bookkeeping here (that is `index.py`).
 
-The slot format (names, header, checksums) is in `slot_format.py`; the open
+The slot format (names, header, checksums) is in `disk/slab/format.py`; the open
 fds in `fdcache.py`. Slots are written without fallocate (the file grows as O_DIRECT writes land)
 and hole-punched when freed, so the disk holds only live blocks. I/O is O_DIRECT where the file
 system allows (else buffered, logged once), vectored straight from/into the caller's buffers when
@@ -29,10 +29,10 @@ import threading
 import time
 from typing import ContextManager, Sequence
 
-from offload.store import cachedir
 from offload.store.base import Buffer
-from offload.store.fdcache import MAX_OPEN, FdCache, SlabMissing
-from offload.store.slot_format import (
+from offload.store.disk import cachedir
+from offload.store.disk.slab.fdcache import MAX_OPEN, FdCache, SlabMissing
+from offload.store.disk.slab.format import (
     ALIGN,
     HEADER_BYTES,
     READ_OK,

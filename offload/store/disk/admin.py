@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Executor
-from typing import Callable
+from typing import Any, Callable
 
 from offload.errors import StoreError
 from offload.keys import NS_BYTES, Namespace
-from offload.store import scrub, slab
 from offload.store.base import StoreStats
-from offload.store.commit import Committer
-from offload.store.index import Freed, Location
-from offload.store.index_access import BUSY, LOCK_TIMEOUT_S, IndexAccess
-from offload.store.slot_format import ReadOutcome
+from offload.store.disk import scrub
+from offload.store.disk.commit import Committer
+from offload.store.disk.index.access import BUSY, LOCK_TIMEOUT_S, IndexAccess
+from offload.store.disk.index.db import Freed, Location
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab.format import ReadOutcome
 
 
 class DiskAdmin:
@@ -64,7 +65,7 @@ class DiskAdmin:
             self._refresh_keys()
         return 0 if n is BUSY else int(n)  # type: ignore[arg-type]
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         """Blocks, bytes and age per namespace (with descriptions): `cache stats`."""
         self._commits.settle(LOCK_TIMEOUT_S)
         with self._lock:

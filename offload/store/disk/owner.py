@@ -28,7 +28,7 @@ import os
 import secrets
 import struct
 
-from offload.store import cachedir
+from offload.store.disk import cachedir
 
 log = logging.getLogger(__name__)
 

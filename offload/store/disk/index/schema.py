@@ -2,7 +2,7 @@
 
 Tables: `blocks` (key -> segment, slot, length, checksum, state, last use), `segments` (slot size and
 fill of each slab file), `free_slots`, `reserved` (slots held by a live process for its next puts,
-counted in `used`; `index_alloc.py`), `changes` (an append-only log of commits and deletions),
+counted in `used`; `disk/index/alloc.py`), `changes` (an append-only log of commits and deletions),
 `meta` (schema version, capacity, bytes used) and `namespaces`. A checksum is an unsigned 64-bit
 value stored as SQLite's signed integer (`signed` / `unsigned`).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from offload.keys import KEY_BYTES
-from offload.store.slot_format import HEADER_BYTES, slot_bytes_for
+from offload.store.disk.location import HEADER_BYTES, Location, slot_bytes_for
 
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
@@ -77,17 +77,6 @@ def signed(u: int) -> int:
 
 def unsigned(s: int) -> int:
     return s + (1 << 64) if s < 0 else s
-
-
-@dataclass(frozen=True)
-class Location:
-    key: bytes
-    seg: int
-    slot: int
-    slot_bytes: int
-    length: int
-    csum: int
-    created: float = 0.0   # the row's generation (allocation time): cleanup matches it
 
 
 def _is_int(v: object, lo: int, hi: int) -> TypeGuard[int]:

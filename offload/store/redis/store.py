@@ -1,7 +1,7 @@
 """The Redis tier: blocks shared by every replica and kept across restarts (by Redis).
 
 Primitives:
-- Value format and MAC: `redis_value` (a 48-byte header with a GMAC tag over the Redis key, the
+- Value format and MAC: `value` (a 48-byte header with a GMAC tag over the Redis key, the
   header and the block, keyed by `redis.secret_file`). Never pickle. A value that fails the
   header, length or tag check (corrupted, truncated, forged, or moved to another key) is a miss
   (`checksum_failures`): never served, so never tiered to NVMe, and never deleted (a value we
@@ -12,12 +12,12 @@ Primitives:
 - `RedisStore(cfg)`: a `BlockStore`. Batches are pipelined (EXISTS, SET NX [EX ttl],
   GETRANGE of our length + 1 byte [+ EXPIRE for a sliding ttl], DEL), each pipeline ending with
   ECHO of a fresh token (`_execute`: a reply stream out of step drops the connection); every
-  data-path call runs under one deadline and reply allowance (`link.call`, `redis_call`). A
+  data-path call runs under one deadline and reply allowance (`link.call`, `call`). A
   value longer than ours is never read past our length + 1 (a miss, `size_mismatches`).
-  Writes send the header and the caller's buffers without joining them (`redis_link.Vectored`).
+  Writes send the header and the caller's buffers without joining them (`link.Vectored`).
   With `max_bytes` set, an LRU index kept in Redis itself (a sorted set scored by last use in the
   server's microseconds, a size hash and a byte counter under one hash tag, updated by Lua
-  scripts: `redis_budget`) evicts our oldest blocks past the budget; blocks Redis drops by
+  scripts: `budget`) evicts our oldest blocks past the budget; blocks Redis drops by
   itself (`maxmemory` eviction, expiry) leave the index when next found missing or expired.
 Lifecycle: construct (reads the secret file; no connection yet), use from any thread, `close()`.
 Failures (Redis down, slow, refusing AUTH) are handled by `RedisLink`: counted, backed off,
@@ -38,14 +38,14 @@ from offload.config import RedisConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
-from offload.store.redis_budget import ADD as _ADD
-from offload.store.redis_budget import TOUCH as _TOUCH
-from offload.store.redis_call import ProtocolError
-from offload.store.redis_link import RedisLink, Vectored
-from offload.store.redis_value import HEADER, ValueCodec
+from offload.store.redis.budget import ADD as _ADD
+from offload.store.redis.budget import TOUCH as _TOUCH
+from offload.store.redis.call import ProtocolError
+from offload.store.redis.link import RedisLink, Vectored
+from offload.store.redis.value import HEADER, ValueCodec
 from offload.store.secret import read_secret_file
 
-log = logging.getLogger("offload.store.redis")
+log = logging.getLogger("offload.store.redis.store")
 
 FORMAT = b":v2:"                     # after the key prefix; bumped with the value format
 PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip

@@ -4,7 +4,7 @@ Two ways to hold slots before a block is visible:
 - **Ranges** (the put path, `DiskStore.put_many`): `reserve` hands a process slots of given sizes
   in one unsynced transaction (rows of `reserved`, owned by the process, counted in `used`): what
   its puts need now and, without evicting for them, a range ahead sized by the caller
-  (`disk_spare.py`: it grows with what the process writes), which its next puts take with no index
+  (`disk/spare.py`: it grows with what the process writes), which its next puts take with no index
   transaction at all; `unused` slots go back in the same transaction, and the `offer`ed rest of
   the range too when the need would otherwise evict a block. `commit_reserved` (the group committer's synced
   transaction) turns written slots into committed rows, but only slots this process still holds
@@ -23,7 +23,7 @@ import sqlite3
 import time
 from typing import Callable, Iterable, Sequence
 
-from offload.store.index_schema import (
+from offload.store.disk.index.schema import (
     COMMITTED,
     MAX_VARS,
     OP_COMMIT,
@@ -35,7 +35,7 @@ from offload.store.index_schema import (
     Txn,
     signed,
 )
-from offload.store.owner import owner_alive
+from offload.store.disk.owner import owner_alive
 
 Slot = tuple[int, int, int]          # (slot_bytes, seg, slot)
 

@@ -3,9 +3,9 @@
 A slab (segment) file `seg-<id>-<slot_bytes>.slab` holds equal, 4 KiB-aligned slots. A slot is a
 4 KiB header followed by the block's data padded to 4 KiB. The header: magic, version, checksum
 kind, the block's 32-byte key, length, the data's checksum, creation time (unix ns), then an
-xxh3-64 of those fields. No I/O here (that is `slab.py`).
+xxh3-64 of those fields. No I/O here (that is `files.py`).
 
-Primitives: `slot_bytes_for(length)`, `segment_name` / `parse_segment_name`, `checksum` (xxh3-64,
+Primitives: `segment_name` / `parse_segment_name`, `checksum` (xxh3-64,
 blocks written from host memory) / `wsum64` (the GDS path's checksum) / `checksum_of(kind)`,
 `pack_header` / `pack_header_into` / `unpack_header` -> `Header`, `verify(header, ...)` -> a
 `ReadOutcome` (typed: ok / corrupt / failed, with its reason).
@@ -15,30 +15,28 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 from offload.store.base import Buffer
+from offload.store.checksum import CSUM_WSUM64 as CSUM_WSUM64
+from offload.store.checksum import CSUM_XXH3 as CSUM_XXH3
+from offload.store.checksum import checksum as checksum
+from offload.store.checksum import checksum_of as checksum_of
+from offload.store.checksum import wsum64 as wsum64
+from offload.store.checksum import xxh3_int
 
-ALIGN = 4096
-HEADER_BYTES = ALIGN
+# the slot geometry lives in the leaf both halves share (`disk/location.py`); named here too
+from offload.store.disk.location import ALIGN as ALIGN
+from offload.store.disk.location import HEADER_BYTES as HEADER_BYTES
+from offload.store.disk.location import align_up as align_up
+from offload.store.disk.location import slot_bytes_for as slot_bytes_for
+
 MAGIC = b"SGLOBLK1"
 VERSION = 1
 # magic, version, flags, key(32), length, checksum, created (unix ns). flags: checksum kind.
 _HDR = struct.Struct("<8sHH32sQQQ")
 _HDR_CSUM = struct.Struct("<Q")
 HEADER_USED = _HDR.size + _HDR_CSUM.size   # the rest of the 4 KiB header is zero
-
-CSUM_XXH3 = 0    # xxh3-64 of the data: every block written from host memory
-CSUM_WSUM64 = 1  # position-weighted 64-bit word sum: blocks written by GDS (computed on the GPU)
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def slot_bytes_for(length: int) -> int:
-    return HEADER_BYTES + align_up(length)
-
 
 def segment_name(seg: int, slot_bytes: int) -> str:
     return f"seg-{seg:06d}-{slot_bytes}.slab"
@@ -51,66 +49,17 @@ def parse_segment_name(name: str) -> tuple[int, int] | None:
     return None
 
 
-_digest: Callable[[Buffer], int] | None = None
-
-
-def _xxh3_int() -> Callable[[Buffer], int]:
-    """xxhash's one-shot xxh3-64 (imported on first use: no native module at import)."""
-    global _digest
-    if _digest is None:
-        import xxhash
-
-        _digest = xxhash.xxh3_64_intdigest
-    return _digest
-
-
-def checksum(buffers: Sequence[Buffer]) -> int:
-    if len(buffers) == 1:
-        return _xxh3_int()(buffers[0])
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    for b in buffers:
-        h.update(b)
-    return h.intdigest()
-
-
-def wsum64(buffers: Sequence[Buffer]) -> int:
-    """The GDS path's checksum, on the CPU: sum of little-endian 64-bit words times odd position
-    weights (1, 3, 5, ...) mod 2^64, xor the length (zero padding to a whole word)."""
-    import numpy as np
-
-    raw = np.frombuffer(b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
-                        if len(buffers) != 1 else memoryview(buffers[0]).cast("B"), dtype=np.uint8)
-    n = raw.size
-    if n % 8:
-        raw = np.concatenate([raw, np.zeros(8 - n % 8, np.uint8)])
-    words = raw.view("<u8")
-    weights = np.arange(words.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        s = int((words * weights).sum(dtype=np.uint64))
-    return s ^ n
-
-
-def checksum_of(kind: int, buffers: Sequence[Buffer]) -> int | None:
-    if kind == CSUM_XXH3:
-        return checksum(buffers)
-    if kind == CSUM_WSUM64:
-        return wsum64(buffers)
-    return None
-
-
 def pack_header(key: bytes, length: int, csum: int, created_ns: int,
                 kind: int = CSUM_XXH3) -> bytes:
     body = _HDR.pack(MAGIC, VERSION, kind, key, length, csum, created_ns)
-    return body + _HDR_CSUM.pack(_xxh3_int()(body))
+    return body + _HDR_CSUM.pack(xxh3_int()(body))
 
 
 def pack_header_into(dest: memoryview, key: bytes, length: int, csum: int, created_ns: int,
                      kind: int = CSUM_XXH3) -> None:
     """Pack a header at the start of `dest` (a 4 KiB header area whose tail is already zero)."""
     _HDR.pack_into(dest, 0, MAGIC, VERSION, kind, key, length, csum, created_ns)
-    _HDR_CSUM.pack_into(dest, _HDR.size, _xxh3_int()(dest[:_HDR.size]))
+    _HDR_CSUM.pack_into(dest, _HDR.size, xxh3_int()(dest[:_HDR.size]))
 
 
 @dataclass(frozen=True)
@@ -128,7 +77,7 @@ def _fields(raw: Buffer) -> tuple[bytes, int, int, int, int] | None:
     if mv.nbytes < HEADER_USED:
         return None
     (stored,) = _HDR_CSUM.unpack_from(mv, _HDR.size)
-    if stored != _xxh3_int()(mv[:_HDR.size]):
+    if stored != xxh3_int()(mv[:_HDR.size]):
         return None
     magic, version, kind, key, length, csum, created = _HDR.unpack_from(mv, 0)
     if magic != MAGIC or version != VERSION:

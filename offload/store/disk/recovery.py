@@ -42,11 +42,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from offload.errors import StoreError
-from offload.store import cachedir, slab, slot_format
-from offload.store.index import SIDE_FILES, Freed, Index
-from offload.store.index_access import is_busy
-from offload.store.index_schema import MAX_LENGTH, MAX_SEG, read_only
-from offload.store.owner import live_leases
+from offload.store.disk import cachedir
+from offload.store.disk.index.access import is_busy
+from offload.store.disk.index.db import SIDE_FILES, Freed, Index
+from offload.store.disk.index.schema import MAX_LENGTH, MAX_SEG, read_only
+from offload.store.disk.owner import live_leases
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from offload.store import slab, slot_format
 from offload.store.base import Slot, SlotMedium, StoreStats, never_raises
-from offload.store.commit import BUSY as COMMIT_BUSY
-from offload.store.commit import Committer
-from offload.store.index import Allocation, Index, Location
-from offload.store.index_access import BUSY, IndexAccess
+from offload.store.disk.commit import BUSY as COMMIT_BUSY
+from offload.store.disk.commit import Committer
+from offload.store.disk.index.access import BUSY, IndexAccess
+from offload.store.disk.index.db import Allocation, Index, Location
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
 
 log = logging.getLogger(__name__)
 

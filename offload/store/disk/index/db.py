@@ -3,10 +3,10 @@
 Why SQLite: it is crash-safe (WAL + synchronous=FULL: a commit survives a crash of the process or
 the machine), safe for several processes at once (one writer at a time, readers never blocked),
 opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B per block). The
-schema and row types are in `index_schema.py`; the `changes` log lets every process keep an
+schema and row types are in `disk/index/schema.py`; the `changes` log lets every process keep an
 in-memory set of committed keys up to date with one indexed query.
 
-Lifecycle of a block (`index_alloc.py`, mixed in): its slot is held first — from a range of slots
+Lifecycle of a block (`disk/index/alloc.py`, mixed in): its slot is held first — from a range of slots
 the process reserved ahead (`reserve`, the put path) or as a PENDING row (`allocate`, the slot
 path) — counted against the capacity; the bytes are written and made durable by the caller; then
 one synced transaction per group makes it COMMITTED, visible (`commit_reserved` / `finish`), or
@@ -23,10 +23,10 @@ import sqlite3
 import time
 from typing import Callable, Iterable, Sequence
 
-from offload.store import cachedir
-from offload.store.index_alloc import IndexAlloc
-from offload.store.index_repair import ROW, checked, drop_bad, retry_tombstones
-from offload.store.index_schema import (
+from offload.store.disk import cachedir
+from offload.store.disk.index.alloc import IndexAlloc
+from offload.store.disk.index.repair import ROW, checked, drop_bad, retry_tombstones
+from offload.store.disk.index.schema import (
     CHANGES_KEPT,
     COMMITTED,
     MAX_VARS,

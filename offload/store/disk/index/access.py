@@ -24,7 +24,7 @@ import threading
 from typing import Callable, TypeVar
 
 from offload.errors import StoreError
-from offload.store.index import Index
+from offload.store.disk.index.db import Index
 
 LOCK_TIMEOUT_S = 60.0       # opening, the control path: long enough for another process's rebuild
 DATA_LOCK_TIMEOUT_S = 0.5   # the data path: then a miss or a skipped write, never a stalled server

@@ -18,9 +18,9 @@ import os
 from concurrent.futures import Executor
 from typing import Callable
 
-from offload.store import slab
-from offload.store.index import Location
-from offload.store.slot_format import ReadOutcome, corrupt
+from offload.store.disk.location import Location
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab.format import ReadOutcome, corrupt
 
 
 def scan(slabs: slab.SlabFiles, pool: Executor, page: Callable[[bytes], list[Location]],

@@ -23,10 +23,11 @@ import os
 from concurrent.futures import Executor, Future, wait
 from typing import Callable, Sequence, TypeVar
 
-from offload.store import slab, slot_format
 from offload.store.base import Buffer
-from offload.store.index import Location
-from offload.store.slot_format import ReadOutcome
+from offload.store.disk.location import Location
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
+from offload.store.disk.slab.format import ReadOutcome
 
 RUN_BYTES = 16 << 20      # about where a single stream reaches the device's sequential bandwidth
 MIN_RUN_BYTES = 4 << 20   # smaller runs cost per-call overhead (syscall, thread hand-off) per byte

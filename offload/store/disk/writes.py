@@ -1,7 +1,7 @@
 """DiskStore's write path, mixed into `DiskStore`: put, the group committer's transaction, flush.
 
 `put_many` skips keys stored or in flight, reserves slots (one unsynced transaction, under the
-writer connection's deadline: `index_access.py`), writes the blocks (`coalesce.write_batch`, no
+writer connection's deadline: `disk/index/access.py`), writes the blocks (`coalesce.write_batch`, no
 fdatasync) and hands them to the `Committer` (`commit.py`), whose rounds call `_commit_reserved`
 (one synced transaction for every block synced since the last round) and `_committed`. A failed
 commit frees its slots at once, or, when the index cannot be written either, in this process's
@@ -19,16 +19,18 @@ from typing import Any, Callable, Sequence
 
 from offload.config import StoreConfig
 from offload.keys import KEY_BYTES
-from offload.store import coalesce, slab, slot_format
 from offload.store.base import Buffer, StoreStats, never_raises, total_len
-from offload.store.commit import BUSY as COMMIT_BUSY
-from offload.store.commit import Batch, Committer
-from offload.store.disk_spare import RANGE_BYTES, RANGE_SHARE, Spare
-from offload.store.index import Allocation, Freed, Index, Location
-from offload.store.index_access import BUSY, DATA_LOCK_TIMEOUT_S, IndexAccess, IndexReplaced
-from offload.store.index_schema import Reserved
+from offload.store.disk.commit import BUSY as COMMIT_BUSY
+from offload.store.disk.commit import Batch, Committer
+from offload.store.disk.index.access import BUSY, DATA_LOCK_TIMEOUT_S, IndexAccess, IndexReplaced
+from offload.store.disk.index.db import Allocation, Freed, Index, Location
+from offload.store.disk.index.schema import Reserved
+from offload.store.disk.slab import coalesce
+from offload.store.disk.slab import files as slab
+from offload.store.disk.slab import format as slot_format
+from offload.store.disk.spare import RANGE_BYTES, RANGE_SHARE, Spare
 
-log = logging.getLogger("offload.store.disk")
+log = logging.getLogger("offload.store.disk.store")
 
 DURABLE_WAIT_S = 5.0        # `durable` (a server about to acknowledge a put) waits this long
 PUT_STALE_S = 0.25          # a put trusts its key set this long (see put_many)

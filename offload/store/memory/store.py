@@ -1,4 +1,5 @@
-"""In-memory block store: the DRAM tier and the fake the tests use (with failure switches).
+"""In-memory block store: the DRAM tier (and, as `MemoryStore()`, the plain fake the tests use;
+the one with failure switches is `offload.store.faults.FaultyMemoryStore`).
 
 Primitives: `MemoryStore(capacity, reserve=0)` implementing `BlockStore`.
 Lifecycle: construct with a capacity; blocks are evicted least-recently-used past it; `close()`
@@ -10,11 +11,11 @@ size and reused (the blocks of one deployment all have the same size), so that a
 into memory already in use instead of faulting in new pages (about 5x slower on small VMs).
 With `reserve > 0` (the agent's DRAM tier) slots are carved from one arena of `capacity` bytes of
 address space that a background thread keeps faulted in `reserve` bytes ahead of the fill point
-(`offload.store.reserve`), so that a burst of puts into an empty tier costs no page faults either.
+(`offload.store.memory.arena`), so that a burst of puts into an empty tier costs no page faults either.
 Memory held (blocks, kept slots, the faulted-in reserve) stays within `capacity`: kept slots of
 other sizes are given back when a new size needs room.
 
-Every block carries the store's per-block checksum (xxh3-64, `slot_format.checksum`), taken when
+Every block carries the store's per-block checksum (xxh3-64, `offload.store.checksum`), taken when
 it is stored (after the copy, or from the slot at `commit_slots`) and verified before it is served
 (`get_many`, `pin_slots`): a mismatch is a miss, counted (`checksum_failures`), and the block is
 dropped with its slot (never reused: whatever wrote into it may not be done).
@@ -35,8 +36,8 @@ from typing import Sequence
 
 from offload.keys import KEY_BYTES, Namespace
 from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, total_len
-from offload.store.reserve import ReservedArena, pages
-from offload.store.slot_format import checksum
+from offload.store.checksum import checksum
+from offload.store.memory.arena import ReservedArena, pages
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,6 @@ class MemoryStore:
         reserve = pages(min(reserve, capacity))
         self._arena = (ReservedArena(capacity, reserve, self._lock)
                        if reserve > 0 and sys.platform.startswith("linux") else None)
-        # Failure switches for tests: keys whose reads/writes fail.
-        self.fail_reads: set[bytes] = set()
-        self.fail_writes: set[bytes] = set()
         self.namespaces: dict[bytes, dict[str, object]] = {}
 
     def wait_reserve(self, timeout: float) -> bool:
@@ -185,7 +183,7 @@ class MemoryStore:
             self._busy()
             for key, size in zip(keys, sizes):
                 if (len(key) != KEY_BYTES or key in self._blocks or key in self._reserved
-                        or key in self.fail_writes or size <= 0 or size > self.capacity):
+                        or size <= 0 or size > self.capacity):
                     out.append(None)
                     continue
                 slot = self._make_room(size) and self._slot(size)
@@ -243,8 +241,8 @@ class MemoryStore:
             for key in keys:
                 slot = self._blocks.get(key)
                 pin = self._pins.get(key)
-                if slot is None or key in self.fail_reads or (pin is not None and pin[1] is not slot):
-                    self._stats.misses += slot is None or key in self.fail_reads
+                if slot is None or (pin is not None and pin[1] is not slot):
+                    self._stats.misses += slot is None
                     out.append(None)       # (a pinned slot not this block's: its deleted copy)
                     sums.append(None)
                     continue
@@ -291,7 +289,7 @@ class MemoryStore:
         with self._lock:
             self._busy()
             for key, bufs in zip(keys, blocks):
-                if key in self.fail_writes or len(key) != KEY_BYTES:   # a key is 32 bytes
+                if len(key) != KEY_BYTES:   # a key is 32 bytes
                     self._stats.put_skipped += 1
                     out.append(False)
                     continue
@@ -333,7 +331,7 @@ class MemoryStore:
             self._busy()
             for key, bufs in zip(keys, dests):
                 slot = self._blocks.get(key)
-                if slot is None or key in self.fail_reads or total_len(bufs) != slot.nbytes \
+                if slot is None or total_len(bufs) != slot.nbytes \
                         or not self._intact(key, slot):
                     self._stats.misses += 1
                     out.append(False)

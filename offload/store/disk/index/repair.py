@@ -13,7 +13,7 @@ import logging
 import sqlite3
 from typing import Callable, Sequence
 
-from offload.store.index_schema import MAX_OFFSET, OP_DELETE, Freed, Location, Txn, row_problem, unsigned
+from offload.store.disk.index.schema import MAX_OFFSET, OP_DELETE, Freed, Location, Txn, row_problem, unsigned
 
 log = logging.getLogger(__name__)
 

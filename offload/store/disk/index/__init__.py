@@ -1,0 +1,1 @@
+"""The disk store's books: the SQLite index (never touches block bytes, never imports `slab/`)."""

@@ -1,0 +1,64 @@
+"""The one place a local store is built: the disk store of a config, of an existing cache directory
+(its recorded capacity kept), or the DRAM tier.
+
+Primitives: `open_disk(StoreConfig)` -> `DiskStore`; `open_existing(directory)` -> `DiskStore` with
+the capacity recorded in its index (`cache` commands, `launch`'s store usage); `stored_capacity(dir)`;
+`open_memory(capacity, reserve)` -> `MemoryStore`. The tiers are imported on call (no native module
+and no SQLite connection at import). Errors: `UsageError` for a path that is not a cache directory,
+`StoreError` for an index that cannot be read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from typing import TYPE_CHECKING
+
+from offload.config import Size, StoreConfig, format_size
+from offload.errors import StoreError, UsageError
+
+if TYPE_CHECKING:
+    from offload.store.disk.store import DiskStore
+    from offload.store.memory.store import MemoryStore
+
+log = logging.getLogger(__name__)
+
+INDEX = "index.db"
+
+
+def open_disk(cfg: StoreConfig) -> DiskStore:
+    from offload.store.disk.store import DiskStore
+
+    return DiskStore(cfg)
+
+
+def stored_capacity(directory: str) -> int:
+    """The capacity cap recorded in the directory's index (kept when a command opens it)."""
+    path = os.path.join(directory, INDEX)
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory}: not a cache directory (no such directory)")
+    if not os.path.isfile(path):
+        raise UsageError(f"{directory}: not a cache directory (no {INDEX}; the directory named by "
+                         "offload.store.path)")
+    from offload.store.disk.index.schema import read_only
+
+    try:
+        rows = read_only(path, "SELECT value FROM meta WHERE name='capacity'", timeout=30)
+    except sqlite3.Error as e:
+        raise StoreError(f"{path}: cannot read the index: {e}") from None
+    return int(rows[0][0]) if rows else 0
+
+
+def open_existing(directory: str) -> DiskStore:
+    """An existing cache directory's store, with the capacity its index records."""
+    cap = stored_capacity(directory)
+    log.debug("opening %s (capacity %s read from %s)", directory, format_size(cap),
+              os.path.join(directory, INDEX))
+    return open_disk(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
+
+
+def open_memory(capacity: int, reserve: int = 0) -> MemoryStore:
+    from offload.store.memory.store import MemoryStore
+
+    return MemoryStore(capacity=capacity, reserve=reserve)

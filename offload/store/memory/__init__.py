@@ -1,0 +1,1 @@
+"""The DRAM tier: `store.MemoryStore` and its preallocated arena (`arena.ReservedArena`)."""
