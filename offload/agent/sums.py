@@ -2,7 +2,7 @@
 
 The control channel is MAC'd, the bytes NIXL moves are not: anyone who can alter UCX-over-TCP
 traffic, or a faulty NIC path, could change a block on its way. So each block's checksum (the
-store's own, xxh3-64: `offload.store.slot_format.checksum`) travels in the authenticated frame
+store's own, xxh3-64: `offload.store.disk.slab.format.checksum`) travels in the authenticated frame
 beside it: the host sends it with a PUT (`Blocks.sums`) and the agent checks what its READ
 landed before acknowledging the block; the agent sends it with a GET reply (`Flags.sums`) and
 the host checks what the WRITE landed before reporting the page loaded. A mismatch is a miss
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Sequence
 
-from offload.store.slot_format import checksum
+from offload.store.disk.slab.format import checksum
 
 
 def of_views(views: Sequence[Any]) -> int:

@@ -26,7 +26,7 @@ from offload.agent.client import AgentStore
 from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import SECRET, needs_nixl
 from tests.store.test_disk import open_store
 

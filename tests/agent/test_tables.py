@@ -19,7 +19,7 @@ from offload.agent.client import AgentStore
 from offload.agent.limits import AgentLimits
 from offload.agent.server import AgentServer
 from offload.keys import Namespace
-from offload.store.memory import MemoryStore
+from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import SECRET, wait_for
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
