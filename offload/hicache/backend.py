@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
+from offload.hicache.events import kv_events_for
 from offload.hicache.keying import (
     KeyPlan,
     allocator_only_mla,
@@ -170,6 +171,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         self.tm: TierMetrics | None = None
         self.metrics_port: int | None = None
         self._watch: StoreWatch | None = None
+        self.kv_events: Any = None   # offload.events.L3Events, made at register_mem_pool_host
         if self.cfg.metrics.enabled:
             self.tm = tier_metrics()
             self.tm.set_path(self.transfer_path)
@@ -208,6 +210,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         self.namespace = self.plan.namespaces[0]
         for ns in self.plan.namespaces:
             self.store.register_namespace(ns)
+        self.kv_events = kv_events_for(self, int(mem_pool_host.page_size))
         register_region = getattr(self.store, "register_region", None)
         if register_region is not None:  # dpu: the agent moves pages in and out of this memory
             register_region(mem_pool_host.kv_buffer)
@@ -224,7 +227,13 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
 
         return describe(self, sidecar_pool_specs, swa_trailing_pages, page_size)
 
+    def take_kv_events(self) -> list:
+        """L3 KV events (DISK / EXTERNAL) since the last call: SGLang's publisher (patches/0016)."""
+        return self.kv_events.take() if self.kv_events is not None else []
+
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -291,6 +300,9 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         if self.tm is not None:
             (self.tm.load_seconds if kind == "prefetch" else
              self.tm.store_seconds).labels(self.transfer_path).observe(dt)
+            if kind == "prefetch" and pool == "kv" and self.pages is not None:
+                self.tm.loaded(self.transfer_path, n, dt, self.pages.index_step,
+                               self.worth.prefill_tps)
             direction = "read" if kind == "prefetch" else "write"
             self.tm.pool_pages.labels(pool, direction).inc(n)
             self.tm.pool_bytes.labels(pool, direction).inc(nbytes)
@@ -334,8 +346,11 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> List[bool]:
         if self.logical_anchor:   # no KV bytes: SGLang writes the pools through v2
             return [True] * len(keys)
-        return self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
-                          split=self.plan)
+        ok = self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
+                        split=self.plan)
+        if self.kv_events is not None and self.is_writer:
+            self.kv_events.stored(keys, ok, extra_info.prefix_keys if extra_info else None)
+        return ok
 
     @never_raises("batch_get_v1", all_false)
     def batch_get_v1(self, keys: List[str], host_indices: "torch.Tensor",
