@@ -59,7 +59,7 @@ class Watch:
 
         for seq, batch in batches:
             for ev in batch.events:
-                medium = str(ev.medium or "GPU")
+                medium = str(getattr(ev, "medium", None) or "GPU")
                 if isinstance(ev, BlockStored):
                     for h in ev.block_hashes:
                         self.first.setdefault((medium, h), seq)
