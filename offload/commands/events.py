@@ -72,9 +72,21 @@ def _get(url: str, body: dict | None = None) -> Any:
         raise RunError(f"{url}: {getattr(e, 'reason', e)}") from None
 
 
+def _find(info: Any, key: str) -> Any:
+    """`key` in /server_info, at the top or in a nested group of server arguments."""
+    if isinstance(info, dict):
+        if info.get(key) is not None:
+            return info[key]
+        for v in info.values():
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
 def endpoints(url: str, info: dict) -> tuple[str, str | None, str, int]:
     """(publisher, replay endpoint or None, topic, page size) of a server's /server_info."""
-    raw = info.get("kv_events_config")
+    raw = _find(info, "kv_events_config")
     if not raw:
         raise RunError(f"{url}: the server publishes no KV events; fix: start it with "
                        "kv-events-config (docs/reference/events.md)")
@@ -94,7 +106,7 @@ def endpoints(url: str, info: dict) -> tuple[str, str | None, str, int]:
         return ep
 
     return (str(reach(cfg.get("endpoint", "tcp://*:5557"))), reach(cfg.get("replay_endpoint")),
-            str(cfg.get("topic", "")), int(info.get("page_size") or 1))
+            str(cfg.get("topic", "")), int(_find(info, "page_size") or 1))
 
 
 def survey(url: str, prompt: str | None, ids: list[int] | None, listen_s: float) -> dict:

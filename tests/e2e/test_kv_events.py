@@ -109,6 +109,13 @@ def test_disk_events_follow_gpu_then_restart_announces_and_eviction_removes(
     late = Watch(port, replay=True)                   # joins after the start-up announcement
     late.until(lambda: late.holds(hashes, "DISK"), "the restart's DISK announcement")
     assert late.res.prefix_pages(hashes, "GPU") == 0  # nothing of it in L1 yet: L3 only
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(tokens))
+    out = subprocess.run([sys.executable, "-m", "offload.cli", "events", b.url, "--input-ids",
+                          str(ids_file), "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    tiers = json.loads(out.stdout)["servers"][0]["tiers"]     # what a router would score
+    assert tiers["DISK"]["tokens"] == len(hashes) * PAGE and tiers["GPU"]["tokens"] == 0, tiers
     _evict_all(store)                                  # another process empties the directory
     late.until(lambda: set(hashes) <= late.removed.get("DISK", set()),
                "BlockRemoved DISK after another process's eviction")
