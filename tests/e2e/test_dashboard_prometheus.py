@@ -26,7 +26,7 @@ import pytest
 from offload.launch.server import LaunchedServer, free_port, wait_store
 from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt
 
-pytestmark = [needs_serving, pytest.mark.skipif(
+pytestmark = [needs_serving, pytest.mark.timeout(1200), pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="Debian's prometheus is not installed: run `bash scripts/install.sh`")]
 DASHBOARD = Path(__file__).resolve().parents[2] / "grafana" / "sglang-offload.json"

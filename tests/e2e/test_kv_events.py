@@ -24,7 +24,7 @@ import pytest
 from offload.launch.server import LaunchedServer, free_port, wait_store
 from tests.e2e.conftest import PAGE, full_pages, needs_serving
 
-pytestmark = needs_serving
+pytestmark = [needs_serving, pytest.mark.timeout(1800)]   # two server lifecycles on 2 cores
 TOKENS = 640                 # 10 pages
 WAIT_S = 180.0
 
@@ -115,7 +115,7 @@ def test_disk_events_follow_gpu_then_restart_announces_and_eviction_removes(
                           str(ids_file), "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     tiers = json.loads(out.stdout)["servers"][0]["tiers"]     # what a router would score
-    assert tiers["DISK"]["tokens"] == len(hashes) * PAGE and tiers["GPU"]["tokens"] == 0, tiers
+    assert tiers["DISK"]["tokens"] >= len(hashes) * PAGE and tiers["GPU"]["tokens"] == 0, tiers
     _evict_all(store)                                  # another process empties the directory
     late.until(lambda: set(hashes) <= late.removed.get("DISK", set()),
                "BlockRemoved DISK after another process's eviction")
