@@ -18,7 +18,9 @@ between host-pool memory and the store, no copy), or the legacy `get/set/batch_g
 (flat page tensors, `offload.hicache.legacy`). `clear` deletes every namespace of the rank;
 `describe_l3_object_layout` answers SGLang's L3 layout handshake (`offload.hicache.l3_layout`).
 `close` closes the store. `HICACHE_CAPABILITIES` tells SGLang (patches/0010-0015) what it may
-ask beyond the base interface, as it grants Mooncake by name.
+ask beyond the base interface, as it grants Mooncake by name. `take_kv_events` hands SGLang's
+KV-event publisher (patches/0016) the L3 events (`DISK` / `EXTERNAL`) of `offload.events`, fed
+from `batch_set_v1` and from the tiers themselves (`offload.hicache.events`).
 
 Data path: every call returns per-page success; nothing raises into SGLang. A failed or corrupt
 read is a miss (the store verifies checksums). MLA: every TP rank reads one shared namespace and
