@@ -106,3 +106,19 @@ def test_two_replicas_on_one_redis_see_each_others_pages_and_removals(redis_url:
     assert other.poll() == []                                        # another namespace's stream
     for s in (a, b):
         s.close()
+
+
+def test_sweep_source_announces_own_stores_and_finds_removals() -> None:
+    """The agent's source (here over an in-memory store, the agent's `BlockStore` interface)."""
+    from offload.events.sources import SweepSource
+    from offload.store.memory import MemoryStore
+
+    store = MemoryStore()
+    rows = rows_for(page_keys(3, "agent"))
+    assert all(store.put_many([r.key for r in rows], [[b"z" * 512] for _ in rows]))
+    src = SweepSource(store, "EXTERNAL", sweep=2)
+    src.wrote(rows)
+    assert sorted(src.poll()) == sorted((STORED, r) for r in rows)
+    assert store.delete_many([rows[2].key]) == 1
+    gone = src.poll() + src.poll()            # two pages per sweep: all three within two polls
+    assert gone == [(REMOVED, rows[2])] and len(src.live()) == 2
