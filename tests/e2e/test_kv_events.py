@@ -133,8 +133,11 @@ def test_two_replicas_on_one_redis_see_external_events_of_each_others_pages(
     try:
         shared = {"redis": {"url": redis.url}}
         pa, pb = free_port(), free_port()
-        a = servers(tmp_path / "store-a", name="replica-a", sglang=kv_events(pa), **shared)
-        b = servers(tmp_path / "store-b", name="replica-b", sglang=kv_events(pb), **shared)
+        small = {"max-total-tokens": 16384, "hicache-ratio": 2}    # two servers at once
+        a = servers(tmp_path / "store-a", name="replica-a", sglang={**kv_events(pa), **small},
+                    **shared)
+        b = servers(tmp_path / "store-b", name="replica-b", sglang={**kv_events(pb), **small},
+                    **shared)
         wa, wb = Watch(pa), Watch(pb)
         ta, tb = ids(2), ids(3)
         ra, rb = a.generate(ta), b.generate(tb)
