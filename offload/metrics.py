@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 PREFIX = "sglang_offload_"
 TIERS = ("local", "redis", "agent")
 PATHS = ("cpu", "gds", "dpu")
+PAGE_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # StoreStats counters exported as Prometheus counters: field -> (family attribute, label extra)
@@ -96,6 +97,16 @@ class TierMetrics:
                                   ["pool", "direction"], registry=reg)
         self.pool_bytes = Counter(PREFIX + "pool_bytes", "bytes moved per pool",
                                   ["pool", "direction"], registry=reg)
+        self.load_page_seconds = Histogram(PREFIX + "load_page_seconds",
+                                           "time of one batch load per page it loaded", ["path"],
+                                           buckets=PAGE_BUCKETS, registry=reg)
+        self.ttft_saved = Counter(PREFIX + "ttft_saved_seconds",
+                                  "prefill time the loads saved: tokens loaded / prefill speed "
+                                  "- load time (the worth-it rule's estimate)", ["path"],
+                                  registry=reg)
+        self.write_backlog = Gauge(PREFIX + "write_backlog_pages",
+                                   "pages accepted for a tier and not yet written to it", tier,
+                                   multiprocess_mode="livesum", registry=reg)
         self.declined = Counter(PREFIX + "worth_it_declined_pages",
                                 "hit pages not loaded: recomputing them is faster", registry=reg)
         self.accepted = Counter(PREFIX + "worth_it_accepted_pages",
@@ -106,9 +117,21 @@ class TierMetrics:
                 fam.labels(t)
             for d in ("read", "write"):
                 self.bytes.labels(t, d)
+        for p in PATHS:
+            self.ttft_saved.labels(p)
+        self.write_backlog.labels("redis")
         for d in ("read", "write"):
             self.pool_pages.labels("kv", d)
             self.pool_bytes.labels("kv", d)
+
+    def loaded(self, path: str, pages: int, seconds: float, page_tokens: int,
+               prefill_tps: float | None) -> None:
+        """One batch load of `pages`: the per-page latency, and the prefill time it saved."""
+        if pages <= 0:
+            return
+        self.load_page_seconds.labels(path).observe(seconds / pages)
+        if prefill_tps:
+            self.ttft_saved.labels(path).inc(max(pages * page_tokens / prefill_tps - seconds, 0.0))
 
     def set_path(self, chosen: str) -> None:
         for p in PATHS:
@@ -181,9 +204,19 @@ class StoreWatch:
 
     def poll(self) -> None:
         tiers = self._tiers()
+        backlog = self._backlog()
         with self._plock:
             for tier, s in tiers.items():
                 self._apply(tier, s)
+            if backlog is not None:
+                self.m.write_backlog.labels("redis").set(backlog)
+
+    @never_raises("offload metrics: reading the upload queue", lambda *_: None, log)
+    def _backlog(self) -> int | None:
+        """Pages a tiered store queued for the shared tier (Redis) and not yet written: its
+        upload queue (`TieredStore._queue`; the write-through puts are synchronous)."""
+        q = getattr(self.store, "_queue", None) if getattr(self.store, "shared", None) else None
+        return None if q is None else int(q.qsize())
 
     def _apply(self, tier: str, s: StoreStats) -> None:
         m = self.m

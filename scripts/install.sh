@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything this project needs on a fresh CPU machine (Debian, Python 3.11, root):
 #   - Debian packages the tests drive: redis-server/redis-tools, buildah + debootstrap (the image
-#     test), patch (the patched wheel), openssl (TLS certificates), and what SGLang's first
+#     test), patch (the patched wheel), openssl (TLS certificates), prometheus (the dashboard's
+#     queries against a real Prometheus), and what SGLang's first
 #     HiCache request JIT-builds its hash extension with: g++, ninja-build, libssl-dev, python3-dev;
 #   - .venv with SGLang's own pins: torch 2.14.1 + torchvision 0.29.1;
 #   - the PATCHED SGLang 0.5.23 wheel (distro/install_patched.py: built from the pinned upstream
@@ -20,6 +21,7 @@ command -v debootstrap >/dev/null || need+=(debootstrap)  # its stand-in base im
 command -v patch >/dev/null || need+=(patch)              # distro/build_wheel.py applies patches/
 command -v openssl >/dev/null || need+=(openssl)          # the Redis TLS test makes certificates
 command -v fusermount3 >/dev/null || need+=(fuse3)        # tests/powerloss: FUSE (+ libfuse3 for mfusepy)
+command -v prometheus >/dev/null || need+=(prometheus)    # tests/e2e/test_dashboard_prometheus.py
 # SGLang JIT-builds hicache_hash_cpp (torch cpp_extension) on the first HiCache request:
 command -v g++ >/dev/null || need+=(g++)
 command -v ninja >/dev/null || need+=(ninja-build)

@@ -66,6 +66,7 @@ PATHS = ["bench", "paths", "--paths", "cpu", "--sizes", "64KiB", "--total", "64K
 # a refused connection, were a bad value let through
 SERVE = ["bench", "serve", "--url", "http://127.0.0.1:1", "--phases", "cold", "--lengths", "128"]
 AGENT = ["agent", "--listen", "127.0.0.1:0", "--transport", "tcp"]
+EVENTS = ["events", "http://127.0.0.1:1"]   # a refused connection, were a bad value let through
 
 
 def cases(tmp: Path) -> list[tuple[list[str], str, st.SearchStrategy[str]]]:
@@ -182,6 +183,28 @@ def test_bad_values_are_one_error_line_never_a_traceback(tmp: Path, data: st.Dat
     value = data.draw(values, label="value")
     argv = [a.format(tmp=tmp) for a in prefix] + [f"{option}={value}" if option else value]
     assert_refused(argv, option, value)
+
+
+def events_cases(tmp: Path) -> list[tuple[list[str], str, st.SearchStrategy[str]]]:
+    """`sglang-offload events`: its own table (the draws of the table above stay as they were)."""
+    files = [str(tmp / "nope.json"), str(tmp), str(tmp / "latin1.yaml"), str(tmp / "afile")]
+    return [(EVENTS + ["--prompt", "x"], "--listen", BAD_FLOAT),
+            (EVENTS, "--input-ids", st.sampled_from(files)),
+            (["events", "--prompt", "x"], "", st.one_of(JUNK, BAD_NAME,
+                                                        st.sampled_from(["tcp://127.0.0.1:1"])))]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_events_bad_values_are_one_error_line(tmp: Path, data: st.DataObject) -> None:
+    prefix, option, values = data.draw(st.sampled_from(events_cases(tmp)), label="case")
+    value = data.draw(values, label="value")
+    argv = [a.format(tmp=tmp) for a in prefix] + [f"{option}={value}" if option else value]
+    assert_refused(argv, option, value)
+    if option:
+        rc, out, _ = run_cli(["events", "--help"])
+        assert rc == 0 and option in out
 
 
 @pytest.mark.parametrize("argv, needle", [

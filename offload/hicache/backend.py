@@ -18,7 +18,9 @@ between host-pool memory and the store, no copy), or the legacy `get/set/batch_g
 (flat page tensors, `offload.hicache.legacy`). `clear` deletes every namespace of the rank;
 `describe_l3_object_layout` answers SGLang's L3 layout handshake (`offload.hicache.l3_layout`).
 `close` closes the store. `HICACHE_CAPABILITIES` tells SGLang (patches/0010-0015) what it may
-ask beyond the base interface, as it grants Mooncake by name.
+ask beyond the base interface, as it grants Mooncake by name. `take_kv_events` hands SGLang's
+KV-event publisher (patches/0016) the L3 events (`DISK` / `EXTERNAL`) of `offload.events`, fed
+from `batch_set_v1` and from the tiers themselves (`offload.hicache.events`).
 
 Data path: every call returns per-page success; nothing raises into SGLang. A failed or corrupt
 read is a miss (the store verifies checksums). MLA: every TP rank reads one shared namespace and
@@ -50,6 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
+from offload.hicache.events import kv_events_for
 from offload.hicache.keying import (
     KeyPlan,
     allocator_only_mla,
@@ -171,6 +174,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         self.tm: TierMetrics | None = None
         self.metrics_port: int | None = None
         self._watch: StoreWatch | None = None
+        self.kv_events: Any = None   # offload.events.L3Events, made at register_mem_pool_host
         if self.cfg.metrics.enabled:
             self.tm = tier_metrics()
             self.tm.set_path(self.transfer_path)
@@ -209,6 +213,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         self.namespace = self.plan.namespaces[0]
         for ns in self.plan.namespaces:
             self.store.register_namespace(ns)
+        self.kv_events = kv_events_for(self, int(mem_pool_host.page_size))
         register_region = getattr(self.store, "register_region", None)
         if register_region is not None:  # dpu: the agent moves pages in and out of this memory
             register_region(mem_pool_host.kv_buffer)
@@ -225,7 +230,13 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
 
         return describe(self, sidecar_pool_specs, swa_trailing_pages, page_size)
 
+    def take_kv_events(self) -> list:
+        """L3 KV events (DISK / EXTERNAL) since the last call: SGLang's publisher (patches/0016)."""
+        return self.kv_events.take() if self.kv_events is not None else []
+
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -292,6 +303,9 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         if self.tm is not None:
             (self.tm.load_seconds if kind == "prefetch" else
              self.tm.store_seconds).labels(self.transfer_path).observe(dt)
+            if kind == "prefetch" and pool == "kv" and self.pages is not None:
+                self.tm.loaded(self.transfer_path, n, dt, self.pages.index_step,
+                               self.worth.prefill_tps)
             direction = "read" if kind == "prefetch" else "write"
             self.tm.pool_pages.labels(pool, direction).inc(n)
             self.tm.pool_bytes.labels(pool, direction).inc(nbytes)
@@ -342,6 +356,8 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         ok = self._move(KV, self.pages, self._keys, self.is_writer, keys, host_indices, write=True,
                         split=self.plan)
         self.worth.note_stored(keys)
+        if self.kv_events is not None and self.is_writer:
+            self.kv_events.stored(keys, ok, extra_info.prefix_keys if extra_info else None)
         return ok
 
     @never_raises("batch_get_v1", all_false)

@@ -15,8 +15,9 @@ Config -> SGLang server arguments -> process. Steps, in order:
    own `--config` conversion), `--enable-hierarchical-cache`, `--hicache-mem-layout page_first`
    (unless set), the `dynamic` storage backend `offload.hicache.OffloadStorage` with
    `interface_v1` and `config_file`: the path of the effective offload tree (transfer.path = the
-   decided path), never the tree itself, which holds secrets (`offload.launch.secrets`); the
-   device's flags; then the extra flags last (they win, as on SGLang's own command line);
+   decided path), never the tree itself, which holds secrets (`offload.launch.secrets`), and
+   `hicache_storage_pass_prefix_keys` when `kv-events-config` is set (L3 KV events name each
+   page's parent: docs/reference/events.md); the device's flags; then the extra flags last (they win, as on SGLang's own command line);
 5. `--dry-run` prints the decision, the effective config (secrets redacted) and the shell-quoted
    command and exits 0, writing nothing; otherwise `summary` (path and why, store, tiers, device
    choices) goes to stderr, `write` puts the settings file in place (0600, in a private 0700
@@ -80,6 +81,8 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str
     tree = to_dict(dep.offload)
     tree["transfer"]["path"] = path
     extra = {**sg.extra_config, **BACKEND_EXTRA, "config_file": settings_file}
+    if "kv_events_config" in sg.set_by_user:   # L3 KV events name each page's parent
+        extra.setdefault("hicache_storage_pass_prefix_keys", True)
     argv = [python, "-m", "sglang.launch_server", *sg.section_argv]
     if "enable_hierarchical_cache" not in sg.set_by_user:     # (false is refused earlier)
         argv.append("--enable-hierarchical-cache")

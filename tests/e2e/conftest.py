@@ -96,11 +96,12 @@ def wait_metric(server: LaunchedServer, name: str, label: str, at_least: float,
     return value
 
 
-def deployment(path: Path, model: Path, port: int, store: Path, **offload: Any) -> Path:
+def deployment(path: Path, model: Path, port: int, store: Path,
+               sglang: dict[str, Any] | None = None, **offload: Any) -> Path:
     doc = {"sglang": {"model-path": str(model), "device": "cpu", "page-size": PAGE,
                       "context-length": 16384, "max-total-tokens": 32768, "hicache-ratio": 4,
                       "enable-metrics": True, "enable-cache-report": True,
-                      "host": "127.0.0.1", "port": port, "log-level": "info"},
+                      "host": "127.0.0.1", "port": port, "log-level": "info", **(sglang or {})},
            "offload": {"store": {"path": str(store), "capacity": "1GiB", "min_free": "256MiB",
                                  "io_threads": 2}, **offload}}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -110,14 +111,16 @@ def deployment(path: Path, model: Path, port: int, store: Path, **offload: Any) 
 @pytest.fixture
 def servers(request: pytest.FixtureRequest, tmp_path: Path, demo_model: Path
             ) -> Iterator[Callable[..., LaunchedServer]]:
-    """start(store, name, launch_args=(), env={}, **offload sections) -> a ready server."""
+    """start(store, name, launch_args=(), env={}, sglang={flags}, **offload sections) -> a ready
+    server."""
     started: list[LaunchedServer] = []
 
     def start(store: Path, name: str = "server", launch_args: tuple[str, ...] = (),
-              env: dict[str, str] | None = None, **offload: Any) -> LaunchedServer:
+              env: dict[str, str] | None = None, sglang: dict[str, Any] | None = None,
+              **offload: Any) -> LaunchedServer:
         port = free_port()
         cfg = deployment(tmp_path / f"{name}-{len(started)}.yaml", demo_model, port, store,
-                         **offload)
+                         sglang, **offload)
         s = LaunchedServer.start(cfg, tmp_path / f"{name}-{len(started)}.log",
                                  f"http://127.0.0.1:{port}", launch_args=list(launch_args),
                                  env={"UCX_MODULES": "^ib", **(env or {})})

@@ -1,0 +1,68 @@
+"""KV events for L3: SGLang's `BlockStored` / `BlockRemoved` with medium `DISK` or `EXTERNAL`.
+
+SGLang 0.5.23 publishes KV-cache events (`--kv-events-config`) for `GPU` and `CPU_PINNED` only;
+this package makes the HiCache backend publish the L3 tier too, through the hook of
+patches/0016 (`OffloadStorage.take_kv_events`). Modules:
+- `chain`: pages as rows (block key, SGLang's block hash, parent hash) and rows as SGLang events;
+- `ledger`: the directory's `kv-events.db` (block key -> hash), shared by its processes;
+- `sources`: what each tier tells (the disk index's change log, the Redis stream and sweep, the
+  agent's sweep);
+- `tracker`: `L3Events`, the queue SGLang takes from, fed by one thread.
+
+`open_events(store, digest, page_size, make_keys, split)` builds the tracker for a backend's store: `DISK`
+for a local `DiskStore` (also under a transfer path or a tiered store), `EXTERNAL` for the Redis
+tier and for the agent. Message shapes and an example subscriber: docs/reference/events.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from offload.events.sources import DISK, EXTERNAL, DiskSource, SharedSource, Source, SweepSource
+from offload.events.tracker import L3Events
+
+log = logging.getLogger(__name__)
+
+
+def _parts(store: Any) -> list[Any]:
+    """The stores a (wrapped, tiered) store is made of, outermost first."""
+    out, todo = [], [store]
+    while todo:
+        s = todo.pop(0)
+        if s is None or any(s is o for o in out):
+            continue
+        out.append(s)
+        todo += [getattr(s, "local", None), getattr(s, "shared", None), getattr(s, "store", None)]
+    return out
+
+
+def sources_for(store: Any, digest: bytes) -> list[Source]:
+    from offload.store.disk.store import DiskStore
+    from offload.store.redis.store import RedisStore
+
+    found: list[Source] = []
+    for part in _parts(store):
+        if isinstance(part, DiskStore):
+            found.append(DiskSource(part.directory, digest))
+        elif isinstance(part, RedisStore):
+            found.append(SharedSource(part, digest))
+        elif getattr(part, "name", None) == "dpu" and not hasattr(part, "store"):
+            found.append(SweepSource(part, EXTERNAL))
+    return found
+
+
+def open_events(store: Any, digest: bytes, page_size: int,
+                make_keys: Callable[[Sequence[str]], list[bytes]], split: int = 1
+                ) -> L3Events | None:
+    """The tracker of a backend's L3 events, or None when no tier of the store has any (an
+    in-memory store). Control path: a ledger that cannot be opened raises OSError/sqlite3.Error."""
+    sources = sources_for(store, digest)
+    if not sources:
+        return None
+    log.info("offload: KV events for L3: %s", ", ".join(
+        f"{type(s).__name__} ({s.medium})" for s in sources))
+    return L3Events(sources, page_size, make_keys, split)
+
+
+__all__ = ["DISK", "EXTERNAL", "L3Events", "open_events", "sources_for"]

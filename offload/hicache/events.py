@@ -1,0 +1,28 @@
+"""The backend's L3 KV events (`offload.events`): built once the key plan is known.
+
+`kv_events_for(backend, page_size)`: the `L3Events` tracker of the backend's KV pages (keyed by
+the first object's namespace of the key plan), or None when the store has no tier that tells
+(an in-memory store) or when this rank does not write KV pages. Events are an aid to routers: a
+ledger that cannot be opened is logged and the backend serves without L3 events.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def kv_events_for(backend: Any, page_size: int) -> Any:
+    plan = backend.plan
+    if plan is None or not backend.is_writer:
+        return None
+    from offload.events import open_events
+
+    try:
+        return open_events(backend.store, plan.digests[0], page_size, plan.keys, plan.split)
+    except (OSError, sqlite3.Error) as e:
+        log.warning("offload: no L3 KV events (the events ledger cannot be opened: %s)", e)
+        return None
