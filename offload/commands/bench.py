@@ -35,6 +35,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "redis": ("offload.bench.redis", "Redis tier vs raw Redis throughput"),
     "paths": ("offload.bench.paths", "each transfer path vs raw disk and NIXL loopback"),
     "serve": ("offload.bench.serve", "time to first token of a real server: cold vs L1/L2 vs L3"),
+    "workload": ("offload.bench.workload", "many users, shared prefixes, multi-turn on SGLang's "
+                 "own client: no L3 vs SGLang's file L3 vs ours, across a restart"),
     "plot": ("offload.bench.plot", "plot a saved --json result (--plot OUT.png)"),
 }
 # what `--plot` draws, per target (the help of its --plot)
@@ -46,6 +48,8 @@ PLOTS: dict[str, str] = {
     "paths": "each transfer path vs raw disk and NIXL loopback, GB/s against block size",
     "serve": "time to first token per prompt length (cold, L1/L2 hit, L3 hit) and the hits' "
              "speed-up over cold, as bars",
+    "workload": "TTFT p50 / p90 per tier before and after the restart (bars), or with "
+                "--sweep-users the p90 TTFT per user count against the target",
 }
 
 
