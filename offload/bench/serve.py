@@ -71,8 +71,7 @@ OPTIONS = (
 )
 
 
-def server_info(server: LaunchedServer) -> dict[str, Any]:
-    """SGLang's /get_server_info of a running server ({} where it does not answer)."""
+def _server_info(server: LaunchedServer) -> dict[str, Any]:
     try:
         info = json.loads(server.get("/get_server_info"))
     except (OSError, ValueError):
@@ -160,7 +159,7 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
     try:
         if not args.url:
             server.wait_ready(args.start_timeout)
-        info = server_info(server)
+        info = _server_info(server)
         result["server"] = {k: info.get(k) for k in ("attention_backend", "device",
                                                      "hicache_storage_prefetch_policy",
                                                      "hicache_mem_layout", "hicache_io_backend",

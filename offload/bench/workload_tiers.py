@@ -57,6 +57,7 @@ class StartedTier:
     tier: str
     server: LaunchedServer
     l3: Path                      # the store (ours), the file backend's directory, or unused
+    first_request_s: float | None = None      # the warm-up request's TTFT (set by the bench)
 
     def blocks(self) -> int:
         if self.tier == "ours":
