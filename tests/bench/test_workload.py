@@ -124,3 +124,20 @@ def test_a_summary_counts_cached_tokens_by_tier_and_skips_failures() -> None:
     assert s["cached_by_tier"] == {"device": 64, "host": 64, "storage": 128}
     assert s["ttft_ms"] == {"mean": 200.0, "p50": 200.0, "p90": 280.0}
     assert s["hit_rate"] == round(256 / 300, 4) and s["storage_backend"] == "OffloadStorage"
+
+
+def test_a_saved_result_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from offload.bench import plot
+
+    cell = {"ttft_ms": {"mean": 3.0, "p50": 2.0, "p90": 4.0}}
+    restart = {"mode": "restart", "workload": {}, "summary": {
+        t: {"before": cell, "after": cell} for t in ("none", "file", "ours")}}
+    sweep = {"mode": "sweep", "workload": {}, "sweep": {
+        "ttft_target_ms": 5.0, "max_users": {"none": 1},
+        "steps": {"none": [[{"users": 1, "ttft_ms": {"p90": 2.0}},
+                            {"users": 2, "ttft_ms": {"p90": 6.0}}]]}}}
+    for name, result in (("restart", restart), ("sweep", sweep)):
+        assert plot.kind_of(result) == "workload"
+        out = tmp_path / f"{name}.png"
+        assert plot.draw(result, str(out)) == str(out) and out.stat().st_size > 0
