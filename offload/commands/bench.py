@@ -100,7 +100,11 @@ def parser_of(target: str) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = parser_of(args.target).parse_args(args.options)
+    bp = parser_of(args.target)
+    opts = bp.parse_args(args.options)
+    for action in bp._actions:        # argparse hands `--opt=--` over as [], unchecked
+        if action.option_strings and isinstance(getattr(opts, action.dest, None), list):
+            bp.error(f"argument {action.option_strings[0]}: expected one value, not '--'")
     log.debug("bench %s: %s", args.target, redact.text(str(vars(opts))))
     module = importlib.import_module(BENCHES[args.target][0])
     outcome = module.run(opts)
