@@ -13,7 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import deployment, needs_serving
+
+# six server starts and six client starts (~4 min on a quiet 2-core box): more than the
+# suite's 600 s default where other jobs share the cores
+pytestmark = pytest.mark.timeout(2400)
 
 
 @needs_serving
