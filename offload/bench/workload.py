@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -134,14 +135,20 @@ def run(args: Args) -> Outcome:
     result: dict[str, Any] = {"mode": "sweep" if args.sweep_users else "restart",
                               "workload": {**w.__dict__, "conversations": w.conversations},
                               "tiers": tiers, "pools": over, "client": wc.CLIENT}
-    with scratch(args.dir, "bench-workload-") as root:
-        work = Path(root)
-        if args.sweep_users:
-            from offload.bench.workload_sweep import sweep
+    # a SIGTERM (a CI timeout, a Ctrl-C'd wrapper) unwinds like an error, so the servers this
+    # started are stopped and the scratch directory removed
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with scratch(args.dir, "bench-workload-") as root:
+            work = Path(root)
+            if args.sweep_users:
+                from offload.bench.workload_sweep import sweep
 
-            result["sweep"] = sweep(args, work, tiers, over, w, _serve)
-        else:
-            _restart_runs(args, work, tiers, over, w, result)
+                result["sweep"] = sweep(args, work, tiers, over, w, _serve)
+            else:
+                _restart_runs(args, work, tiers, over, w, result)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     from offload.bench.workload_report import print_result
 
     print_result(result)
@@ -150,6 +157,10 @@ def run(args: Args) -> Outcome:
     bad = (result.get("agreement") or {}).get("real_differences", 0)
     failed = sum(r[p]["failed"] for r in result.get("runs", []) for p in ("before", "after"))
     return Outcome(result, 1 if bad or failed else 0)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise RunError("bench workload: terminated (SIGTERM); its servers are stopped")
 
 
 def server_info(t: StartedTier) -> dict[str, Any]:

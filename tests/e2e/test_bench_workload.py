@@ -26,15 +26,20 @@ pytestmark = pytest.mark.timeout(2400)
 def test_storage_hits_after_the_restart_for_both_l3s_none_without_and_outputs_agree(
         tmp_path: Path, demo_model: Path) -> None:
     cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
-    res = subprocess.run([sys.executable, "-m", "offload.cli", "bench", "workload", "--config",
-                          str(cfg), "--groups", "2", "--users", "2", "--turns", "2",
-                          "--prefix-tokens", "256", "--question-tokens", "16",
-                          "--output-tokens", "4", "--concurrency", "2", "--seed", "11",
-                          "--dir", str(tmp_path), "--json"],
-                         capture_output=True, text=True, timeout=2400,
-                         env={**os.environ, "UCX_MODULES": "^ib"})
-    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-5000:])
-    out = res.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "bench", "workload",
+                             "--config", str(cfg), "--groups", "2", "--users", "2", "--turns",
+                             "2", "--prefix-tokens", "256", "--question-tokens", "16",
+                             "--output-tokens", "4", "--concurrency", "2", "--seed", "11",
+                             "--dir", str(tmp_path), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "UCX_MODULES": "^ib"})
+    try:
+        out, err = proc.communicate()
+    finally:              # a timeout here: SIGTERM lets it stop the servers it started
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(120)
+    assert proc.returncode == 0, (out[-3000:], err[-5000:])
     result = json.loads(out[out.index("{\n"):])
     s = result["summary"]
     for tier in ("none", "file", "ours"):
