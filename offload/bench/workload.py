@@ -161,8 +161,12 @@ def run(args: Args) -> Outcome:
     return Outcome(result, 1 if bad or failed else 0)
 
 
+class Terminated(RunError):
+    """SIGTERM: unwinds through every `finally` (servers stopped), never retried."""
+
+
 def _terminated(signum: int, frame: object) -> None:
-    raise RunError("bench workload: terminated (SIGTERM); its servers are stopped")
+    raise Terminated("bench workload: terminated (SIGTERM); its servers are stopped")
 
 
 def server_info(t: StartedTier) -> dict[str, Any]:
@@ -184,10 +188,11 @@ def _serve(args: Args, tier: str, d: Path, over: dict[str, Any], name: str) -> S
         try:
             t.server.wait_ready(args.start_timeout)
             break
-        except RunError:
+        except RunError as e:
             # SGLang keeps 10 GiB of host RAM free before it sizes the L2 pool: on a machine
             # others share, a start can find less for a while; wait and try again
-            if HOST_MEMORY not in t.server.tail(200) or attempt == START_TRIES - 1:
+            if (isinstance(e, Terminated) or HOST_MEMORY not in t.server.tail(200)
+                    or attempt == START_TRIES - 1):
                 print(f"--- {t.server.log} (last lines) ---\n{t.server.tail()}",
                       file=sys.stderr)
                 t.server.stop()
