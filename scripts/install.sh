@@ -8,7 +8,8 @@
 #   - the PATCHED SGLang 0.5.23 wheel (distro/install_patched.py: built from the pinned upstream
 #     wheel + patches/series by distro/build_wheel.py, installed --no-deps, skipped when current)
 #     plus distro/sglang-cpu-deps.txt (HiCache modules) and distro/sglang-cpu-serve-deps.txt (a
-#     real server start): a CPU box that serves (on a GPU host use `pip install -e
+#     real server start) and distro/sglang-bench-deps.txt (SGLang's own benchmark client,
+#     `python -m sglang.benchmark.serving`): a CPU box that serves (on a GPU host use `pip install -e
 #     '.[sglang,gds-cu13,dpu]'` instead: the full pinned SGLang; docs/install.md says which gds extra);
 #   - this project, editable, with its test extras.
 set -euo pipefail
@@ -52,7 +53,8 @@ quiet_pip() {
 }
 quiet_pip torch==2.14.1 torchvision==0.29.1
 .venv/bin/python distro/install_patched.py           # SGLang 0.5.23 + patches/series, --no-deps
-quiet_pip -r distro/sglang-cpu-deps.txt -r distro/sglang-cpu-serve-deps.txt
+quiet_pip -r distro/sglang-cpu-deps.txt -r distro/sglang-cpu-serve-deps.txt \
+  -r distro/sglang-bench-deps.txt
 quiet_pip -e '.[test,redis,metrics,dpu]'
 n=$(sort -u "$hidden" | wc -l)
 if [ "$n" -gt 0 ]; then

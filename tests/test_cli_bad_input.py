@@ -67,6 +67,8 @@ PATHS = ["bench", "paths", "--paths", "cpu", "--sizes", "64KiB", "--total", "64K
 SERVE = ["bench", "serve", "--url", "http://127.0.0.1:1", "--phases", "cold", "--lengths", "128"]
 AGENT = ["agent", "--listen", "127.0.0.1:0", "--transport", "tcp"]
 EVENTS = ["events", "http://127.0.0.1:1"]   # a refused connection, were a bad value let through
+# a file with no sglang: section, were a bad value let through (exit 2 before any server starts)
+WORKLOAD = ["bench", "workload", "--config", "{tmp}/afile", "--dir", "{tmp}"]
 
 
 def cases(tmp: Path) -> list[tuple[list[str], str, st.SearchStrategy[str]]]:
@@ -91,6 +93,13 @@ def cases(tmp: Path) -> list[tuple[list[str], str, st.SearchStrategy[str]]]:
         (SERVE, "--max-new-tokens", BAD_COUNT), (SERVE, "--dir", missing),
         (SERVE, "--start-timeout", BAD_FLOAT), (SERVE, "--phases", BAD_NAME),
         (SERVE, "--plot", bad_plot),
+        (WORKLOAD, "--tiers", BAD_NAME), (WORKLOAD, "--groups", BAD_COUNT),
+        (WORKLOAD, "--turns", BAD_COUNT), (WORKLOAD, "--prefix-tokens", BAD_COUNT),
+        (WORKLOAD, "--concurrency", BAD_COUNT), (WORKLOAD, "--l1-tokens", BAD_COUNT),
+        (WORKLOAD, "--l2-ratio", st.one_of(BAD_FLOAT, st.sampled_from(["1", "0.5"]))),
+        (WORKLOAD, "--sweep-users", st.one_of(BAD_SIZES, st.sampled_from(["4,2", "2,2", "0"]))),
+        (WORKLOAD, "--ttft-target-ms", BAD_FLOAT), (WORKLOAD, "--tie-margin", BAD_FLOAT),
+        (WORKLOAD, "--dir", missing), (WORKLOAD, "--plot", bad_plot),
         (["bench", "plot", "{tmp}/result.json"], "--plot", bad_plot),
         (["plan"], "--gpu-mem", BAD_SIZE), (["plan"], "--tier-capacity", BAD_SIZE),
         (["plan"], "--tp", BAD_COUNT), (["plan"], "--gpus", BAD_COUNT),

@@ -48,6 +48,8 @@ def kind_of(result: dict[str, Any]) -> str:
     if not isinstance(result, dict):
         raise OffloadError("not a bench result: expected a JSON object, the --json output of "
                            "bench store, paths, hicache, redis or serve")
+    if result.get("mode") in ("restart", "sweep") and isinstance(result.get("workload"), dict):
+        return "workload"
     if isinstance(result.get("sizes"), list) and "raw" in result:
         return "store"
     if isinstance(result.get("sizes"), dict):
@@ -117,7 +119,13 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
     """Write the plot of `result` to `out` (the format named by its extension); returns `out`."""
     import matplotlib.pyplot as plt
 
-    fig = serve_figure(result, title) if kind_of(result) == "serve" else figure(result, title)
+    kind = kind_of(result)
+    if kind == "workload":
+        from offload.bench.workload_plot import workload_figure
+
+        fig = workload_figure(result, title)
+    else:
+        fig = serve_figure(result, title) if kind == "serve" else figure(result, title)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

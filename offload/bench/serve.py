@@ -88,21 +88,25 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [r.randrange(10, 250) for _ in range(length)]
 
 
-def _config(src: str, store: Path, port: int) -> Path:
+def deployment(src: str, store: Path, port: int, sglang: dict[str, Any] | None = None,
+               name: str = "bench-serve.yaml") -> Path:
+    """A copy of the deployment file `src` (written beside `store` as `name`) on a loopback
+    `port`, the cache report on, its store at `store`, and `sglang` keys (SGLang's own
+    arguments) set over the file's: `bench serve` and `bench workload` start servers from it."""
     try:
         doc = yaml.safe_load(Path(src).read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--config {src}: cannot read it ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("sglang"), dict):
         raise UsageError(f"--config {src}: expected a deployment file with a sglang: section")
-    doc["sglang"] = {**doc["sglang"], "host": "127.0.0.1", "port": port,
+    doc["sglang"] = {**doc["sglang"], **(sglang or {}), "host": "127.0.0.1", "port": port,
                      "enable-cache-report": True}
     off = doc.get("offload") or {}
     if not isinstance(off, dict) or not isinstance(off.get("store") or {}, dict):
         raise UsageError(f"--config {src}: offload: and offload.store: must be mappings")
     off["store"] = {**(off.get("store") or {}), "path": str(store)}
     doc["offload"] = off
-    out = store.parent / "bench-serve.yaml"
+    out = store.parent / name
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
 
@@ -150,7 +154,7 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
         cfg, url = Path(), args.url
     else:
         port = free_port()
-        cfg = _config(args.config, store, port)
+        cfg = deployment(args.config, store, port)
         url = f"http://127.0.0.1:{port}"
         server = LaunchedServer.start(cfg, work / "server-1.log", url)
     servers = [server]

@@ -35,6 +35,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "redis": ("offload.bench.redis", "Redis tier vs raw Redis throughput"),
     "paths": ("offload.bench.paths", "each transfer path vs raw disk and NIXL loopback"),
     "serve": ("offload.bench.serve", "time to first token of a real server: cold vs L1/L2 vs L3"),
+    "workload": ("offload.bench.workload", "many users, shared prefixes, multi-turn on SGLang's "
+                 "own client: no L3 vs SGLang's file L3 vs ours, across a restart"),
     "plot": ("offload.bench.plot", "plot a saved --json result (--plot OUT.png)"),
 }
 # what `--plot` draws, per target (the help of its --plot)
@@ -46,6 +48,8 @@ PLOTS: dict[str, str] = {
     "paths": "each transfer path vs raw disk and NIXL loopback, GB/s against block size",
     "serve": "time to first token per prompt length (cold, L1/L2 hit, L3 hit) and the hits' "
              "speed-up over cold, as bars",
+    "workload": "TTFT p50 / p90 per tier before and after the restart (bars), or with "
+                "--sweep-users the p90 TTFT per user count against the target",
 }
 
 
@@ -96,7 +100,11 @@ def parser_of(target: str) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = parser_of(args.target).parse_args(args.options)
+    bp = parser_of(args.target)
+    opts = bp.parse_args(args.options)
+    for action in bp._actions:        # argparse hands `--opt=--` over as [], unchecked
+        if action.option_strings and isinstance(getattr(opts, action.dest, None), list):
+            bp.error(f"argument {action.option_strings[0]}: expected one value, not '--'")
     log.debug("bench %s: %s", args.target, redact.text(str(vars(opts))))
     module = importlib.import_module(BENCHES[args.target][0])
     outcome = module.run(opts)

@@ -1,0 +1,77 @@
+"""The text table of `bench workload` (its --json is the result itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offload.bench.workload_tiers import STORAGE_NAMES
+
+
+def _f(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def _header(result: dict[str, Any]) -> str:
+    w, srv = result["workload"], result.get("server") or {}
+    return (f"bench workload: {srv.get('model_path')} on {srv.get('device')}, attention "
+            f"{srv.get('attention_backend')}, page {srv.get('page_size')}, L1 "
+            f"{srv.get('max_total_num_tokens')} tokens, L2 x{srv.get('hicache_ratio')}; "
+            f"{w['groups']} prefixes of {w['prefix']} tokens x {w['users']} users x "
+            f"{w['turns']} turns ({w['question']} new, {w['output']} generated), "
+            f"{w['concurrency']} in flight, seed {w['seed']} (SGLang's {result['client']})")
+
+
+def print_result(result: dict[str, Any]) -> None:
+    if result["mode"] == "sweep":
+        _print_sweep(result)
+        return
+    print(_header(result))
+    print(f"{'tier':6} {'phase':7} {'reqs':>5} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
+          f"{'req/s':>6} {'out tok/s':>9} {'cached':>8} {'device':>7} {'host':>7} "
+          f"{'storage':>7} {'hit':>6}")
+    for tier, phases in result.get("summary", {}).items():
+        for phase, s in phases.items():
+            t, c = s["ttft_ms"], s["cached_by_tier"]
+            print(f"{tier:6} {phase:7} {s['requests']:>5} {_f(t['mean'], '.0f'):>9} "
+                  f"{_f(t['p50'], '.0f'):>7} {_f(t['p90'], '.0f'):>7} "
+                  f"{_f(s['throughput']['requests_per_s'], '.2f'):>6} "
+                  f"{_f(s['throughput']['output_tokens_per_s'], '.1f'):>9} "
+                  f"{s['cached_tokens']:>8} {c['device']:>7} {c['host']:>7} {c['storage']:>7} "
+                  f"{s['hit_rate']:>6.1%}")
+    for key, r in result.get("ratios", {}).items():
+        a = r["after"]
+        line = (f"{key} TTFT after the restart: mean {_f(a['mean'], '.2f')}x, p50 "
+                f"{_f(a['p50'], '.2f')}x, p90 {_f(a['p90'], '.2f')}x")
+        if "target" in r:
+            line += (f" (target <= {r['target']['after_mean_at_most']}x: "
+                     f"{'met' if r['target']['met'] else 'MISSED'})")
+        print(line)
+    ag = result.get("agreement") or {}
+    if ag:
+        n = ag["differing_conversations"]
+        line = (f"outputs: {ag['requests']} replies compared with {ag['reference']}: "
+                f"{'all agree' if not n else f'{n} conversations differ'}")
+        if n:
+            line += (f" ({ag['near_ties']} near-ties below a top-2 margin of {ag['tie_margin']}, "
+                     f"{ag['real_differences']} real differences)")
+        print(line)
+    print("tiers: " + ", ".join(f"{t} = {STORAGE_NAMES[t]}" for t in result["tiers"]))
+
+
+def _print_sweep(result: dict[str, Any]) -> None:
+    s = result["sweep"]
+    w = result["workload"]
+    print(f"bench workload --sweep-users: users of {w['prefix']}-token contexts each, "
+          f"{w['turns']} turns, all in flight; p90 TTFT target {s['ttft_target_ms']:.0f} ms")
+    print(f"{'tier':6} {'users':>5} {'TTFT p50':>9} {'p90':>8} {'req/s':>6} {'storage':>8} "
+          f"{'hit':>6} {'within':>6}")
+    for tier, rounds in s["steps"].items():
+        for rows in rounds:
+            for r in rows:
+                print(f"{tier:6} {r['users']:>5} {_f(r['ttft_ms']['p50'], '.0f'):>9} "
+                      f"{_f(r['ttft_ms']['p90'], '.0f'):>8} "
+                      f"{_f(r['throughput']['requests_per_s'], '.2f'):>6} "
+                      f"{r['cached_by_tier']['storage']:>8} {r['hit_rate']:>6.1%} "
+                      f"{'yes' if r['within'] else 'no':>6}")
+    print("most users within the target: " + ", ".join(
+        f"{t} {n}" for t, n in s["max_users"].items()))

@@ -1,0 +1,143 @@
+"""`bench workload` without a server: its options, the tiers' command lines, SGLang's client
+(installed by the set-up, offline), agreement and the top-2 margin."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import cli
+from offload.bench import workload_client as wc
+from offload.bench.workload_margin import margin_at, messages
+from offload.bench.workload_tiers import swap_backend
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DEPS = REPO / "distro" / "sglang-bench-deps.txt"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], "the following arguments are required: --config"),
+    (["--config", "{cfg}", "--tiers", "none,l3"], "unknown 'l3'"),
+    (["--config", "{cfg}", "--l2-ratio", "1"], "must be more than 1"),
+    (["--config", "{cfg}", "--sweep-users", "4,2"], "must be ascending"),
+    (["--config", "{cfg}", "--sweep-users", "1,2"], "--sweep-users needs --ttft-target-ms"),
+    (["--config", "{cfg}", "--ttft-target-ms", "500"], "--ttft-target-ms is the target of"),
+    (["--config", "{cfg}", "--tiers", "ours,ours"], "--tiers ours,ours: each tier once"),
+    (["--config", "{tmp}/nope.yaml"], "--config {tmp}/nope.yaml: cannot read it"),
+    (["--config", "{tmp}/list.yaml"], "expected a deployment file with a sglang: section"),
+    (["--config", "{cfg}", "--turns", "0"], "argument --turns: '0': must be at least 1"),
+])
+def test_bad_options_are_one_error_line(argv: list[str], expected: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text("sglang: {model-path: /nonexistent}\n")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    argv = [a.format(cfg=cfg, tmp=tmp_path) for a in argv]
+    assert cli.main(["bench", "workload", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected.format(tmp=tmp_path) in err and "Traceback" not in err
+    assert "error: " in err
+
+
+def test_the_tiers_differ_only_in_the_storage_backend(tmp_path: Path) -> None:
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", "m", "--page-size", "64",
+            "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+            '{"backend_name": "offload"}', "--attention-backend", "torch_native"]
+    rest = ["python", "-m", "sglang.launch_server", "--model-path", "m", "--page-size", "64",
+            "--attention-backend", "torch_native"]
+    assert swap_backend(argv, "none", tmp_path) == rest
+    got = swap_backend(argv, "file", tmp_path, {"prefetch_threshold": 64})
+    assert got[:len(rest)] == rest
+    assert got[len(rest):len(rest) + 3] == ["--hicache-storage-backend", "file",
+                                            "--hicache-storage-backend-extra-config"]
+    assert json.loads(got[-1]) == {"prefetch_threshold": 64, "file_storage_path": str(tmp_path)}
+
+
+def test_the_client_runs_sglangs_own_generated_shared_prefix_workload(tmp_path: Path) -> None:
+    w = wc.Workload(groups=2, users=3, turns=4, prefix=512, question=32, output=4,
+                    concurrency=2, seed=9)
+    argv = wc.client_argv("http://127.0.0.1:4321", w, tmp_path / "out.jsonl")
+    assert argv[1:3] == ["-m", "sglang.benchmark.serving"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--dataset-name"] == "generated-shared-prefix"
+    assert flags["--backend"] == "sglang-oai-chat" and flags["--num-prompts"] == "6"
+    assert flags["--gsp-num-turns"] == "4" and flags["--port"] == "4321"
+    assert "--cache-report" in argv and "--output-details" in argv
+    env = wc.client_env(tmp_path)
+    assert env["HOME"] == str(tmp_path) and env["HF_HUB_OFFLINE"] == "1"
+
+
+def _requirements(path: Path) -> list[str]:
+    return [re.split(r"[=<>!~\[; ]", ln.split("#")[0].strip(), maxsplit=1)[0].lower()
+            for ln in path.read_text().splitlines() if ln.split("#")[0].strip()]
+
+
+def test_sglangs_client_starts_on_the_set_up_and_every_listed_package_is_used() -> None:
+    """Enough: `python -m sglang.benchmark.serving --help` runs (it imports every dataset loader
+    at start: MMMU's imports `datasets`). Minimal: the client imports every line of the list."""
+    probe = ("import importlib.metadata as md, json, runpy, sys\n"
+             "sys.argv = ['serving', '--help']\n"
+             "try:\n    runpy.run_module('sglang.benchmark.serving', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "d = md.packages_distributions()\n"
+             "print(json.dumps(sorted({x.lower() for m in list(sys.modules) "
+             "for x in d.get(m.split('.')[0], [])})))\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
+                       env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0 and "--gsp-num-turns" in r.stdout, r.stderr[-3000:]
+    used = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    unused = [n for n in _requirements(BENCH_DEPS) if n not in used]
+    assert not unused, f"listed but not imported by SGLang's client: {unused}"
+
+
+def test_a_difference_counts_once_per_conversation_at_its_first_turn() -> None:
+    ref = ["a", "b", "c", "d", "e", "f"]           # 3 conversations of 2 turns
+    assert wc.disagreements(ref, list(ref), 2) == []
+    assert wc.disagreements(ref, ["a", "B", "C", "D", "e", "f"], 2) == [(0, 1), (1, 0)]
+    assert wc.disagreements(ref, ["a", "b", None, "d", "e", "f"], 2) == [(1, 0)]
+
+
+def test_the_margin_is_taken_where_the_texts_part() -> None:
+    tokens = [{"token": "ab", "top_logprobs": [{"logprob": -0.1}, {"logprob": -3.0}]},
+              {"token": "cd", "top_logprobs": [{"logprob": -0.70}, {"logprob": -0.72}]}]
+    assert margin_at(tokens, 1) == 2.9               # in the first token
+    assert margin_at(tokens, 2) == 0.02              # the second: a near-tie
+    assert margin_at(tokens, 9) is None
+    assert messages(["q0", "q1"], ["r0", "r1"], 1) == [
+        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "r0"},
+        {"role": "user", "content": "q1"}]
+
+
+def test_a_summary_counts_cached_tokens_by_tier_and_skips_failures() -> None:
+    result = {"errors": ["", "", "boom"], "ttfts": [0.1, 0.3, 9.0], "input_lens": [100, 200, 50],
+              "cached_tokens": [64, 192, 0], "duration": 2.0, "request_throughput": 1.5,
+              "cached_tokens_details": [{"device": 64, "host": 0, "storage": 0},
+                                        {"device": 0, "host": 64, "storage": 128,
+                                         "storage_backend": "OffloadStorage"}, None]}
+    s = wc.summary(result)
+    assert s["failed"] == 1 and s["requests"] == 3
+    assert s["cached_by_tier"] == {"device": 64, "host": 64, "storage": 128}
+    assert s["ttft_ms"] == {"mean": 200.0, "p50": 200.0, "p90": 280.0}
+    assert s["hit_rate"] == round(256 / 300, 4) and s["storage_backend"] == "OffloadStorage"
+
+
+def test_a_saved_result_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from offload.bench import plot
+
+    cell = {"ttft_ms": {"mean": 3.0, "p50": 2.0, "p90": 4.0}}
+    restart = {"mode": "restart", "workload": {}, "summary": {
+        t: {"before": cell, "after": cell} for t in ("none", "file", "ours")}}
+    sweep = {"mode": "sweep", "workload": {}, "sweep": {
+        "ttft_target_ms": 5.0, "max_users": {"none": 1},
+        "steps": {"none": [[{"users": 1, "ttft_ms": {"p90": 2.0}},
+                            {"users": 2, "ttft_ms": {"p90": 6.0}}]]}}}
+    for name, result in (("restart", restart), ("sweep", sweep)):
+        assert plot.kind_of(result) == "workload"
+        out = tmp_path / f"{name}.png"
+        assert plot.draw(result, str(out)) == str(out) and out.stat().st_size > 0
