@@ -37,7 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("offload.commands.agent", "run the storage agent (on a BlueField DPU or storage host)"),
     "launch": ("offload.commands.launch", "validate a deployment config and exec SGLang with the tier"),
     "demo-model": ("offload.commands.demo_model", "write a small random-weight model to serve on a CPU box"),
-    "events": ("offload.commands.events", "how much of a prompt's prefix each server holds per tier (KV events)"),
+    "events": ("offload.commands.events",
+               "how much of a prompt's prefix each server holds per tier (KV events)"),
 }
 EXIT_PIPE = 141      # as a process killed by SIGPIPE, what a shell reports for `yes | head -1`
 

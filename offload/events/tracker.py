@@ -1,12 +1,12 @@
 """`L3Events`: the backend's KV-event queue for L3 (`DISK` / `EXTERNAL`), fed by a thread.
 
-The data path only appends: `stored(keys, ok, prefix_keys)` queues a backup call's page keys
-(no I/O); the thread makes their rows (block keys by `make_keys`). A daemon thread (`offload-kv-events`), every
-`interval_s`, hands those rows to each source (the ledger write, the Redis announcement), polls
-every source for changes (its own and other processes' / replicas'), and queues SGLang event
-objects. SGLang's scheduler takes them with `take()` at each publish (patches/0016), which
-returns at once. The thread starts at the first `take()`: a server without `--kv-events-config`
-never calls it, and pays nothing.
+The data path only appends: `stored(keys, ok, prefix_keys)` queues a backup call's page keys (no
+I/O); the thread makes their rows (block keys by `make_keys`). A daemon thread (`offload-kv-
+events`), every `interval_s`, hands those rows to each source (the ledger write, the Redis
+announcement), polls every source for changes (its own and other processes' / replicas'), and
+queues SGLang event objects. SGLang's scheduler takes them with `take()` at each publish
+(patches/0016), which returns at once. The thread starts at the first `take()`: a server without
+`--kv-events-config` never calls it, and pays nothing.
 
 Snapshots: the first poll of each source announces what its tier holds (a restart on a full store
 is announced), and so does every `snapshot()` (and every `snapshot_every_s`, default 300 s, env

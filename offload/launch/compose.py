@@ -17,7 +17,8 @@ Config -> SGLang server arguments -> process. Steps, in order:
    `interface_v1` and `config_file`: the path of the effective offload tree (transfer.path = the
    decided path), never the tree itself, which holds secrets (`offload.launch.secrets`), and
    `hicache_storage_pass_prefix_keys` when `kv-events-config` is set (L3 KV events name each
-   page's parent: docs/reference/events.md); the device's flags; then the extra flags last (they win, as on SGLang's own command line);
+   page's parent: docs/reference/events.md); the device's flags; then the extra flags last (they
+   win, as on SGLang's own command line);
 5. `--dry-run` prints the decision, the effective config (secrets redacted) and the shell-quoted
    command and exits 0, writing nothing; otherwise `summary` (path and why, store, tiers, device
    choices) goes to stderr, `write` puts the settings file in place (0600, in a private 0700

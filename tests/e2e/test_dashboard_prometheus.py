@@ -68,9 +68,9 @@ class Prometheus:
             try:
                 urllib.request.urlopen(self.url + "/-/ready", timeout=5).read()
                 return
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise AssertionError(self.log.read_text()[-3000:])
+                    raise AssertionError(self.log.read_text()[-3000:]) from exc
                 time.sleep(0.5)
 
     def query(self, expr: str) -> list[dict]:
