@@ -20,6 +20,7 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from offload.errors import ConfigError
@@ -28,7 +29,7 @@ SECRET_ENV = "SGLANG_OFFLOAD_SECRET"   # the shared secret itself (when no secre
 MIN_SECRET_BYTES = 16
 
 
-def load_secret(path: str | None = None, *, env: dict[str, str] | None = None) -> bytes:
+def load_secret(path: str | None = None, *, env: Mapping[str, str] | None = None) -> bytes:
     """The secret from `path` (if given) else from $SGLANG_OFFLOAD_SECRET.
 
     Raises:

@@ -287,8 +287,7 @@ class AgentStore:
                 info = c.connect()
             except Down:
                 return ok
-            sizes = [sum(memoryview(b).nbytes if not hasattr(b, "data_ptr")
-                         else b.numel() * b.element_size() for b in bs) for bs in bufs]
+            sizes = [sum(_nbytes(b) for b in bs) for bs in bufs]
             nixl_idx: list[int] = []
             inline_idx: list[int] = []
             descs: dict[int, list[tuple[int, int]]] = {}
@@ -433,3 +432,10 @@ class AgentStore:
                 self._regs.clear()
                 self._regions.clear()
                 self._nixl = self._proof_area = None
+
+
+def _nbytes(buf: Any) -> int:
+    """Bytes of one block buffer: a torch tensor (`data_ptr`) or anything with the buffer protocol."""
+    if hasattr(buf, "data_ptr"):
+        return int(buf.numel() * buf.element_size())
+    return memoryview(buf).nbytes

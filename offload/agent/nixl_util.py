@@ -86,7 +86,7 @@ def make_agent(name: str, progress_delay_us: int = PROGRESS_DELAY_US) -> Any:
     nixl = import_nixl()
     cfg = nixl.nixl_agent_config(backends=["UCX"],
                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-    api = sys.modules.get("nixl._api")
+    api: Any = sys.modules.get("nixl._api")     # untyped: its `nixlBind` is swapped below
     with _construct_lock:
         original = getattr(api, "nixlBind", None)
         if api is not None and original is not None and progress_delay_us:

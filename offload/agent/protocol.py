@@ -70,7 +70,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Annotated, Callable, Sequence, Type, TypeVar
+from typing import Annotated, Callable, Sequence, Type, TypeVar, cast
 
 import msgspec
 
@@ -128,19 +128,20 @@ BlockDescs = Annotated[list[Desc], msgspec.Meta(max_length=MAX_DESCS_PER_BLOCK)]
 
 
 class Msg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
+    """Every message. msgspec passes `frozen` on to subclasses; each says it again for type
+    checkers, which (PEP 681) read a dataclass-like class's options from its own header."""
 
 
 HostName = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 
 
-class Hello(Msg):
+class Hello(Msg, frozen=True):
     host: HostName
     transport: Annotated[str, msgspec.Meta(pattern="^(ucx|tcp)$")]
     nixl_md: bytes | None = None
 
 
-class HelloReply(Msg):
+class HelloReply(Msg, frozen=True):
     """`nixl`: the agent loaded this host's NIXL metadata and sent it a proof notification tagged
     `proof_tag`; descriptors are accepted once the host echoed its nonce (PROVE)."""
     agent: str
@@ -154,7 +155,7 @@ class HelloReply(Msg):
 Budget = Annotated[int, msgspec.Meta(ge=1, le=3_600_000)]     # ms the agent may work on it
 
 
-class Blocks(Msg):
+class Blocks(Msg, frozen=True):
     """PUT and GET: block keys and sizes; `descs` (host memory, one list per block) when NIXL moves
     the bytes, else the bytes travel as the frame payload (PUT request / GET reply). A PUT's
     reply flag True means the agent has the block (written, or being written from staging): stored
@@ -169,33 +170,33 @@ class Blocks(Msg):
     sums: Annotated[list[Sum], msgspec.Meta(max_length=MAX_KEYS)] | None = None
 
 
-class Durable(Msg):
+class Durable(Msg, frozen=True):
     """DURABLE: per key (reply `Flags`), whether it is stored durably, once the puts of it the
     agent acknowledged so far were made durable or lost (waiting at most `budget_ms`)."""
     keys: Keys
     budget_ms: Budget = 30_000
 
 
-class KeyList(Msg):
+class KeyList(Msg, frozen=True):
     keys: Keys
 
 
-class Flags(Msg):
+class Flags(Msg, frozen=True):
     ok: list[bool]
     # GET with descriptors: per block the checksum of what the agent wrote (0 for a miss),
     # checked by the host before it reports the block loaded (`offload.agent.sums`).
     sums: list[Sum] | None = None
 
 
-class Count(Msg):
+class Count(Msg, frozen=True):
     n: int
 
 
-class Empty(Msg):
+class Empty(Msg, frozen=True):
     pass
 
 
-class StatsReply(Msg):
+class StatsReply(Msg, frozen=True):
     fields: dict[str, int | float | str]
 
 
@@ -203,7 +204,7 @@ Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 
 
-class RegisterNs(Msg):
+class RegisterNs(Msg, frozen=True):
     """A namespace this host uses: its digest and the descriptive fields, never the salt."""
     digest: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
     model: Label
@@ -220,11 +221,11 @@ class RegisterNs(Msg):
     pool: Annotated[str, msgspec.Meta(max_length=64)] = ""   # a v2 sidecar pool ("" = KV pages)
 
 
-class Metadata(Msg):
+class Metadata(Msg, frozen=True):
     nixl_md: bytes
 
 
-class Prove(Msg):
+class Prove(Msg, frozen=True):
     """The nonces this host's NIXL agent received under the connection's proof tag, and where
     in its registered memory it wrote `Channel.proof` of each (`PROOF_MAC_BYTES` apart)."""
     nonces: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=PROOF_NONCE_BYTES,
@@ -233,7 +234,7 @@ class Prove(Msg):
     addr: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class ErrorReply(Msg):
+class ErrorReply(Msg, frozen=True):
     message: str
 
 
@@ -251,6 +252,11 @@ _DECODERS = {t: msgspec.msgpack.Decoder(t) for t in set(REQUEST_TYPES.values()) 
 M = TypeVar("M", bound=Msg)
 
 
+def _decoder(typ: Type[M]) -> msgspec.msgpack.Decoder[M]:
+    """The decoder of `typ` (`_DECODERS` holds one per message type, typed only as `Msg`)."""
+    return cast("msgspec.msgpack.Decoder[M]", _DECODERS[typ])
+
+
 @dataclass
 class Frame:
     op: int
@@ -261,7 +267,7 @@ class Frame:
 
     def decode(self, typ: Type[M]) -> M:
         try:
-            return _DECODERS[typ].decode(self.meta)
+            return _decoder(typ).decode(self.meta)
         except msgspec.MsgspecError as e:
             raise ProtocolError(f"bad {OP_NAMES.get(self.op & ~REPLY, self.op)} body: {e}") from None
 
@@ -286,7 +292,7 @@ class Channel:
         """What the host writes into its registered memory for a proof nonce (PROVE)."""
         return hmac.new(self._key, PROOF_LABEL + nonce, hashlib.sha256).digest()
 
-    def _mac(self, direction: bytes, *parts: bytes | memoryview) -> bytes:
+    def _mac(self, direction: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
         h = hmac.new(self._key, direction, hashlib.sha256)
         for p in parts:
             h.update(p)
@@ -446,7 +452,7 @@ def accept_hello(sock: socket.socket, lookup: Callable[[str], bytes | None], io_
     if META_LEN.size + meta_len > body_len:
         raise ProtocolError(f"meta length {meta_len} runs past the body ({body_len} bytes)")
     try:     # read before the MAC is checked (it names the secret); verified just below
-        claimed = _DECODERS[Hello].decode(view[META_LEN.size:META_LEN.size + meta_len])
+        claimed = _decoder(Hello).decode(view[META_LEN.size:META_LEN.size + meta_len])
     except msgspec.MsgspecError as e:
         raise ProtocolError(f"bad hello body: {e}") from None
     secret = lookup(claimed.host)
