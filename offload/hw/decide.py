@@ -259,6 +259,7 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
     gchecks = gds_checks(facts)
     dchecks, cards = dpu_checks(facts, cfg)
     failed = {"dpu": first_failure(dchecks), "gds": first_failure(gchecks), "cpu": None}
+    path: str
     if requested in ("gds", "dpu"):
         bad = failed[requested]
         if bad is not None:

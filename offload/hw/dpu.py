@@ -179,6 +179,8 @@ def probe_platform(root: Root, pci: dict[str, PciDevice], live: Live) -> Platfor
     product = root.read("/sys/class/dmi/id/product_name")
     if product and "bluefield" in product.lower():
         evidence.append(f"/sys/class/dmi/id/product_name: {product} (weak evidence)")
+    kernel: str | None
+    arch: str | None
     if live.uname is not None:
         kernel, arch = live.uname()
         ksource = "uname"

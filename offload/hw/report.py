@@ -154,10 +154,10 @@ def render_text(facts: Facts, decision: Decision | None,
     out.append("  reasons:")
     out += [f"    - {r}" for r in decision.reasons]
     out.append("  rejected:")
-    for r in decision.rejected:
-        out.append(f"    - {r.path}: {r.check}")
-        if r.fix:
-            out.append(f"        fix: {r.fix}")
+    for rej in decision.rejected:
+        out.append(f"    - {rej.path}: {rej.check}")
+        if rej.fix:
+            out.append(f"        fix: {rej.fix}")
     return "\n".join(out) + "\n"
 
 
