@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 def _parts(store: Any) -> list[Any]:
     """The stores a (wrapped, tiered) store is made of, outermost first."""
-    out, todo = [], [store]
+    out: list[Any] = []
+    todo = [store]
     while todo:
         s = todo.pop(0)
         if s is None or any(s is o for o in out):

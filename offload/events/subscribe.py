@@ -37,7 +37,7 @@ class Subscriber:
         import zmq
 
         self._zmq = zmq
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
@@ -61,7 +61,7 @@ class Subscriber:
         req.connect(self.replay_endpoint)
         try:
             req.send_multipart((b"", from_seq.to_bytes(8, "big")))
-            out = []
+            out: list[tuple[int, Any]] = []
             deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
@@ -77,7 +77,7 @@ class Subscriber:
             req.close()
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
-        out = []
+        out: list[tuple[int, Any]] = []
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
