@@ -93,8 +93,8 @@ def missing_for_serve(config: str) -> str | None:
 
 def private_server(config: str, work: Path, log: str = "server.log") -> LaunchedServer:
     """Start a server from `config` on a free loopback port, its store in `work`/store."""
-    from offload.bench.serve import _config
+    from offload.bench.serve import deployment
 
     port = free_port()
-    return LaunchedServer.start(_config(config, work / "store", port), work / log,
+    return LaunchedServer.start(deployment(config, work / "store", port), work / log,
                                 f"http://127.0.0.1:{port}")

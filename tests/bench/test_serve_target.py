@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from offload.bench.serve import _prompt
 from offload.bench.serve_target import has_patch, raw_read_s, triple_prompts, verdict
@@ -47,3 +48,23 @@ def test_a_deployment_without_local_weights_says_why(tmp_path: Path) -> None:
     local.write_text(f"sglang: {{model-path: {tmp_path}}}\n")
     assert missing_for_serve(str(local)) is None
     assert "no sglang.model-path" in missing_for_serve(str(tmp_path / "absent.yaml"))
+
+
+def test_a_private_server_is_started_from_a_loopback_copy_of_the_deployment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`private_server` (scripts/l3_profile.py, scripts/prefetch_policy.py) once imported a
+    helper of `bench serve` that had been renamed; only the server start is stubbed here."""
+    from offload.bench import serve_target
+    from offload.launch.server import LaunchedServer
+
+    started: list[tuple[Path, Path, str]] = []
+    monkeypatch.setattr(LaunchedServer, "start", classmethod(
+        lambda cls, config, log, url: started.append((Path(config), Path(log), url))))
+    src = tmp_path / "deploy.yaml"
+    src.write_text("sglang: {model-path: /models/x, port: 30000}\n")
+    serve_target.private_server(str(src), tmp_path)
+    ((config, log, url),) = started
+    doc = yaml.safe_load(config.read_text())
+    assert doc["sglang"]["host"] == "127.0.0.1" and url == f"http://127.0.0.1:{doc['sglang']['port']}"
+    assert doc["offload"]["store"]["path"] == str(tmp_path / "store")
+    assert log == tmp_path / "server.log"
