@@ -121,7 +121,7 @@ class PageMap:
             return cls(zero_copy=False, **plain)
         flat = base.detach().reshape(-1).view(torch.uint8)
         plain.update(template=t0, page_stride=stride)
-        return cls(zero_copy=True, _base=memoryview(flat.numpy()), **plain)
+        return cls(zero_copy=True, _base=flat.numpy().data, **plain)    # a memoryview of the pool
 
     @property
     def buffers_per_page(self) -> int:
