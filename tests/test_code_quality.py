@@ -1,6 +1,6 @@
 """The code stays lint-clean, typed where promised, and shaped as ARCHITECTURE.md says.
 
-ruff (lint + import order) and mypy (every package but agent/, hw/, hicache/, bench/) run with the settings in
+ruff (lint + import order) and mypy (the whole package) run with the settings in
 pyproject.toml; argparse lives only in the command modules (and launch/, which reads SGLang's own
 flags); no import cycle between packages; the disk store's two halves stay apart (index/ is SQLite
 only and never imports slab/; slab/ is files only and never imports sqlite3 or index/); launch/
