@@ -11,6 +11,10 @@ The agent owns one block store (the persistent disk store; `--memory` for a DRAM
 by tests and benchmarks) and serves many inference hosts. It prints `listening on HOST:PORT` once
 ready (and writes the port to `--ready-file`), logs every rejected connection with its reason, and
 stops cleanly on SIGTERM/SIGINT (the store is closed, so its index is consistent on restart).
+
+Limits: each `--max-*` / `--staging` / `--*-timeout` flag is also the key of the same name (`_` for
+`-`) of `offload.agent.limits` in a `--config FILE`; `limits_config(args)` applies the precedence
+(flag given > file > default) and `AgentLimits.from_config` makes the server's one value of it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ naming the key (of the file) or the flag (of the command line)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,11 @@ def _limits(tmp_path: Path, text: str | None, *flags: str) -> AgentLimits:
         cfg = ["--config", str(tmp_path / "agent.yaml")]
     args = p.parse_args(["--listen", "127.0.0.1:0", "--memory", *cfg, *flags])
     return AgentLimits.from_config(agent.limits_config(args))
+
+
+def test_every_limit_key_is_one_flag() -> None:
+    keys = [f.name for f in dataclasses.fields(AgentLimitsConfig)]
+    assert sorted(f[2:].replace("-", "_") for f, _, _ in agent.LIMIT_FLAGS) == sorted(keys)
 
 
 def test_defaults_of_the_tree_are_the_limits_defaults(tmp_path: Path) -> None:
