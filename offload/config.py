@@ -112,6 +112,35 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class AgentLimitsConfig:
+    """What `sglang-offload agent` allows (read by the agent, `--config FILE`; each key is the
+    flag of the same name, which wins over it)."""
+
+    max_clients: int = _doc("authenticated connections at once, per host key of the keys file (in "
+                            "all with a shared secret); --max-clients", default=64)
+    max_pending: int = _doc("connections still authenticating at once (more are closed at accept); "
+                            "--max-pending", default=16)
+    max_requests: int = _doc("requests in progress at once, per host key; --max-requests",
+                             default=32)
+    max_namespaces: int = _doc("namespaces registered at once, per host key; --max-namespaces",
+                               default=1024)
+    max_frame: Size = _doc("largest request or reply frame, 1MiB..4GiB (64KiB before a verified "
+                           "HELLO); --max-frame", default=Size(64 << 20))
+    staging: Size = _doc("staging memory per NIXL connection, two halves (the largest block is "
+                         "half of it), at least 1MiB; --staging", default=Size(64 << 20))
+    max_quarantine: Size = _doc("memory that transfers past their deadline may hold, per host key; "
+                                "--max-quarantine", default=Size(256 << 20))
+    max_memory: Size = _doc("request frames and staging memory of all connections together; "
+                            "--max-memory", default=Size(4 << 30))
+    max_memory_per_key: Size = _doc("request frames and staging memory of one host key's "
+                                    "connections; --max-memory-per-key", default=Size(1 << 30))
+    io_timeout: float = _doc("seconds a started frame (and the whole handshake) may take; "
+                             "--io-timeout", default=30.0)
+    idle_timeout: float = _doc("seconds an authenticated connection may wait with no request; "
+                               "--idle-timeout", default=3600.0)
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     address: str | None = _doc("HOST:PORT of the DPU / storage agent", default=None)
     transport: Literal["ucx", "tcp"] = _doc("ucx (NIXL moves the bytes) or tcp (bytes on the "
@@ -121,6 +150,7 @@ class AgentConfig:
     host_name: str | None = _doc("this host's name in the agent's keys file (per-host credentials; "
                                  "secret_file then holds this host's own secret)", default=None)
     timeout_s: float = _doc("give up on one request after this many seconds", default=5.0)
+    limits: AgentLimitsConfig = field(default_factory=AgentLimitsConfig)
 
 
 @dataclass(frozen=True)
@@ -313,6 +343,7 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.agent.address: {a.address!r} is not HOST:PORT (port 1..65535)")
     if a.timeout_s <= 0:
         problems.append(f"offload.agent.timeout_s: {a.timeout_s!r} must be > 0")
+    _check_limits(a.limits, problems)
     r = cfg.redis
     if r.url is not None and not re.match(r"^(redis|rediss|redis\+cluster|rediss\+cluster)://",
                                           r.url):
@@ -356,6 +387,21 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
     if w.prefill_tokens_per_s is not None and w.prefill_tokens_per_s <= 0:
         problems.append(f"offload.worth_it.prefill_tokens_per_s: {w.prefill_tokens_per_s!r} "
                         "must be > 0")
+
+
+def _check_limits(lim: AgentLimitsConfig, problems: list[str]) -> None:
+    at = "offload.agent.limits"
+    for name in ("max_clients", "max_pending", "max_requests", "max_namespaces"):
+        if getattr(lim, name) < 1:
+            problems.append(f"{at}.{name}: {getattr(lim, name)!r} must be >= 1")
+    if not 1 << 20 <= lim.max_frame < 1 << 32:          # the frame header's length is 32 bits
+        problems.append(f"{at}.max_frame: {str(lim.max_frame)!r} is out of range; use 1MiB <= x "
+                        "< 4GiB")
+    if lim.staging < 1 << 20:
+        problems.append(f"{at}.staging: {str(lim.staging)!r} is too small; use at least 1MiB")
+    for name in ("io_timeout", "idle_timeout"):
+        if not 0 < getattr(lim, name) < float("inf"):
+            problems.append(f"{at}.{name}: {getattr(lim, name)!r} must be > 0 (seconds)")
 
 
 def _unrelated(line: str, bad_keys: set[str]) -> bool:

@@ -1,9 +1,12 @@
 """The agent's limits, one value: what `AgentServer` is given instead of a parameter each.
 
 Primitives: `AgentLimits(...)`, frozen; every field has the default of its `sglang-offload agent`
-flag (docs/deploy/agent.md#limits; each bound with its number: docs/security/agent.md);
-`.max_block` -> the largest block (half the staging, within a frame). The constants of the
-modules that enforce other bounds (challenges, metadata, hidden keys) are listed there too.
+flag and config key (docs/deploy/agent.md#limits; each bound with its number:
+docs/security/agent.md); `AgentLimits.from_config(cfg)` -> the limits of the validated
+`offload.agent.limits` section (`offload.config.AgentLimitsConfig`, which the command builds
+from its file and flags); `.max_block` -> the largest block (half the staging, within a frame).
+The constants of the modules that enforce other bounds (challenges, metadata, hidden keys) are
+listed there too.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 from offload.agent.budget import MAX_MEMORY, MAX_MEMORY_PER_KEY
 from offload.agent.protocol import DEFAULT_MAX_BODY
+from offload.config import AgentLimitsConfig
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class AgentLimits:
             object.__setattr__(self, f, int(getattr(self, f)))
         for f in ("io_timeout", "idle_timeout"):
             object.__setattr__(self, f, float(getattr(self, f)))
+
+    @classmethod
+    def from_config(cls, c: AgentLimitsConfig) -> "AgentLimits":
+        return cls(max_clients=c.max_clients, max_pending=c.max_pending,
+                   max_requests=c.max_requests, max_namespaces=c.max_namespaces,
+                   max_body=c.max_frame, staging_size=c.staging, max_quarantine=c.max_quarantine,
+                   max_memory=c.max_memory, max_memory_per_key=c.max_memory_per_key,
+                   io_timeout=c.io_timeout, idle_timeout=c.idle_timeout)
 
     @property
     def max_block(self) -> int:

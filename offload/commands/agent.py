@@ -11,6 +11,10 @@ The agent owns one block store (the persistent disk store; `--memory` for a DRAM
 by tests and benchmarks) and serves many inference hosts. It prints `listening on HOST:PORT` once
 ready (and writes the port to `--ready-file`), logs every rejected connection with its reason, and
 stops cleanly on SIGTERM/SIGINT (the store is closed, so its index is consistent on restart).
+
+Limits: each `--max-*` / `--staging` / `--*-timeout` flag is also the key of the same name (`_` for
+`-`) of `offload.agent.limits` in a `--config FILE`; `limits_config(args)` applies the precedence
+(flag given > file > default) and `AgentLimits.from_config` makes the server's one value of it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ import signal
 import sys
 import tempfile
 
-from offload.agent import protocol
-from offload.config import Size, StoreConfig
+from offload.config import AgentLimitsConfig, OffloadConfig, Size, StoreConfig, apply_overrides, load_file
 from offload.errors import ConfigError, OffloadError, StoreError
 from offload.store.base import BlockStore
 
@@ -40,6 +43,60 @@ def _listen(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+# The limit flags: each sets offload.agent.limits.<flag without -- and with _>, whose default it
+# shows ({d}); unset (None) here, so the file's value or the default stands (`limits_config`).
+LIMIT_FLAGS = [
+    ("--max-clients", "N", "authenticated connections at once, per host key of --keys-file (in "
+                           "all with a shared secret; default {d})"),
+    ("--max-requests", "N", "requests in progress at once, per host key (in all with a shared "
+                            "secret; default {d})"),
+    ("--max-namespaces", "N", "namespaces registered at once, per host key (in all with a shared "
+                              "secret); a host's expire when its last connection closes "
+                              "(default {d})"),
+    ("--max-pending", "N", "connections still authenticating at once (more are closed at accept; "
+                           "default {d})"),
+    ("--max-frame", "SIZE", "largest request or reply frame (default {d}; 64KiB before a "
+                            "verified HELLO)"),
+    ("--staging", "SIZE", "staging memory per NIXL connection, two halves (default {d}; the "
+                          "largest block is half of it)"),
+    ("--max-quarantine", "SIZE", "memory that transfers past their deadline may hold, per host "
+                                 "key (in all with a shared secret); its NIXL requests are "
+                                 "refused past it (default {d})"),
+    ("--max-memory", "SIZE", "request frames and staging memory of all connections together "
+                             "(default {d})"),
+    ("--max-memory-per-key", "SIZE", "request frames and staging memory of one host key's "
+                                     "connections (default {d})"),
+    ("--io-timeout", "S", "seconds a started frame (and the whole handshake) may take to arrive "
+                          "(default {d})"),
+    ("--idle-timeout", "S", "seconds an authenticated connection may wait with no request "
+                            "before it is closed (default {d})"),
+]
+
+
+def _shown(default: object) -> str:
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def limits_config(args: argparse.Namespace) -> AgentLimitsConfig:
+    """The limits, in one place: each flag given > the file's offload.agent.limits > default.
+    A bad value is a ConfigError naming the flag, or the file's key path."""
+    base = load_file(args.config).offload if args.config else OffloadConfig()
+    given = {f[2:].replace("-", "_"): f for f, _, _ in LIMIT_FLAGS
+             if getattr(args, f[2:].replace("-", "_")) is not None}
+    try:
+        cfg = apply_overrides(base, {f"agent.limits.{k}": getattr(args, k) for k in given})
+    except ConfigError as e:
+        raise ConfigError([_flag_named(line, given) for line in e.problems]) from None
+    return cfg.agent.limits
+
+
+def _flag_named(line: str, given: dict[str, str]) -> str:
+    """`offload.agent.limits.KEY: ...` -> `--FLAG: ...` when the value came from that flag."""
+    key, sep, rest = line.removeprefix("offload.agent.limits.").partition(":")
+    return f"{given[key]}:{rest}" if sep and line.startswith("offload.agent.limits.") and \
+        key in given else line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,37 +119,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys-file", metavar="FILE",
                    help="per-host credentials (TOML, mode 600; see docs/deploy/agent.md); "
                         "replaces the shared secret")
-    p.add_argument("--max-clients", type=int, default=64, metavar="N",
-                   help="authenticated connections at once, per host key of --keys-file (in all "
-                        "with a shared secret; default 64)")
-    p.add_argument("--max-requests", type=int, default=32, metavar="N",
-                   help="requests in progress at once, per host key (in all with a shared "
-                        "secret; default 32)")
-    p.add_argument("--max-namespaces", type=int, default=1024, metavar="N",
-                   help="namespaces registered at once, per host key (in all with a shared "
-                        "secret); a host's expire when its last connection closes (default 1024)")
-    p.add_argument("--max-pending", type=int, default=16, metavar="N",
-                   help="connections still authenticating at once (more are closed at accept; "
-                        "default 16)")
-    p.add_argument("--max-frame", type=_size, default=Size(protocol.DEFAULT_MAX_BODY), metavar="SIZE",
-                   help="largest request or reply frame (default 64MiB; 64KiB before a "
-                        "verified HELLO)")
-    p.add_argument("--staging", type=_size, default=Size(64 << 20), metavar="SIZE",
-                   help="staging memory per NIXL connection, two halves (default 64MiB; the "
-                        "largest block is half of it)")
-    p.add_argument("--max-quarantine", type=_size, default=Size(256 << 20), metavar="SIZE",
-                   help="memory that transfers past their deadline may hold, per host key (in "
-                        "all with a shared secret); its NIXL requests are refused past it "
-                        "(default 256MiB)")
-    p.add_argument("--max-memory", type=_size, default=Size(4 << 30), metavar="SIZE",
-                   help="request frames and staging memory of all connections together "
-                        "(default 4GiB)")
-    p.add_argument("--max-memory-per-key", type=_size, default=Size(1 << 30), metavar="SIZE",
-                   help="request frames and staging memory of one host key's connections "
-                        "(default 1GiB)")
-    p.add_argument("--io-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds a started frame (and the whole handshake) may take to arrive "
-                        "(default 30)")
+    p.add_argument("--config", metavar="FILE",
+                   help="deployment YAML whose offload.agent.limits section sets the limits below "
+                        "(validated whole; each flag given wins over its key)")
+    for flag, metavar, text in LIMIT_FLAGS:
+        key = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=_size if metavar == "SIZE" else int if metavar == "N" else float,
+                       default=None, metavar=metavar,
+                       help=text.format(d=_shown(getattr(AgentLimitsConfig, key))))
     p.add_argument("--ready-file", metavar="FILE", help="write the listening port here when ready")
 
 
@@ -124,21 +158,13 @@ def run(args: argparse.Namespace) -> int:
     agent_log = logging.getLogger("offload.agent")
     if agent_log.getEffectiveLevel() > logging.INFO:
         agent_log.setLevel(logging.INFO)       # connections and rejections are always logged
-    if min(args.max_clients, args.max_pending, args.max_requests, args.max_namespaces) < 1 or \
-            args.io_timeout <= 0 or args.max_frame < (1 << 20):
-        raise ConfigError(["agent: --max-clients, --max-pending, --max-requests and "
-                           "--max-namespaces >= 1, --io-timeout > 0, --max-frame >= 1MiB"])
+    limits = AgentLimits.from_config(limits_config(args))
     if args.keys_file and args.secret_file:
         raise ConfigError(["agent: --keys-file replaces --secret-file; name one of them"])
     access = (Access.per_host(load_keys(args.keys_file)) if args.keys_file
               else Access.shared(load_secret(args.secret_file)))
     store = open_store(args)
     host, port = args.listen
-    limits = AgentLimits(max_clients=args.max_clients, max_pending=args.max_pending,
-                         max_requests=args.max_requests, max_namespaces=args.max_namespaces,
-                         max_body=args.max_frame, staging_size=args.staging,
-                         max_quarantine=args.max_quarantine, max_memory=args.max_memory,
-                         max_memory_per_key=args.max_memory_per_key, io_timeout=args.io_timeout)
     server = AgentServer(store, access, host, port, transport=args.transport, limits=limits)
     try:
         server.start()
