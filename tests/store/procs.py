@@ -24,10 +24,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from offload.config import Size, StoreConfig  # noqa: E402
 from offload.keys import Namespace  # noqa: E402
-from offload.store.disk.store import DiskStore  # noqa: E402
 from tests.store.blocks import data, key  # noqa: E402
+from tests.store.worker import open_from_argv  # noqa: E402
 
 
 def out(**kw: object) -> None:
@@ -41,11 +40,7 @@ def wait_for(path: str, limit: float = 300.0) -> None:
 
 
 def main() -> None:
-    mode, directory = sys.argv[1], sys.argv[2]
-    o = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    cfg = StoreConfig(path=directory, capacity=Size(o.get("capacity", 1 << 30)),
-                      min_free=Size(0), io_threads=o.get("threads", 2))
-    store = DiskStore(cfg)
+    mode, directory, o, store = open_from_argv(threads=2)
     size = o.get("size", 65536)
     if mode == "stream":
         i, batch, stop = o.get("start", 0), o.get("batch", 4), o.get("stop", "")

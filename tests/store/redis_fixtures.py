@@ -51,6 +51,15 @@ def free_port(bus: bool = False, also: int = 0) -> int:
     raise RuntimeError("no free port")
 
 
+def redis_store(url: str, timeout_s: float, backoff_s: float, /, **redis: object) -> Any:
+    """A RedisStore on `url` built through the config loader (keys in `redis` win)."""
+    from offload.config import load_offload
+    from offload.store.redis.store import RedisStore
+
+    cfg = {"url": url, "timeout_s": timeout_s, "backoff_s": backoff_s, **redis}
+    return RedisStore(load_offload({"redis": cfg}).redis)
+
+
 def block_bytes(page: str, size: int, salt: str = "") -> bytes:
     """Deterministic content of one test block."""
     return hashlib.shake_256(f"{salt}|{page}".encode()).digest(size)

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from offload.config import load_offload
 from offload.errors import StoreError
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.memory.store import MemoryStore
 from offload.store.redis.store import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
-from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server, redis_store  # noqa: F401
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 2048
@@ -27,8 +26,7 @@ TIMEOUT, BACKOFF = 0.3, 0.3
 
 
 def make(url: str, **redis: object) -> RedisStore:
-    cfg = {"url": url, "timeout_s": TIMEOUT, "backoff_s": BACKOFF, **redis}
-    return RedisStore(load_offload({"redis": cfg}).redis)
+    return redis_store(url, TIMEOUT, BACKOFF, **redis)
 
 
 def blocks(pages: list[str]) -> list[list[bytes]]:

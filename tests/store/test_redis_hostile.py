@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from offload.config import load_offload
 from offload.keys import Namespace
 from offload.store.redis.store import RedisStore
 from offload.store.redis.value import HEADER
 from tests.store.hostile_redis import HostileProxy
-from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server, redis_store  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("test-model", "bf16", "layer_first", 16)
@@ -32,8 +31,7 @@ TIMEOUT, BACKOFF = 0.5, 0.3
 
 
 def make(url: str, **redis: object) -> RedisStore:
-    cfg = {"url": url, "timeout_s": TIMEOUT, "backoff_s": BACKOFF, **redis}
-    return RedisStore(load_offload({"redis": cfg}).redis)
+    return redis_store(url, TIMEOUT, BACKOFF, **redis)
 
 
 def keys(n: int) -> list[bytes]:

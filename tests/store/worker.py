@@ -13,12 +13,17 @@ from offload.store.disk.store import DiskStore  # noqa: E402
 from tests.store.blocks import data, key  # noqa: E402
 
 
-def main() -> None:
+def open_from_argv(threads: int) -> tuple[str, str, dict, DiskStore]:
+    """MODE, DIR, the JSON options and a store on DIR (`capacity`, `threads` from the options)."""
     mode, directory = sys.argv[1], sys.argv[2]
     opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     cfg = StoreConfig(path=directory, capacity=Size(opts.get("capacity", 1 << 30)),
-                      min_free=Size(0), io_threads=opts.get("threads", 4))
-    store = DiskStore(cfg)
+                      min_free=Size(0), io_threads=opts.get("threads", threads))
+    return mode, directory, opts, DiskStore(cfg)
+
+
+def main() -> None:
+    mode, directory, opts, store = open_from_argv(threads=4)
     size = opts.get("size", 65536)
     if mode == "write":  # write blocks start..stop, print each committed index
         start, stop, batch = opts["start"], opts["stop"], opts.get("batch", 4)
