@@ -86,8 +86,12 @@ def _redacted_repr(section: str) -> Any:
 class StoreConfig:
     path: str = _doc("cache directory (local NVMe); shared by every process that opens it",
                      default="/var/cache/sglang-offload")
-    capacity: Size = _doc("one cap for the whole directory, all processes together",
-                          default=Size(100 << 30))
+    paths: tuple[str, ...] = _doc(
+        "cache directories on several drives, one store over all (blocks spread by key, one "
+        "capacity cap, a lost drive costs only its share); replaces path when set",
+        default=())
+    capacity: Size = _doc("one cap for the whole store (every directory of paths), all processes "
+                          "together", default=Size(100 << 30))
     high_watermark: float = _doc("start evicting when use would pass this fraction of capacity",
                                  default=0.95)
     low_watermark: float = _doc("evict least-recently-used blocks down to this fraction", default=0.85)
@@ -101,6 +105,10 @@ class StoreConfig:
                      "a secret: printed as ***", default="")
 
     __repr__ = _redacted_repr("offload.store")
+
+    def directories(self) -> list[str]:
+        """The cache directories: `paths` when set, else the one `path`."""
+        return list(self.paths) if self.paths else [self.path]
 
 
 @dataclass(frozen=True)
@@ -261,6 +269,13 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         return None
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
+    if origin is tuple:   # tuple[X, ...]: a YAML list
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{path}: {redact.value(path, value)} is not a list")
+            return None
+        item = typing.get_args(tp)[0]
+        out = [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return tuple(out) if all(v is not None for v in out) else None
     if tp is Size:
         try:
             return Size.parse(value)
@@ -337,6 +352,22 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.store.io_threads: {s.io_threads!r} is out of range; use 1..256")
     if not s.path:
         problems.append("offload.store.path: '' is empty; name the cache directory")
+    seen: dict[str, int] = {}
+    for i, d in enumerate(s.paths):
+        norm = d.rstrip("/") or "/"
+        if not d:
+            problems.append(f"offload.store.paths[{i}]: '' is empty; name a cache directory")
+        elif not d.startswith("/"):
+            problems.append(f"offload.store.paths[{i}]: {d!r} is not an absolute path")
+        elif norm in seen:
+            problems.append(f"offload.store.paths[{i}]: {d!r} is named twice (also "
+                            f"paths[{seen[norm]}]); one directory per drive")
+        elif any(norm.startswith(o.rstrip("/") + "/") or o.startswith(norm + "/") for o in seen):
+            problems.append(f"offload.store.paths[{i}]: {d!r} lies inside another directory of "
+                            "paths (or holds one); one directory per drive")
+        seen.setdefault(norm, i)
+    if len(s.paths) > 64:
+        problems.append(f"offload.store.paths: {len(s.paths)} directories; at most 64")
     a = cfg.agent
     m = re.match(r"^\[?[A-Za-z0-9_.:-]+\]?:([0-9]{1,5})$", a.address or "")
     if a.address is not None and (not m or not 0 < int(m.group(1)) < 65536):
