@@ -103,7 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
     p.add_argument("--listen", type=_listen, required=True, metavar="HOST:PORT",
                    help="address to serve hosts on (port 0: any free port)")
-    p.add_argument("--store", metavar="DIR", help="cache directory of the agent's block store")
+    p.add_argument("--store", metavar="DIR", action="append",
+                   help="cache directory of the agent's block store; repeat it for several "
+                        "drives (one store: blocks spread by key, one cap)")
     p.add_argument("--capacity", type=_size, default=Size(100 << 30), metavar="SIZE",
                    help="cap of the store (default 100GiB)")
     p.add_argument("--memory", action="store_true",
@@ -146,7 +148,9 @@ def open_store(args: argparse.Namespace) -> BlockStore:
         from offload.store.factory import open_disk
     except ImportError as e:
         raise StoreError(f"the disk store is not available: {e}") from None
-    return open_disk(StoreConfig(path=args.store, capacity=Size(args.capacity)))
+    dirs = list(args.store)
+    return open_disk(StoreConfig(path=dirs[0], paths=tuple(dirs) if len(dirs) > 1 else (),
+                                 capacity=Size(args.capacity)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The one place a local store is built: the disk store of a config, of an existing cache directory
 (its recorded capacity kept), or the DRAM tier.
 
-Primitives: `open_disk(StoreConfig)` -> `DiskStore`; `open_existing(directory)` -> `DiskStore` with
+Primitives: `open_disk(StoreConfig)` -> `DiskStore` (one directory) or `SpreadStore` (the drives of
+`offload.store.paths`: `offload/store/spread.py`); `open_existing(directory)` -> `DiskStore` with
 the capacity recorded in its index (`cache` commands, `launch`'s store usage); `stored_capacity(dir)`;
 `open_memory(capacity, reserve)` -> `MemoryStore`. The tiers are imported on call (no native module
 and no SQLite connection at import). Errors: `UsageError` for a path that is not a cache directory,
@@ -10,6 +11,7 @@ and no SQLite connection at import). Errors: `UsageError` for a path that is not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -21,16 +23,24 @@ from offload.errors import StoreError, UsageError
 if TYPE_CHECKING:
     from offload.store.disk.store import DiskStore
     from offload.store.memory.store import MemoryStore
+    from offload.store.spread import SpreadStore
 
 log = logging.getLogger(__name__)
 
 INDEX = "index.db"
 
 
-def open_disk(cfg: StoreConfig) -> DiskStore:
+def open_disk(cfg: StoreConfig) -> DiskStore | SpreadStore:
+    """The local store of a config: one directory's `DiskStore`, or one `SpreadStore` over the
+    directories of `paths` when it names several."""
+    dirs = cfg.directories()
+    if len(dirs) > 1:
+        from offload.store.spread import SpreadStore
+
+        return SpreadStore(cfg)
     from offload.store.disk.store import DiskStore
 
-    return DiskStore(cfg)
+    return DiskStore(dataclasses.replace(cfg, path=dirs[0], paths=()))
 
 
 def stored_capacity(directory: str) -> int:
@@ -55,7 +65,9 @@ def open_existing(directory: str) -> DiskStore:
     cap = stored_capacity(directory)
     log.debug("opening %s (capacity %s read from %s)", directory, format_size(cap),
               os.path.join(directory, INDEX))
-    return open_disk(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
+    from offload.store.disk.store import DiskStore
+
+    return DiskStore(StoreConfig(path=directory, capacity=Size(cap), min_free=Size(0)))
 
 
 def open_memory(capacity: int, reserve: int = 0) -> MemoryStore:

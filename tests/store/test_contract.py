@@ -1,5 +1,5 @@
 """Every tier runs the block-store contract (tests/store/contract.py): the DRAM tier, the disk
-store on real files, the Redis tier against a real redis-server, the tiered store (DRAM in front
+store on real files, three directories as one spread store, the Redis tier against a real redis-server, the tiered store (DRAM in front
 of Redis), and the agent as a separate process over NIXL/UCX on loopback."""
 
 from __future__ import annotations
@@ -41,6 +41,29 @@ class TestDiskContract(StoreContract):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[BlockStore]:
         self.path = tmp_path / "cache"
+        s = self._open()
+        yield s
+        s.close()
+
+    def reopen(self, store: BlockStore) -> BlockStore:
+        store.close()
+        return self._open()
+
+
+class TestSpreadContract(StoreContract):
+    """Three directories as one store (`offload.store.paths`)."""
+    persistent = True
+
+    def _open(self) -> BlockStore:
+        from offload.store.spread import SpreadStore
+
+        dirs = tuple(str(self.path / f"drive{i}") for i in range(3))
+        return SpreadStore(StoreConfig(paths=dirs, capacity=Size(96 << 20), min_free=Size(0),
+                                       o_direct="auto"))
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[BlockStore]:
+        self.path = tmp_path
         s = self._open()
         yield s
         s.close()
