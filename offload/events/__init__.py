@@ -35,6 +35,9 @@ def _parts(store: Any) -> list[Any]:
             continue
         out.append(s)
         todo += [getattr(s, "local", None), getattr(s, "shared", None), getattr(s, "store", None)]
+        drives = getattr(s, "drive_stores", None)   # a SpreadStore: every drive's DiskStore
+        if callable(drives):
+            todo += list(drives())
     return out
 
 

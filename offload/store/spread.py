@@ -152,9 +152,7 @@ class SpreadStore:
         total = sum(d.weight for d in self._drives)
         for d in self._drives:
             d.capacity = max(MIN_SHARE, int(cfg.capacity * d.weight / total))
-            if fresh:
-                os.makedirs(d.path, mode=0o700, exist_ok=True)
-            self._open(d)
+            self._open(d, create=fresh)
         if not any(d.usable() for d in self._drives):
             raise StoreError("offload.store.paths: no drive could be opened: " + "; ".join(
                 f"{d.path}: {d.why}" for d in self._drives))
@@ -168,9 +166,10 @@ class SpreadStore:
 
     # ---- drives -------------------------------------------------------------------------------
 
-    def _open(self, d: Drive) -> bool:
-        """Open (or reopen) a drive's store; False with `d.why` set if it cannot serve."""
-        if not os.path.isdir(d.path):
+    def _open(self, d: Drive, create: bool = False) -> bool:
+        """Open (or reopen) a drive's store; False with `d.why` set if it cannot serve. `create`:
+        a missing directory is made (a first start: no drive of the set holds a cache yet)."""
+        if not create and not os.path.isdir(d.path):
             return self._out(d, "the directory does not exist (drive not mounted?)")
         if not os.path.isfile(os.path.join(d.path, INDEX)) and self._on_root_alone(d.path):
             return self._out(d, "an empty directory on the root file system while the other "
