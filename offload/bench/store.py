@@ -46,6 +46,9 @@ ALL_SIZES = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 
 OPTIONS = (
     dir_option("directory on the disk to measure"),
+    Option(("--drives",), "instead of --dir: two or more directories, one per drive, comma-"
+           "separated: one store over all of them (offload.store.paths) against their raw disks "
+           "alone and all at once", None, argtypes.work_dirs, metavar="DIR,DIR,..."),
     Option(("--total",), "bytes written per block size and try", "256MiB", argtypes.size),
     Option(("--sizes",), "comma-separated block sizes (the full run: "
            + ",".join(format_size(s) for s in ALL_SIZES) + ")",
@@ -162,6 +165,8 @@ def bench_index(root: str, nblocks: int) -> dict[str, float]:
 def run(args: Args) -> Outcome:
     sizes = [int(Size.parse(s)) for s in args.sizes.split(",") if s.strip()]
     total = int(args.total)
+    if args.drives:
+        return _run_drives(args, sizes, total)
     out: dict[str, object] = {}
     with scratch(args.dir, "sglo-bench-") as root:
         out["dir"] = root
@@ -174,6 +179,32 @@ def run(args: Args) -> Outcome:
         print(json.dumps(out, indent=2))
     else:
         _table(out)
+    return Outcome(out)
+
+
+def _run_drives(args: Args, sizes: list[int], total: int) -> Outcome:
+    """`--drives`: the spread store over several drives (`offload/bench/drives.py`)."""
+    from offload.bench import drives
+
+    if args.dir:
+        log.warning("--dir is ignored with --drives (the benchmark works on each drive)")
+    bar = Steps(1 + len(sizes) * args.repeat, "bench store --drives")
+
+    def step(what: str) -> None:
+        if bar.bar.n or what != "raw disk of each drive alone":
+            bar.done()
+        bar.start(what)
+
+    try:
+        out = drives.measure(args.drives, sizes, total, args.batch, args.threads, args.repeat,
+                             step)
+        bar.done()
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        drives.table(out)
     return Outcome(out)
 
 

@@ -115,6 +115,21 @@ def work_dir(text: str) -> str:
     return text
 
 
+def work_dirs(text: str) -> tuple[str, ...]:
+    """Two or more comma-separated existing, writable, distinct directories (one per drive)."""
+    dirs = [d.strip() for d in text.split(",") if d.strip()]
+    if len(dirs) < 2:
+        raise ValueError("name two or more directories, comma-separated (one per drive)")
+    for d in dirs:
+        try:
+            work_dir(d)
+        except ValueError as e:
+            raise ValueError(f"{d!r} {e}") from None
+    if len({os.path.realpath(d) for d in dirs}) < len(dirs):
+        raise ValueError("names one directory twice")
+    return tuple(dirs)
+
+
 def plot_formats() -> list[str]:
     """The file extensions matplotlib can write (ValueError when matplotlib is missing)."""
     try:
