@@ -81,7 +81,7 @@ def test_verbose_stats_and_clear_log_what_they_read_and_do(tmp_path, capsys, cap
     capsys.readouterr()
     debug = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
     assert f"read from {d / 'index.db'}" in debug
-    assert "index: 4 blocks" in debug and "2 namespace(s)" in debug
+    assert ": 4 blocks, " in debug and "2 namespace(s)" in debug
     assert f"namespace {NS_B.digest().hex()}: 2 blocks" in debug
     assert f"clearing {NS_A.digest().hex()} of {d} (2 blocks)" in debug
 

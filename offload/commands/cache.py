@@ -164,7 +164,7 @@ def _summary(store: Any, directory: str) -> dict[str, Any]:
     summary = store.summary()
     st = store.stats()
     nss = summary["namespaces"]
-    log.debug("%s: %d blocks, %d bytes used, %d being written, %d namespace(s)", directory,
+    log.debug("index of %s: %d blocks, %d bytes used, %d being written, %d namespace(s)", directory,
               st.blocks, summary["used_bytes"], summary["pending"], len(nss))
     for n in nss:
         log.debug("namespace %s: %d blocks, %d data bytes, %s", n["digest"], n["blocks"],

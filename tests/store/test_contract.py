@@ -1,6 +1,7 @@
 """Every tier runs the block-store contract (tests/store/contract.py): the DRAM tier, the disk
-store on real files, three directories as one spread store, the Redis tier against a real redis-server, the tiered store (DRAM in front
-of Redis), and the agent as a separate process over NIXL/UCX on loopback."""
+store on real files, three directories as one spread store, the Redis tier against a real
+redis-server, the tiered store (DRAM in front of Redis), and the agent as a separate process
+over NIXL/UCX on loopback."""
 
 from __future__ import annotations
 
