@@ -149,6 +149,9 @@ def open_store(args: argparse.Namespace) -> BlockStore:
     except ImportError as e:
         raise StoreError(f"the disk store is not available: {e}") from None
     dirs = list(args.store)
+    if len({os.path.realpath(d) for d in dirs}) < len(dirs):
+        raise ConfigError([f"agent: --store names one directory twice ({', '.join(dirs)}); one "
+                           "directory per drive"])
     return open_disk(StoreConfig(path=dirs[0], paths=tuple(dirs) if len(dirs) > 1 else (),
                                  capacity=Size(args.capacity)))
 

@@ -218,7 +218,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         if register_region is not None:  # dpu: the agent moves pages in and out of this memory
             register_region(mem_pool_host.kv_buffer)
         logger.info("offload: HiCache backend on %s, layout %s, %d-byte pages in %d buffer(s), "
-                    "%d object(s) per page, zero copy %s, writer %s", self.cfg.store.path,
+                    "%d object(s) per page, zero copy %s, writer %s", ", ".join(self.cfg.store.directories()),
                     self.pages.layout, self.pages.page_bytes, max(1, self.pages.buffers_per_page),
                     self.plan.split, self.pages.zero_copy, self.is_writer)
 

@@ -193,6 +193,26 @@ def test_restart_keeps_blocks(agent_factory, tmp_path: Path) -> None:
         store.close()
 
 
+def test_an_agent_over_several_drives(agent_factory, tmp_path: Path) -> None:
+    """`--store` repeated: the DPU's drives as one store (blocks spread by key), kept on restart."""
+    dirs = [str(tmp_path / f"nvme{i}") for i in range(3)]
+    args = [a for d in dirs for a in ("--store", d)] + ["--capacity", "96MiB", "--transport", "tcp"]
+    agent = agent_factory(*args)
+    store = client(agent, transport="tcp")
+    n = 24
+    pool, out = host_pool(n, 5), np.zeros((2, n * PAGE_TOKENS, LAYERS, HEADS, DIM), np.uint16)
+    try:
+        assert store.put_many(keys(n), [page(pool, i) for i in range(n)]) == [True] * n
+        agent.stop()
+        agent_factory(*args, port=agent.port)
+        assert wait_for(lambda: store.exists_many(keys(n)) == [True] * n)
+        assert store.get_many(keys(n), [page(out, i) for i in range(n)]) == [True] * n
+        assert np.array_equal(pool, out)
+    finally:
+        store.close()
+    assert all(any(p.name.endswith(".slab") for p in Path(d).rglob("*")) for d in dirs)
+
+
 HOST_SCRIPT = textwrap.dedent("""
     import sys, time, numpy as np
     from offload.agent.client import AgentStore

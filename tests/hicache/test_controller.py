@@ -127,3 +127,32 @@ def test_legacy_interface_through_the_controller(tmp_path):
         assert backend.batch_get_v1(ch.page_hashes(tokens), dst) == [True] * 4
     finally:
         ctrl.detach_storage_backend()
+
+
+def test_a_store_over_several_drives_through_the_controller(tmp_path):
+    """`offload.store.paths`: SGLang's controller backs pages up to, and prefetches them from,
+    one store spread over three directories; every directory holds a share."""
+    drives = [str(tmp_path / f"nvme{i}" / "offload") for i in range(3)]
+    kv = hp.device_pool(False)
+    host = hp.host_pool(kv, hp.LAYOUTS[0], pages=64)
+    extra = hp.extra(drives[0])
+    extra["offload"]["store"].pop("path")
+    extra["offload"]["store"]["paths"] = drives
+    ctrl = ch.make_controller(kv, host, extra)
+    try:
+        backend = ctrl.storage_backend
+        assert type(backend.store).__name__ == "SpreadStore" or any(
+            type(p).__name__ == "SpreadStore" for p in vars(backend.store).values())
+        hp.fill(host, seed=11)
+        n_pages = 24
+        src = host.alloc(n_pages * hp.PAGE)
+        tokens = list(range(3000, 3000 + n_pages * hp.PAGE))
+        want = [hp.page_bytes(host, int(src[i * hp.PAGE])) for i in range(n_pages)]
+        assert ch.backup(ctrl, src, tokens) == len(tokens)
+        hits, loaded, dst = ch.prefetch(ctrl, host, tokens)
+        assert hits == loaded == len(tokens)
+        assert [hp.page_bytes(host, int(dst[i * hp.PAGE])) for i in range(n_pages)] == want
+    finally:
+        ctrl.detach_storage_backend()
+    assert all(any(f.name.endswith(".slab") for f in (tmp_path / f"nvme{i}" / "offload").rglob("*"))
+               for i in range(3))
