@@ -435,12 +435,21 @@ class SpreadStore:
     def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
         out: list[Slot | None] = [None] * len(keys)
         where = self._lookup(keys)
-        for level in (0, 1):
-            parts = self._group([(i, w[level]) for i, w in enumerate(where)
-                                 if out[i] is None and len(w) > level])
-            for idx, got in self._fan(parts, lambda s, ix: s.pin_slots([keys[i] for i in ix])):
+
+        def pin(pairs: list[tuple[int, Drive | None]]) -> None:
+            for idx, got in self._fan(self._group(pairs),
+                                      lambda s, ix: s.pin_slots([keys[i] for i in ix])):
                 for i, slot in zip(idx, got or []):
-                    out[i] = out[i] or slot
+                    out[i] = slot
+
+        pin([(i, w[0]) for i, w in enumerate(where) if w])
+        second = self._group([(i, w[1]) for i, w in enumerate(where)
+                              if out[i] is None and len(w) > 1])
+        held: list[tuple[int, Drive | None]] = []
+        for idx, ok in self._fan(second, lambda s, ix: s.exists_many([keys[i] for i in ix])):
+            held += [(i, where[i][1]) for i, h in zip(idx, ok or []) if h]
+        if held:
+            pin(held)
         return out
 
     @never_raises("spread unpin_slots", lambda *_a, **_k: None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,13 +139,16 @@ class _OnGpu:
         return getattr(self.tensor, name)
 
 
-def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drives", [1, 3], ids=["one-dir", "three-drives"])
+def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path, monkeypatch,
+                                                                       drives):
+    """Through the file slots; with three drives (`offload.store.paths`), a cuFile per slab file
+    of every drive."""
     torch = pytest.importorskip("torch")
     import sys
     import types
 
     from offload.config import Size, StoreConfig
-    from offload.store.disk.store import DiskStore
 
     fake = types.ModuleType("kvikio")
     fake.CuFile = _FakeCuFile                              # type: ignore[attr-defined]
@@ -152,12 +156,17 @@ def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path
     fake.defaults = types.SimpleNamespace(set=lambda *a: None)   # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvikio", fake)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", fake.defaults)
-    store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 26),
-                                  min_free=Size(0)))
+    from offload.store.factory import open_disk
+
+    dirs = tuple(str(tmp_path / f"nvme{i}") for i in range(drives))
+    store = open_disk(StoreConfig(path=dirs[0], paths=dirs if drives > 1 else (),
+                                  capacity=Size(1 << 26), min_free=Size(0)))
     path = GdsPath(store)
     n = 3 * 4096 + 11
     src = [_OnGpu(torch.randint(0, 255, (n,), dtype=torch.uint8)) for _ in range(4)]
     keys = [i.to_bytes(32, "big") for i in range(4)]
+    if drives > 1:   # keys on every drive
+        keys = [bytes([i]) * 32 for i in range(4)]
     try:
         assert path.put_many(keys, [[s] for s in src]) == [True] * 4
         host = np.zeros(n, np.uint8)                      # written by "gds", read by the CPU
@@ -170,5 +179,7 @@ def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path
         assert all(torch.equal(s.tensor, d.tensor) for s, d in zip(src, dst))
         after = store.stats()
         assert (after.hits - before.hits, after.misses - before.misses) == (4, 1)
+        used = {next(d for d in dirs if f.startswith(d + os.sep)) for f in path._files}
+        assert len(used) >= min(drives, 2)      # cuFile handles on the slab files of each drive
     finally:
         path.close()
