@@ -249,6 +249,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in args) + " or null"
     if tp is Size:
         return "a size (e.g. 512MiB, 2TiB)"
+    if origin is tuple:
+        return "a list of " + {str: "strings"}.get(typing.get_args(tp)[0], "values")
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 
@@ -539,6 +541,8 @@ def to_dict(cfg: Any) -> Any:
         return str(cfg)
     if isinstance(cfg, Mapping):
         return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, tuple):
+        return [to_dict(v) for v in cfg]
     return cfg
 
 
