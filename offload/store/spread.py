@@ -312,15 +312,10 @@ class SpreadStore:
 
     @never_raises("spread put", all_false)
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
+        # (a caller puts what `exists` said is missing, on either drive a block may be on; a block
+        # put again anyway while a copy sits on its second drive is stored twice, both verified)
         out = [False] * len(keys)
-        # a block already on its second drive is stored (written there while the first was out)
-        where = self._lookup(keys)
-        seconds = self._group([(i, w[1]) for i, w in enumerate(where) if len(w) > 1])
-        for idx, got in self._fan(seconds, lambda s, ix: s.exists_many([keys[i] for i in ix])):
-            for i, ok in zip(idx, got or []):
-                out[i] = bool(ok)
-        targets = self._target(keys)
-        todo = self._group([(i, t) for i, t in enumerate(targets) if not out[i]])
+        todo = self._group(list(enumerate(self._target(keys))))
         for idx, got in self._fan(todo, lambda s, ix: s.put_many(
                 [keys[i] for i in ix], [blocks[i] for i in ix])):
             for i, ok in zip(idx, got or []):
