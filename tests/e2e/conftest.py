@@ -96,13 +96,17 @@ def wait_metric(server: LaunchedServer, name: str, label: str, at_least: float,
     return value
 
 
-def deployment(path: Path, model: Path, port: int, store: Path,
+def deployment(path: Path, model: Path, port: int, store: Path | list[Path],
                sglang: dict[str, Any] | None = None, **offload: Any) -> Path:
+    """A deployment file for the demo model; `store`: a cache directory, or a list of them (one
+    per drive: `offload.store.paths`)."""
+    where = ({"paths": [str(d) for d in store]} if isinstance(store, list)
+             else {"path": str(store)})
     doc = {"sglang": {"model-path": str(model), "device": "cpu", "page-size": PAGE,
                       "context-length": 16384, "max-total-tokens": 32768, "hicache-ratio": 4,
                       "enable-metrics": True, "enable-cache-report": True,
                       "host": "127.0.0.1", "port": port, "log-level": "info", **(sglang or {})},
-           "offload": {"store": {"path": str(store), "capacity": "1GiB", "min_free": "256MiB",
+           "offload": {"store": {**where, "capacity": "1GiB", "min_free": "256MiB",
                                  "io_threads": 2}, **offload}}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -115,7 +119,7 @@ def servers(request: pytest.FixtureRequest, tmp_path: Path, demo_model: Path
     server."""
     started: list[LaunchedServer] = []
 
-    def start(store: Path, name: str = "server", launch_args: tuple[str, ...] = (),
+    def start(store: Path | list[Path], name: str = "server", launch_args: tuple[str, ...] = (),
               env: dict[str, str] | None = None, sglang: dict[str, Any] | None = None,
               **offload: Any) -> LaunchedServer:
         port = free_port()

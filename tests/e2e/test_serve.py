@@ -11,6 +11,7 @@ storage tier.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -154,3 +155,22 @@ def test_dpu_path_through_an_agent_on_loopback_hits_after_restart(
         _assert_l3_hit(second.generate(text), cold)
     finally:
         agent.stop()
+
+
+def test_a_server_on_two_drives_serves_l3_after_restart(
+        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    """`offload.store.paths`: a real server through `launch` writes a prompt's pages back over two
+    directories (each holds a share) and, restarted, serves them from L3 with the same tokens."""
+    drives = [tmp_path / f"nvme{i}" / "offload" for i in range(2)]
+    text = prompt(4 * TOKENS, 11)
+    first = servers(drives, name="drives-1")
+    cold = first.generate(text)
+    pages = full_pages(cold.prompt_tokens) // PAGE
+    deadline = time.monotonic() + 120
+    while sum(store_blocks(d) for d in drives) < pages and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sum(store_blocks(d) for d in drives) >= pages, first.tail()
+    assert all(store_blocks(d) > 0 for d in drives)
+    first.stop()
+    second = servers(drives, name="drives-2")
+    _assert_l3_hit(second.generate(text), cold)
