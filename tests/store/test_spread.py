@@ -43,6 +43,15 @@ def readable(store: SpreadStore, ids: range, size: int = BLOCK) -> list[bool]:
     return [get_bytes(store, key(i), size) == data(key(i), size) for i in ids]
 
 
+def never_wrong(store: SpreadStore, ids: range, size: int = BLOCK) -> int:
+    """Read the blocks; every hit must carry the right bytes. Returns the hits."""
+    ks = [key(i) for i in ids]
+    bufs = [bytearray(size) for _ in ks]
+    ok = store.get_many(ks, [[b] for b in bufs])
+    assert all(bytes(b) == data(k, size) for k, b, o in zip(ks, bufs, ok) if o)
+    return sum(ok)
+
+
 def held(store: SpreadStore) -> dict[str, int]:
     return {d["path"]: d.get("blocks", 0) for d in store.stats().extra["drives"]}  # type: ignore
 
@@ -275,6 +284,50 @@ def test_a_really_full_drive(tmp_path: Path) -> None:
             filler.unlink()
             s.check()
             assert {d.path: d.state for d in s.drives()}[str(dirs[0])] == "in"
+
+
+def _shut_down(mount_point: Path) -> None:
+    """Make every I/O on an ext4 file system fail with EIO, as a dying drive does (the kernel's
+    EXT4_IOC_SHUTDOWN, without flushing the log)."""
+    import fcntl
+    import struct
+
+    fd = os.open(mount_point, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, 0x8004587D, struct.pack("I", 2))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(bool(_can_mount()), reason=_can_mount() or "ok")
+def test_a_drive_failing_with_io_errors_is_taken_out_and_rejoins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read and write of one drive fails with EIO: it is taken out, its blocks are misses,
+    nothing wrong is served, the other drive serves and takes the writes; once the drive is
+    mounted again it rejoins with the blocks it held."""
+    import offload.store.spread as spread
+
+    monkeypatch.setattr(spread, "PROBE_S", 0.0)       # probe on every check
+    with ext4(tmp_path, "flaky", 64) as flaky, ext4(tmp_path, "good", 64) as good:
+        dirs = [flaky / "offload", good / "offload"]
+        with SpreadStore(cfg(dirs, cap=100 << 20), monitor=False) as s:
+            assert all(put(s, range(100)))
+            s.flush()
+            n = held(s)
+            _shut_down(flaky)
+            never_wrong(s, range(100))        # before the check: reads fail, never wrong bytes
+            s.check()
+            d0 = s.drives()[0]
+            assert d0.state == "out" and "Input/output error" in d0.why, d0
+            assert sum(readable(s, range(100))) == n[str(dirs[1])]
+            assert all(put(s, range(100, 140)))       # writes go on, to the good drive
+            s.flush()
+            subprocess.run(["umount", "-l", str(flaky)], check=True)
+            subprocess.run(["mount", "-o", "loop", str(tmp_path / "flaky.img"), str(flaky)],
+                           check=True)
+            s.check()
+            assert s.drives()[0].state == "in", s.drives()[0]
+            assert all(readable(s, range(140)))      # its blocks were kept (journal replayed)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
