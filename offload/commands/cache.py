@@ -71,7 +71,10 @@ def _each(dirs: list[str], fn: Any) -> tuple[list[Any], list[dict[str, str]]]:
 
 def _print_failed(failed: list[dict[str, str]]) -> None:
     for f in failed:
-        print(f"drive {f['dir']}: not done: {f['error']}")
+        why = f["error"]
+        for name in (f["dir"], os.path.relpath(f["dir"])):
+            why = why.removeprefix(f"{name}: ")
+        print(f"drive {f['dir']}: not done: {why}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
