@@ -14,7 +14,8 @@ Primitives:
   (`facts.python`, pyside.py), so a path whose library is missing is rejected with its fix.
 - `python_check(facts, path)`: that check alone (also `redis` when `redis.url` is set).
 Every path's reasons end with the store: its directories and the combined read bandwidth of their
-distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s combined"). The GDS
+distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s combined"), also in
+`Decision.read_gbps` and `.bandwidth` (launch's worth-it line names it). The GDS
 `cache_fs` check holds for every directory of `offload.store.paths`.
 No I/O here: everything comes from `Facts` (see detect.py).
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
-from offload.hw.drive_set import read_bandwidth
+from offload.hw.drive_set import Bandwidth, read_bandwidth
 from offload.hw.facts import Facts, NetCard, cache_numa_node, gpu_numa_node
 from offload.hw.gds import fs_gds_support
 from offload.hw.live import NOT_CHECKED
@@ -58,6 +59,8 @@ class Decision:
     rejected: tuple[Rejection, ...]
     gpu_direct: bool  # blocks move from GPU memory with no host bounce
     numa_node: int | None  # where CPU staging buffers and I/O threads belong
+    read_gbps: float | None = None  # the store's combined read bandwidth (distinct devices)
+    bandwidth: str = ""  # how: "4 drives (...), ~31.5 GB/s combined (...)"
 
 
 class PathRejectedError(PathUnavailableError):
@@ -239,12 +242,13 @@ def _numa(facts: Facts, cfg: OffloadConfig) -> int | None:
     return n if n is not None else cache_numa_node(facts)
 
 
-def _store_reason(facts: Facts) -> str:
-    """The cache directories and the combined read bandwidth of their distinct devices."""
+def _store(facts: Facts) -> tuple[str, Bandwidth]:
+    """(reason: the cache directories and the combined read bandwidth of their distinct devices,
+    that bandwidth)."""
     dirs = facts.cache_dirs or (facts.cache_dir,)
-    _, text = read_bandwidth(facts, list(dirs))
     what = dirs[0].path if len(dirs) == 1 else f"{len(dirs)} directories"
-    return f"store: {what} on {text}"
+    bw = read_bandwidth(facts, list(dirs))
+    return f"store: {what} on {bw.text}", bw
 
 
 def _assumed(checks: list[Check]) -> list[str]:
@@ -304,7 +308,8 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:
             reasons.append("no NVIDIA GPU: nothing to move from GPU memory")
-    reasons.append(_store_reason(facts))
+    store, bw = _store(facts)
+    reasons.append(store)
     reasons += redis_reasons
     rejected = []
     for p in PREFERENCE:
@@ -319,4 +324,5 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         else:
             rejected.append(Rejection(p, f"preference: {path} ranks above {p} when both work",
                                       f"set offload.transfer.path: {p} to force it"))
-    return Decision("host", path, requested, tuple(reasons), tuple(rejected), gpu_direct, numa)
+    return Decision("host", path, requested, tuple(reasons), tuple(rejected), gpu_direct, numa,
+                    bw.gbps, bw.text)

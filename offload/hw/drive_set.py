@@ -14,7 +14,8 @@ Primitives:
   drives, `suggestion` is the `paths:` list of the usable ones.
 - `server_gpu_nodes(facts, cfg) -> (nodes, why)`: `offload.transfer.numa_node`, else the NUMA
   nodes of the GPUs the server uses (those `CUDA_VISIBLE_DEVICES` names by index, else all).
-- `read_bandwidth(facts, dirs) -> (GB/s or None, text)`: the sum over the distinct devices under
+- `read_bandwidth(facts, dirs) -> Bandwidth` (GB/s or None, drives, text): the sum over the
+  distinct devices under
   `dirs` (directories sharing a disk count once) of their NVMe controllers' PCIe link rates
   (7 GB/s, one Gen4 drive, assumed where a link is unknown): "4 drives (...), ~31.5 GB/s combined".
 No I/O here.
@@ -32,6 +33,13 @@ SYSTEM_MOUNTS = ("/", "/boot", "/boot/efi", "/efi", "/usr", "/var", "/home")
 CACHE_FS = ("ext4", "xfs")
 DIR_NAME = "sglang-offload"
 ASSUMED_DRIVE_GBPS = 7.0   # one PCIe Gen4 NVMe drive, sequential read (plan's default)
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    gbps: float | None  # None: no directory is on NVMe
+    drives: int  # distinct NVMe drives counted
+    text: str
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ def _groups(dirs: list[tuple[str, CacheDir]]) -> list[list[int]]:
     return [sorted(g[1]) for g in groups]
 
 
-def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> tuple[float | None, str]:
+def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> Bandwidth:
     """Combined read bandwidth of the distinct devices under `dirs`, and how it was found."""
     rate = {n.name: n.link_gbps for n in facts.nvme}
     pairs = [("", cd) for cd in dirs]
@@ -171,7 +179,7 @@ def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> tuple[float | None, st
             assumed += r is None
     n = len(ctrls_all)
     if not n:
-        return None, "not on NVMe: no drive figure"
+        return Bandwidth(None, 0, "not on NVMe: no drive figure")
     basis = ("sum of their PCIe link ceilings" if n > 1 else "its PCIe link ceiling")
     if assumed:
         basis = f"{ASSUMED_DRIVE_GBPS:g} GB/s assumed for {assumed} drive(s) whose PCIe link is unknown"
@@ -180,7 +188,7 @@ def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> tuple[float | None, st
             + ("; directories sharing a device count once" if len(dirs) > len(devices) + other
                else "")
             + (f"; {other} directory(ies) not on NVMe not counted" if other else "") + ")")
-    return total, text
+    return Bandwidth(total, n, text)
 
 
 def _keys(facts: Facts, cfg: OffloadConfig) -> list[str]:
@@ -233,7 +241,7 @@ def choose_drives(facts: Facts, cfg: OffloadConfig) -> DriveSet:
     system = {disk: _system(d) or "" for d in facts.drives if _system(d) for disk in d.disks}
     uses = {d.device: _judge(d, system, nodes, where) for d in facts.drives}
     dirs = _check_dirs(facts, cfg, uses)
-    gbps, text = read_bandwidth(facts, list(facts.cache_dirs))
+    bw = read_bandwidth(facts, list(facts.cache_dirs))
     chosen = [u for u in uses.values() if u.use]
     on = {d.device for d in dirs if d.device}
     suggestion: tuple[str, ...] = ()
@@ -246,6 +254,6 @@ def choose_drives(facts: Facts, cfg: OffloadConfig) -> DriveSet:
                            block_device=u.device, disks=by[u.device].disks,
                            nvme=by[u.device].nvme, free_bytes=None, source="", reason="")
                   for u in chosen]
-        _, their = read_bandwidth(facts, picked)
-        why = f"now {text}; with the usable drives {their}"
-    return DriveSet(nodes, where, tuple(uses.values()), tuple(dirs), gbps, text, suggestion, why)
+        why = f"now {bw.text}; with the usable drives {read_bandwidth(facts, picked).text}"
+    return DriveSet(nodes, where, tuple(uses.values()), tuple(dirs), bw.gbps, bw.text, suggestion,
+                    why)

@@ -206,7 +206,8 @@ def to_json(facts: Facts, decision: Decision | None,
         dec = {"role": decision.role, "path": decision.path, "requested": decision.requested,
                "reasons": list(decision.reasons),
                "rejected": [dataclasses.asdict(r) for r in decision.rejected],
-               "gpu_direct": decision.gpu_direct, "numa_node": decision.numa_node}
+               "gpu_direct": decision.gpu_direct, "numa_node": decision.numa_node,
+               "read_gbps": decision.read_gbps, "bandwidth": decision.bandwidth}
     err = None if error is None else {"path": error.path, "check": error.check, "fix": error.fix}
     drives = None
     if drive_set is not None:
