@@ -25,7 +25,7 @@ from offload.config import OffloadConfig, load_file
 from offload.errors import DetectError
 from offload.hw.decide import PathRejectedError, decide
 from offload.hw.detect import detect
-from offload.hw.drive_set import choose_drives
+from offload.hw.drive_set import choose_drives, one_per_device
 from offload.hw.facts import IoProbe
 from offload.hw.fsroot import Root
 from offload.hw.host_checks import check_host
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: this one)")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema.json)")
     p.add_argument("--probe-io", action="store_true",
-                   help="measure O_DIRECT write/read in the cache directory for a few seconds")
+                   help="measure O_DIRECT write/read in the cache directory for a few seconds "
+                   "(several directories: one per distinct device, all at once, rates summed)")
     p.add_argument("--probe-io-seconds", type=float, default=4.0, metavar="S",
                    help="time budget of --probe-io (write + read); default 4")
 
@@ -68,12 +69,13 @@ def run(args: argparse.Namespace) -> int:
                         "agent's tier are unavailable until it is (start `sglang-offload agent` "
                         "there or fix the address)")
     if args.probe_io:
+        dirs = [cd.path for cd in one_per_device(list(facts.cache_dirs or (facts.cache_dir,)))]
         if facts.live:
-            from offload.hw.probe_io import probe_io
+            from offload.hw.probe_io import probe_io_many
 
-            io = probe_io(facts.cache_dir.path, seconds=max(args.probe_io_seconds, 0.05))
+            io = probe_io_many(dirs, seconds=max(args.probe_io_seconds, 0.05))
         else:
-            io = IoProbe(path=facts.cache_dir.path, bytes=0, write_gbps=None, read_gbps=None,
+            io = IoProbe(path=", ".join(dirs), bytes=0, write_gbps=None, read_gbps=None,
                          o_direct=False, source=NOT_CHECKED,
                          reason=f"{NOT_CHECKED} (fixture root: nothing is written there)")
         facts = dataclasses.replace(facts, io=io)

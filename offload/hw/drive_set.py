@@ -18,6 +18,7 @@ Primitives:
   distinct devices under
   `dirs` (directories sharing a disk count once) of their NVMe controllers' PCIe link rates
   (7 GB/s, one Gen4 drive, assumed where a link is unknown): "4 drives (...), ~31.5 GB/s combined".
+- `one_per_device(dirs)`: the first directory on each distinct device (what `--probe-io` measures).
 No I/O here.
 """
 
@@ -155,6 +156,11 @@ def _groups(dirs: list[tuple[str, CacheDir]]) -> list[list[int]]:
             groups.remove(g)
         groups.append(merged)
     return [sorted(g[1]) for g in groups]
+
+
+def one_per_device(dirs: list[CacheDir]) -> list[CacheDir]:
+    """The first directory on each distinct device (directories sharing a disk are one)."""
+    return [dirs[g[0]] for g in _groups([("", cd) for cd in dirs])]
 
 
 def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> Bandwidth:
