@@ -92,11 +92,12 @@ def _drives(facts: Facts, ds: DriveSet | None) -> list[str]:
     out.append(f"Cache directory: {dirs[0].path}" if len(dirs) == 1 else
                f"Cache directories: {len(dirs)}")
     for i, cd in enumerate(dirs):
-        if len(dirs) > 1:
-            out.append(f"  {checks[i].key if checks else i}: {cd.path}")
-        out += [f"  {cd.reason}" + (f"; {_size(cd.free_bytes)} free" if cd.free_bytes is not None
-                                    else ""), f"  (source: {cd.source})"]
+        what = f"{cd.reason}" + (f"; {_size(cd.free_bytes)} free" if cd.free_bytes is not None
+                                 else "")
+        out.append(f"  {checks[i].key if checks else i}: {cd.path}: {what}" if len(dirs) > 1
+                   else f"  {what}")
         out += [f"  warning: {w}" for w in (checks[i].warnings if checks else ())]
+    out.append(f"  (source: {dirs[0].source})")
     if ds is not None:
         out.append(f"  read bandwidth: {ds.bandwidth}")
         if ds.suggestion:
@@ -136,8 +137,8 @@ def render_text(facts: Facts, decision: Decision | None,
         ports = ", ".join(f"{x.port}:{x.state}/{x.link_layer}/{x.rate}" for x in r.ports)
         out.append(f"  RDMA {r.name} ({_v(r.bdf)}): fw {_v(r.fw_ver)}; ports {ports or '-'}")
     out += ["", f"NVMe: {len(facts.nvme)}"]
-    out += _table(["name", "model", "transport", "PCI", "NUMA", "namespaces"],
-                  [[n.name, _v(n.model), _v(n.transport), _v(n.bdf), _v(n.numa_node),
+    out += _table(["name", "model", "transport", "PCI", "link", "NUMA", "namespaces"],
+                  [[n.name, _v(n.model), _v(n.transport), _v(n.bdf), _v(n.link), _v(n.numa_node),
                     ", ".join(f"{s.name} {_size(s.size_bytes)}" for s in n.namespaces) or "-"]
                    for n in facts.nvme])
     out += _drives(facts, drive_set)
