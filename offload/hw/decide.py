@@ -13,9 +13,10 @@ Primitives:
   last check of each is `python`: the path's Python side in the interpreter that runs SGLang
   (`facts.python`, pyside.py), so a path whose library is missing is rejected with its fix.
 - `python_check(facts, path)`: that check alone (also `redis` when `redis.url` is set).
-Every path's reasons end with the store: its directories and the combined read bandwidth of their
-distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s combined"), also in
-`Decision.read_gbps` and `.bandwidth` (launch's worth-it line names it). The GDS
+The gds and cpu paths' reasons end with the store: its directories and the combined read
+bandwidth of their distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s
+combined"), also in `Decision.read_gbps` and `.bandwidth` (launch's worth-it line names it;
+empty on the dpu path, whose blocks go to the agent's store). The GDS
 `cache_fs` check holds for every directory of `offload.store.paths`.
 No I/O here: everything comes from `Facts` (see detect.py).
 """
@@ -308,8 +309,10 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:
             reasons.append("no NVIDIA GPU: nothing to move from GPU memory")
-    store, bw = _store(facts)
-    reasons.append(store)
+    bw = Bandwidth(None, 0, "")
+    if path != "dpu":            # on the dpu path blocks go to the agent's store, not these
+        store, bw = _store(facts)
+        reasons.append(store)
     reasons += redis_reasons
     rejected = []
     for p in PREFERENCE:

@@ -3,6 +3,8 @@ sit on them, and their combined read bandwidth (fixture machines dgx-8nvme, h100
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from offload.config import load_offload
 from offload.hw import decide, detect
 from offload.hw.decide import gds_checks
 from offload.hw.drive_set import DriveSet, choose_drives
+from offload.hw.facts import Drive, Facts
 from offload.hw.storage import pcie_link
 from tests.hw.hw_schema_check import validate
 
@@ -172,3 +175,44 @@ def test_cli_reports_the_drive_set(capsys, tmp_path: Path) -> None:
     assert out["drive_set"]["chosen"] == ["/data1/sglang-offload", "/data2/sglang-offload",
                                           "/data4/sglang-offload", "/data5/sglang-offload"]
     assert len(out["facts"]["cache_dirs"]) == 3 and len(out["drive_set"]["warnings"]) == 1
+
+
+def _with_drives(*drives: Drive) -> Facts:
+    base = detect(load_offload({}), root=str(HOSTS / "cpu-box"))
+    return dataclasses.replace(base, drives=base.drives + drives)
+
+
+def _drive(device: str, points: tuple[str, ...], fs: str = "xfs", opts: str = "rw") -> Drive:
+    return Drive(device=device, dev="259:9", disks=(device,), nvme=("nvme5",), numa_nodes=(0,),
+                 size_bytes=None, fs_type=fs, mount_points=points, mount_options=opts,
+                 read_only=False, free_bytes=None, source="test", reason="test")
+
+
+def test_boot_usr_and_journalled_ext4_are_skipped() -> None:
+    facts = _with_drives(_drive("nvme5n1", ("/boot/efi",), "vfat"), _drive("nvme6n1", ("/usr",)),
+                         _drive("nvme7n1", ("/kv",), "ext4", "rw,data=journal"),
+                         _drive("nvme8n1", ("/kv2",), "ext4", "rw,data=ordered"))
+    got = uses(choose_drives(facts, load_offload({})))
+    assert got["nvme5n1"] == "no: holds /boot/efi" and got["nvme6n1"] == "no: holds /usr"
+    assert got["nvme7n1"].startswith("no: ext4 with data=journal at /kv: no O_DIRECT")
+    assert got["nvme8n1"].startswith("yes: ext4 at /kv2")
+
+
+def test_an_md_that_is_not_mounted_is_named_on_its_members(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("build_hosts", FIXTURES / "build_hosts.py")
+    assert spec and spec.loader
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    h = b.Host("md-unmounted")
+    b._host_bridge(h, "00", 0)
+    disks = []
+    for i in range(2):
+        p = h.pci(["pci0000:00", f"0000:00:0{i + 1}.0", f"0000:0{i + 1}:00.0"], b.SAMSUNG, 0xA80A,
+                  b.NVME_CLASS, 0)
+        disks.append(h.nvme(p, i, i * 4)[0])
+    h.md("md0", "9:0", "raid0", disks, 7680)
+    h.mountinfo("23 22 0:21 / /proc rw,relatime - proc proc rw")
+    h.write(tmp_path)
+    facts = detect(load_offload({}), root=str(tmp_path / "md-unmounted"))
+    assert [d.reason.split(";")[0] for d in facts.drives] == [
+        "part of md0, which is not mounted", "part of md0, which is not mounted"]
