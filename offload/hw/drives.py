@@ -6,8 +6,8 @@ Primitive: `probe_drives(root, nvme) -> tuple[Drive, ...]`. Every mount of a blo
 namespaces is one `Drive`, with every mount point of it (bind mounts too), its file system, its
 size (`size` in 512-byte sectors), whether every mount is read-only, and the NUMA nodes of its
 controllers. A namespace nothing is mounted from is a `Drive` too (no mount points), saying what
-holds it (`holders/`: an md or dm device that is not mounted). Free space (`os.statvfs`) only on
-the live machine. Which drives the cache should use is decided in drive_set.py.
+holds it: swap (`/proc/swaps`), or an md or dm device that is not mounted (`holders/`). Free
+space (`os.statvfs`) only on the live machine. Which drives the cache should use is decided in drive_set.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from offload.hw.facts import Drive, Nvme
 from offload.hw.fsroot import Root
 from offload.hw.live import NOT_CHECKED
 from offload.hw.storage import MOUNTINFO, NAMESPACE, Mount, controller_of, disks_below, parse_mountinfo
+
+SWAPS = "/proc/swaps"
 
 
 def _size(n: int | None) -> str:
@@ -68,10 +70,19 @@ def _mounted(root: Root, dev: str, mounts: list[Mount], nvme: dict[str, Nvme]) -
                  + ("" if root.live else f" (free space {NOT_CHECKED})"), reason=reason)
 
 
-def _unmounted(root: Root, n: Nvme, ns: str, size: int | None) -> Drive:
+def _swaps(root: Root) -> set[str]:
+    """Block devices in use as swap (`/proc/swaps`: `/dev/nvme0n1p2 partition ...`)."""
+    lines = (root.read(SWAPS) or "").splitlines()[1:]
+    return {ln.split()[0].rsplit("/", 1)[-1] for ln in lines if ln.split()}
+
+
+def _unmounted(root: Root, n: Nvme, ns: str, size: int | None, swaps: set[str]) -> Drive:
     holders = root.listdir(f"/sys/class/block/{ns}/holders")
     parts = [p for p in root.listdir(f"/sys/class/block/{ns}") if p.startswith(ns + "p")]
-    if holders:
+    swap = [d for d in [ns, *parts] if d in swaps]
+    if swap:
+        why = f"used as swap ({', '.join(swap)})"
+    elif holders:
         why = f"part of {', '.join(holders)}, which is not mounted"
     elif parts:
         why = f"no file system mounted from it or its partitions ({', '.join(parts)})"
@@ -93,9 +104,9 @@ def probe_drives(root: Root, nvme: tuple[Nvme, ...]) -> tuple[Drive, ...]:
         if not m.device.startswith("0:"):
             by_dev.setdefault(m.device, []).append(m)
     drives = [d for dev, ms in by_dev.items() if (d := _mounted(root, dev, ms, by_name))]
-    used = {disk for d in drives for disk in d.disks}
+    used, swaps = {disk for d in drives for disk in d.disks}, _swaps(root)
     for n in nvme:
         for ns in n.namespaces:
             if ns.name not in used and root.exists(f"/sys/class/block/{ns.name}"):
-                drives.append(_unmounted(root, n, ns.name, ns.size_bytes))
+                drives.append(_unmounted(root, n, ns.name, ns.size_bytes, swaps))
     return tuple(drives)

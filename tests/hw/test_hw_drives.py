@@ -198,7 +198,7 @@ def test_boot_usr_and_journalled_ext4_are_skipped() -> None:
     assert got["nvme8n1"].startswith("yes: ext4 at /kv2")
 
 
-def test_an_md_that_is_not_mounted_is_named_on_its_members(tmp_path: Path) -> None:
+def test_an_md_that_is_not_mounted_and_swap_are_named(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("build_hosts", FIXTURES / "build_hosts.py")
     assert spec and spec.loader
     b = importlib.util.module_from_spec(spec)
@@ -206,13 +206,16 @@ def test_an_md_that_is_not_mounted_is_named_on_its_members(tmp_path: Path) -> No
     h = b.Host("md-unmounted")
     b._host_bridge(h, "00", 0)
     disks = []
-    for i in range(2):
+    for i in range(3):
         p = h.pci(["pci0000:00", f"0000:00:0{i + 1}.0", f"0000:0{i + 1}:00.0"], b.SAMSUNG, 0xA80A,
                   b.NVME_CLASS, 0)
-        disks.append(h.nvme(p, i, i * 4)[0])
-    h.md("md0", "9:0", "raid0", disks, 7680)
+        disks.append(h.nvme(p, i, i * 4, parts=(64,) if i == 2 else ())[0])
+    h.md("md0", "9:0", "raid0", disks[:2], 7680)
     h.mountinfo("23 22 0:21 / /proc rw,relatime - proc proc rw")
+    h.file("/proc/swaps", "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+           "/dev/nvme2n1p1                          partition\t62499996\t0\t\t-2")
     h.write(tmp_path)
     facts = detect(load_offload({}), root=str(tmp_path / "md-unmounted"))
     assert [d.reason.split(";")[0] for d in facts.drives] == [
-        "part of md0, which is not mounted", "part of md0, which is not mounted"]
+        "part of md0, which is not mounted", "part of md0, which is not mounted",
+        "used as swap (nvme2n1p1)"]
