@@ -7,7 +7,8 @@ namespaces is one `Drive`, with every mount point of it (bind mounts too), its f
 size (`size` in 512-byte sectors), whether every mount is read-only, and the NUMA nodes of its
 controllers. A namespace nothing is mounted from is a `Drive` too (no mount points), saying what
 holds it: swap (`/proc/swaps`), or an md or dm device that is not mounted (`holders/`). Free
-space (`os.statvfs`) only on the live machine. Which drives the cache should use is decided in drive_set.py.
+space (`os.statvfs`) only on the live machine. Which drives the cache should use is decided in
+drive_set.py.
 """
 
 from __future__ import annotations
