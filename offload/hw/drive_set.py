@@ -143,10 +143,11 @@ def _judge(d: Drive, system: dict[str, str], nodes: tuple[int, ...], where: str)
                     f"{', '.join(d.nvme)}")
 
 
-def _groups(dirs: list[tuple[str, CacheDir]]) -> list[list[int]]:
-    """Indexes of `dirs` grouped by device: one group per set of directories sharing a disk."""
+def _groups(dirs: list[CacheDir]) -> list[list[int]]:
+    """Indexes of `dirs` grouped by device: one group per set of directories sharing a disk, in
+    the order of their first directory."""
     groups: list[tuple[set[str], list[int]]] = []
-    for i, (_, cd) in enumerate(dirs):
+    for i, cd in enumerate(dirs):
         keys = set(cd.disks) or {f"dev:{cd.device or cd.mount_source or cd.path}"}
         hit = [g for g in groups if g[0] & keys]
         merged = (set(keys), [i])
@@ -155,20 +156,19 @@ def _groups(dirs: list[tuple[str, CacheDir]]) -> list[list[int]]:
             merged[1][:0] = g[1]
             groups.remove(g)
         groups.append(merged)
-    return [sorted(g[1]) for g in groups]
+    return sorted(sorted(g[1]) for g in groups)
 
 
 def one_per_device(dirs: list[CacheDir]) -> list[CacheDir]:
     """The first directory on each distinct device (directories sharing a disk are one)."""
-    return [dirs[g[0]] for g in _groups([("", cd) for cd in dirs])]
+    return [dirs[g[0]] for g in _groups(dirs)]
 
 
 def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> Bandwidth:
     """Combined read bandwidth of the distinct devices under `dirs`, and how it was found."""
     rate = {n.name: n.link_gbps for n in facts.nvme}
-    pairs = [("", cd) for cd in dirs]
     total, assumed, devices, ctrls_all, other = 0.0, 0, [], [], 0
-    for g in _groups(pairs):
+    for g in _groups(dirs):
         cds = [dirs[i] for i in g]
         ctrls = list(dict.fromkeys(c for cd in cds for c in cd.nvme))
         if not ctrls:
@@ -230,7 +230,7 @@ def _check_dirs(facts: Facts, cfg: OffloadConfig, uses: dict[str, DriveUse]
                              "cache drives the Drives table marks `yes`")
         out.append(DirectoryCheck(key, cd.path, drive.device if drive else None, reason,
                                   tuple(warns)))
-    for g in _groups(dirs):
+    for g in _groups([cd for _, cd in dirs]):
         if len(g) > 1:
             names = " and ".join(f"{dirs[i][0]} {dirs[i][1].path}" for i in g)
             dev = dirs[g[0]][1].block_device or dirs[g[0]][1].mount_point

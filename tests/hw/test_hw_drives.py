@@ -219,3 +219,10 @@ def test_an_md_that_is_not_mounted_and_swap_are_named(tmp_path: Path) -> None:
     assert [d.reason.split(";")[0] for d in facts.drives] == [
         "part of md0, which is not mounted", "part of md0, which is not mounted",
         "used as swap (nvme2n1p1)"]
+
+
+def test_devices_are_named_in_the_order_of_their_first_directory() -> None:
+    ds = drive_set("dgx-8nvme", {"store": {"paths": ["/data1/a", "/data4/a", "/data1/b"]}})
+    assert ds.bandwidth.startswith("2 drives (nvme1n1, nvme4n1), ~15.8 GB/s combined")
+    assert "offload.store.paths[0] /data1/a and offload.store.paths[2] /data1/b are on one " \
+           "device" in ds.warnings[0]
