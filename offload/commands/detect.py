@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                         "agent's tier are unavailable until it is (start `sglang-offload agent` "
                         "there or fix the address)")
     if args.probe_io:
-        dirs = [cd.path for cd in one_per_device(list(facts.cache_dirs or (facts.cache_dir,)))]
+        dirs = [cd.path for cd in one_per_device(list(facts.directories))]
         if facts.live:
             from offload.hw.probe_io import probe_io_many
 

@@ -95,7 +95,7 @@ def read_bandwidth(args: argparse.Namespace) -> tuple[float, int, str]:
 
     cfg = load_file(args.config).offload
     facts = detect(cfg, root=args.root, live=Live(), env={})
-    bw = combined(facts, list(facts.cache_dirs))
+    bw = combined(facts, list(facts.directories))
     if bw.gbps is None:
         return DEFAULT_READ_GBPS, 1, (f"{DEFAULT_READ_GBPS:g} GB/s assumed: offload.store is "
                                       f"{bw.text}")

@@ -137,7 +137,7 @@ def gds_checks(facts: Facts) -> list[Check]:
     else:
         checks.append(Check("cufile_json", True, f"{g.cufile_json or 'no cufile.json'}: compat "
                             "mode not forced"))
-    verdicts = [fs_gds_support(cd) for cd in facts.cache_dirs or (facts.cache_dir,)]
+    verdicts = [fs_gds_support(cd) for cd in facts.directories]
     ok, why = next((v for v in verdicts if not v[0]), verdicts[0])
     if ok and len(verdicts) > 1:
         why += f" (and the other {len(verdicts) - 1} directories of offload.store.paths)"
@@ -246,7 +246,7 @@ def _numa(facts: Facts, cfg: OffloadConfig) -> int | None:
 def _store(facts: Facts) -> tuple[str, Bandwidth]:
     """(reason: the cache directories and the combined read bandwidth of their distinct devices,
     that bandwidth)."""
-    dirs = facts.cache_dirs or (facts.cache_dir,)
+    dirs = facts.directories
     what = dirs[0].path if len(dirs) == 1 else f"{len(dirs)} directories"
     bw = read_bandwidth(facts, list(dirs))
     return f"store: {what} on {bw.text}", bw
@@ -304,7 +304,7 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         where = ", ".join(dict.fromkeys(
             (cd.fs_type or "the cache file system") + (f" ({cd.block_device})"
                                                        if cd.block_device else "")
-            for cd in facts.cache_dirs or (facts.cache_dir,)))
+            for cd in facts.directories))
         reasons.append(f"cpu staging: pinned host buffers + O_DIRECT I/O on {where}"
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:

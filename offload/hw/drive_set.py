@@ -198,7 +198,7 @@ def read_bandwidth(facts: Facts, dirs: list[CacheDir]) -> Bandwidth:
 
 
 def _keys(facts: Facts, cfg: OffloadConfig) -> list[str]:
-    dirs = [os.path.normpath(cd.path) for cd in facts.cache_dirs]
+    dirs = [os.path.normpath(cd.path) for cd in facts.directories]
     configured = [os.path.normpath(p) for p in cfg.store.directories()]
     if dirs == configured:
         return ([f"offload.store.paths[{i}]" for i in range(len(dirs))] if cfg.store.paths
@@ -209,7 +209,7 @@ def _keys(facts: Facts, cfg: OffloadConfig) -> list[str]:
 def _check_dirs(facts: Facts, cfg: OffloadConfig, uses: dict[str, DriveUse]
                 ) -> list[DirectoryCheck]:
     by_dev = {d.dev: d for d in facts.drives if d.dev}
-    dirs = list(zip(_keys(facts, cfg), facts.cache_dirs))
+    dirs = list(zip(_keys(facts, cfg), facts.directories))
     out = []
     for key, cd in dirs:
         drive = by_dev.get(cd.device or "")
@@ -247,7 +247,7 @@ def choose_drives(facts: Facts, cfg: OffloadConfig) -> DriveSet:
     system = {disk: _system(d) or "" for d in facts.drives if _system(d) for disk in d.disks}
     uses = {d.device: _judge(d, system, nodes, where) for d in facts.drives}
     dirs = _check_dirs(facts, cfg, uses)
-    bw = read_bandwidth(facts, list(facts.cache_dirs))
+    bw = read_bandwidth(facts, list(facts.directories))
     chosen = [u for u in uses.values() if u.use]
     on = {d.device for d in dirs if d.device}
     suggestion: tuple[str, ...] = ()

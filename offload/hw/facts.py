@@ -6,7 +6,8 @@ Primitives: one dataclass per kind of fact (`Platform`, `Gpu`, `NetCard`, `RdmaD
 `facts_to_json(facts)` gives the plain data of `detect --json` (schema in schema.json).
 `source` names where a fact was read (a machine path, `nvml`, `mlxconfig`, `config`, or
 `not checked` for a live probe that did not run); `reason` says what it means in words.
-Helpers for the CPU path: `gpu_numa_node(facts, index)` and `cache_numa_node(facts)`.
+Helpers for the CPU path: `gpu_numa_node(facts, index)` and `cache_numa_node(facts)`;
+`Facts.directories`: every cache directory probed.
 """
 
 from __future__ import annotations
@@ -270,6 +271,11 @@ class Facts:
     drives: tuple[Drive, ...] = ()
     cache_dirs: tuple[CacheDir, ...] = ()  # every configured directory (cache_dir is the first)
     cuda_visible_devices: str | None = None  # the server's GPUs, from the environment
+
+    @property
+    def directories(self) -> tuple[CacheDir, ...]:
+        """Every cache directory probed (`cache_dirs`, or the one `cache_dir`)."""
+        return self.cache_dirs or (self.cache_dir,)
 
 
 def facts_to_json(facts: Facts) -> dict[str, Any]:

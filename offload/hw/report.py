@@ -86,7 +86,7 @@ def _drives(facts: Facts, ds: DriveSet | None) -> list[str]:
                         _v(d.fs_type), ",".join(d.mount_points) or "-", _size(d.size_bytes),
                         _size(d.free_bytes), "yes" if use[d.device].use else "no",
                         use[d.device].reason] for d in facts.drives])
-    dirs = facts.cache_dirs or (facts.cache_dir,)
+    dirs = facts.directories
     checks = ds.directories if ds is not None else ()
     out.append("")
     out.append(f"Cache directory: {dirs[0].path}" if len(dirs) == 1 else

@@ -226,3 +226,11 @@ def test_devices_are_named_in_the_order_of_their_first_directory() -> None:
     assert ds.bandwidth.startswith("2 drives (nvme1n1, nvme4n1), ~15.8 GB/s combined")
     assert "offload.store.paths[0] /data1/a and offload.store.paths[2] /data1/b are on one " \
            "device" in ds.warnings[0]
+
+
+def test_a_configured_directory_on_the_other_socket_is_a_warning() -> None:
+    ds = drive_set("dgx-8nvme", {"store": {"paths": ["/data1/kv", "/data4/kv"]}},
+                   {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    (w,) = ds.warnings
+    assert w.startswith("offload.store.paths[1] /data4/kv is on nvme4n1 (on NUMA node 1, another "
+                        "socket than the server's GPUs (GPU 0,1,2,3 (CUDA_VISIBLE_DEVICES=0,1,2,3)")
