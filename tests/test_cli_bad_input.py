@@ -107,6 +107,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str, st.SearchStrategy[str]]]:
         (["plan"], "--prefix-tokens", st.one_of(BAD_SIZE, st.integers(1 << 24, 1 << 60).map(str))),
         (["plan"], "--mem-fraction", BAD_FRACTION), (["plan"], "--active-fraction", BAD_FRACTION),
         (["plan"], "--hit-rate", BAD_FRACTION), (["plan"], "--read-gbps", BAD_FLOAT),
+        (["plan"], "--drives", BAD_COUNT),
         (["plan"], "--prefill-tps", BAD_FLOAT), (["plan"], "--kv-dtype", BAD_NAME),
         (["plan"], "--weight-dtype", BAD_NAME), (["plan"], "--gpu", BAD_NAME),
         (["plan"], "--model", BAD_NAME), (["plan"], "--params", BAD_COUNT_TEXT),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -288,3 +289,21 @@ def test_values_that_made_nonsense_figures_are_refused(capsys, argv: list[str],
 def test_a_slow_prefill_rate_is_not_printed_as_zero(capsys) -> None:
     assert main(["plan", "--context", "16M", "--prefill-tps", "0.25"]) == 0
     assert "prefill rate     0.25 tokens/s per GPU" in capsys.readouterr().out
+
+
+def test_several_drives_add_their_bandwidth(capsys, tmp_path) -> None:
+    assert main(["plan", "--drives", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "load 1.53 s at 28 GB/s (4 drives combined)" in out
+    assert "at 28 GB/s aggregate per replica (4 drives x 7 GB/s)" in out
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text("offload:\n  store:\n    paths: [/data1/kv, /data4/kv, /mnt/kv4/kv]\n")
+    hosts = Path(__file__).resolve().parent / "fixtures" / "hosts"
+    assert main(["plan", "--config", str(cfg), "--root", str(hosts / "dgx-8nvme"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # three directories, two drives: /data4 and /mnt/kv4 are one device, counted once
+    assert data["inputs"]["read_gbps"] == pytest.approx(2 * 7.88)
+    assert data["inputs"]["read_drives"] == 2
+    assert "2 drives (nvme1n1, nvme4n1), ~15.8 GB/s combined" in data["inputs"]["read_source"]
+    assert main(["plan", "--config", str(cfg), "--drives", "2"]) == 2
+    assert "not both" in capsys.readouterr().err

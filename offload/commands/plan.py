@@ -1,4 +1,10 @@
-"""`sglang-offload plan`: KV-cache sizing (the model is `offload.plan.model`)."""
+"""`sglang-offload plan`: KV-cache sizing (the model is `offload.plan.model`).
+
+The tier's read bandwidth is `--drives` x `--read-gbps` (one Gen4 NVMe by default), or with
+`--config` the combined bandwidth of the distinct drives under `offload.store.paths` (or `path`),
+detected under `--root` (`offload.hw.drive_set.read_bandwidth`: the sum of their PCIe links;
+directories sharing a device count once). Detection here runs no live probe (no NVML, no tools).
+"""
 
 from __future__ import annotations
 
@@ -57,12 +63,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of returning users whose KV must be kept (default 1.0)")
     p.add_argument("--prefix-tokens", metavar="TOKENS", help="cached prefix length for load vs prefill "
                    "(default: --context)")
-    p.add_argument("--read-gbps", type=arg(positive), default=DEFAULT_READ_GBPS,
-                   help="tier read bandwidth per replica, GB/s (default %(default)s: one Gen4 "
-                   "NVMe)")
+    p.add_argument("--read-gbps", type=arg(positive), default=None,
+                   help=f"read bandwidth of one drive, GB/s (default {DEFAULT_READ_GBPS:g}: one "
+                   "Gen4 NVMe); the tier reads --drives times that per replica")
+    p.add_argument("--drives", type=arg(count), default=None,
+                   help="distinct drives the tier reads from (default 1); their bandwidth adds up")
+    p.add_argument("--config", metavar="FILE",
+                   help="deployment YAML: the tier's bandwidth is the combined bandwidth of the "
+                   "drives under offload.store.paths (or path), detected (instead of --read-gbps "
+                   "and --drives)")
+    p.add_argument("--root", default="/", metavar="DIR",
+                   help="with --config: detect the drives under DIR (a fixture tree); default /")
     p.add_argument("--prefill-tps", type=arg(positive), help="prefill tokens/s per GPU (default: derived "
                    f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU * 100:.0f}%% utilisation)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def read_bandwidth(args: argparse.Namespace) -> tuple[float, int, str]:
+    """(the tier's read GB/s per replica, distinct drives, how it was found): --config's drives,
+    detected, or --drives x --read-gbps."""
+    if args.config is None:
+        per, n = args.read_gbps or DEFAULT_READ_GBPS, args.drives or 1
+        return per * n, n, (f"{n} drives x {per:g} GB/s" if n > 1 else "")
+    if args.read_gbps is not None or args.drives is not None:
+        raise ConfigError(["--config takes the bandwidth from the configured drives; give it "
+                           "or --read-gbps/--drives, not both"])
+    from offload.config import load_file
+    from offload.hw.detect import detect
+    from offload.hw.drive_set import read_bandwidth as combined
+    from offload.hw.live import Live
+
+    cfg = load_file(args.config).offload
+    facts = detect(cfg, root=args.root, live=Live(), env={})
+    bw = combined(facts, list(facts.directories))
+    if bw.gbps is None:
+        return DEFAULT_READ_GBPS, 1, (f"{DEFAULT_READ_GBPS:g} GB/s assumed: offload.store is "
+                                      f"{bw.text}")
+    return bw.gbps, bw.drives, f"offload.store: {bw.text}"
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
@@ -79,6 +116,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
     params = None if args.params is None else parse_count(args.params, "--params")
     arch, source = load_architecture(args.model, params)
+    read, drives, how = read_bandwidth(args)
     return PlanInputs(
         arch=arch, gpu=gpu, context=parse_tokens(args.context, "--context"),
         kv_dtype=parse_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype"),
@@ -90,7 +128,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         target_users=args.users, hit_rate=args.hit_rate,
         prefix_tokens=(None if args.prefix_tokens is None
                        else parse_tokens(args.prefix_tokens, "--prefix-tokens")),
-        read_gbps=args.read_gbps, prefill_tps=args.prefill_tps, model_source=source)
+        read_gbps=read, prefill_tps=args.prefill_tps, model_source=source, read_drives=drives,
+        read_source=how)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ Primitives:
   measurements of the backend's calls: `note_query(keys, hits, accepted, page_tokens)` (every
   `batch_exists`), `note_stored(keys)` (every KV write-back), `note_loaded(keys)` (every KV load);
   `threshold_tokens()`: the break-even hit size now, None while unknown.
-- `plan_text(cfg, device)`: what the rule will use, for `launch`'s decision.
+- `plan_text(cfg, device, store)`: what the rule will use, for `launch`'s decision (`store`: the
+  store's drives and combined read bandwidth, the ceiling of the measured one).
 
 The rule: loading n pages takes `overhead + n x page_bytes / bandwidth`, recomputing them
 `n x page_tokens / prefill_tps`; the leading hits are loaded when loading is faster, all or none.
@@ -301,19 +302,24 @@ def from_config(cfg: WorthItConfig, model: str, tp_size: int,
     return WorthIt(cfg, tps, source)
 
 
-def plan_text(cfg: WorthItConfig, device: str) -> str:
-    """What the rule will use on `device` (launch's decision; the backend logs the figures)."""
+def plan_text(cfg: WorthItConfig, device: str, store: str = "") -> str:
+    """What the rule will use on `device` (launch's decision; the backend logs the figures).
+    `store`: the store's drives and their combined read bandwidth (the decision's), named as
+    the ceiling of what will be measured: the bandwidth is measured over whole loads, which
+    spread over every directory of the store."""
     if not cfg.enabled:
         return "worth-it rule off (offload.worth_it.enabled: false): every L3 hit is loaded"
     how = ("hits smaller than the break-even (load overhead / (recompute - read time) per "
            "page) are recomputed; the backend logs the threshold once measured")
+    measured = "load overhead and bandwidth measured" + (
+        f" (the store's reads span {store}, at most)" if store else "")
     if cfg.prefill_tokens_per_s is not None:
         return (f"worth-it rule: prefill {cfg.prefill_tokens_per_s:,.0f} tokens/s (configured), "
-                f"load overhead and bandwidth measured; {how}")
+                f"{measured}; {how}")
     where = ("on device cpu no preset applies" if device == "cpu" else
              "the plan estimate where the model and GPU have presets")
     return (f"worth-it rule: prefill speed {where}, otherwise measured from the first requests "
-            f"(a miss's query to its write-back), load overhead and bandwidth measured; {how}")
+            f"(a miss's query to its write-back), {measured}; {how}")
 
 
 def cuda_gpu_name() -> str | None:

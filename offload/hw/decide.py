@@ -13,6 +13,11 @@ Primitives:
   last check of each is `python`: the path's Python side in the interpreter that runs SGLang
   (`facts.python`, pyside.py), so a path whose library is missing is rejected with its fix.
 - `python_check(facts, path)`: that check alone (also `redis` when `redis.url` is set).
+The gds and cpu paths' reasons end with the store: its directories and the combined read
+bandwidth of their distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s
+combined"), also in `Decision.read_gbps` and `.bandwidth` (launch's worth-it line names it;
+empty on the dpu path, whose blocks go to the agent's store). The GDS
+`cache_fs` check holds for every directory of `offload.store.paths`.
 No I/O here: everything comes from `Facts` (see detect.py).
 """
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
+from offload.hw.drive_set import Bandwidth, read_bandwidth
 from offload.hw.facts import Facts, NetCard, cache_numa_node, gpu_numa_node
 from offload.hw.gds import fs_gds_support
 from offload.hw.live import NOT_CHECKED
@@ -54,6 +60,8 @@ class Decision:
     rejected: tuple[Rejection, ...]
     gpu_direct: bool  # blocks move from GPU memory with no host bounce
     numa_node: int | None  # where CPU staging buffers and I/O threads belong
+    read_gbps: float | None = None  # the store's combined read bandwidth (distinct devices)
+    bandwidth: str = ""  # how: "4 drives (...), ~31.5 GB/s combined (...)"
 
 
 class PathRejectedError(PathUnavailableError):
@@ -129,9 +137,13 @@ def gds_checks(facts: Facts) -> list[Check]:
     else:
         checks.append(Check("cufile_json", True, f"{g.cufile_json or 'no cufile.json'}: compat "
                             "mode not forced"))
-    ok, why = fs_gds_support(facts.cache_dir)
-    checks.append(Check("cache_fs", ok, why, "" if ok else "put offload.store.path on ext4/xfs on "
-                        "local NVMe (or a GDS-capable file system)"))
+    verdicts = [fs_gds_support(cd) for cd in facts.directories]
+    ok, why = next((v for v in verdicts if not v[0]), verdicts[0])
+    if ok and len(verdicts) > 1:
+        why += f" (and the other {len(verdicts) - 1} directories of offload.store.paths)"
+    checks.append(Check("cache_fs", ok, why, "" if ok else "put every cache directory "
+                        "(offload.store.path or paths) on ext4/xfs on local NVMe (or a "
+                        "GDS-capable file system)"))
     checks.append(python_check(facts, "gds"))
     return checks
 
@@ -231,6 +243,15 @@ def _numa(facts: Facts, cfg: OffloadConfig) -> int | None:
     return n if n is not None else cache_numa_node(facts)
 
 
+def _store(facts: Facts) -> tuple[str, Bandwidth]:
+    """(reason: the cache directories and the combined read bandwidth of their distinct devices,
+    that bandwidth)."""
+    dirs = facts.directories
+    what = dirs[0].path if len(dirs) == 1 else f"{len(dirs)} directories"
+    bw = read_bandwidth(facts, list(dirs))
+    return f"store: {what} on {bw.text}", bw
+
+
 def _assumed(checks: list[Check]) -> list[str]:
     return [f"assumed: {c.name} passes ({c.detail}"
             + (")" if NOT_CHECKED in c.detail else f"; {NOT_CHECKED} on a fixture root)")
@@ -280,13 +301,18 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         gpu_direct = True
         reasons += [f"gds: {c.detail}" for c in gchecks if c.ok] + _assumed(gchecks)
     else:
-        cd = facts.cache_dir
-        where = (cd.fs_type or "the cache file system") + (f" ({cd.block_device})"
-                                                            if cd.block_device else "")
+        where = ", ".join(dict.fromkeys(
+            (cd.fs_type or "the cache file system") + (f" ({cd.block_device})"
+                                                       if cd.block_device else "")
+            for cd in facts.directories))
         reasons.append(f"cpu staging: pinned host buffers + O_DIRECT I/O on {where}"
                        + (f", NUMA node {numa}" if numa is not None else ""))
         if not facts.gpus:
             reasons.append("no NVIDIA GPU: nothing to move from GPU memory")
+    bw = Bandwidth(None, 0, "")
+    if path != "dpu":            # on the dpu path blocks go to the agent's store, not these
+        store, bw = _store(facts)
+        reasons.append(store)
     reasons += redis_reasons
     rejected = []
     for p in PREFERENCE:
@@ -301,4 +327,5 @@ def decide(facts: Facts, cfg: OffloadConfig) -> Decision:
         else:
             rejected.append(Rejection(p, f"preference: {path} ranks above {p} when both work",
                                       f"set offload.transfer.path: {p} to force it"))
-    return Decision("host", path, requested, tuple(reasons), tuple(rejected), gpu_direct, numa)
+    return Decision("host", path, requested, tuple(reasons), tuple(rejected), gpu_direct, numa,
+                    bw.gbps, bw.text)

@@ -3,10 +3,14 @@
 Primitive: `detect(cfg, root="/", cache_dir=None, live=None, env=None, python=None) -> Facts`.
 - `root`: the machine's file tree (`/`, or a fixture under tests/fixtures/hosts/). A missing or
   unreadable root raises `DetectError`.
-- `cache_dir`: a machine path (inside the root); default `cfg.store.path`.
+- `cache_dir`: a machine path (inside the root); default every directory of the config
+  (`cfg.store.directories()`: `paths`, or the one `path`), each probed (`Facts.cache_dirs`;
+  `Facts.cache_dir` is the first). `Facts.drives`: every NVMe drive and what is mounted from it
+  (drives.py; which of them the cache should use is drive_set.py).
 - `live`: the injectable live probes; default `Live.default()` on `/` and `Live.offline()` on any
   other root, where NVML, libcufile, mlxconfig and the agent connection are `not checked`.
-- `env`: environment for `CUFILE_ENV_PATH_JSON`; default `os.environ` on `/`, `{}` elsewhere.
+- `env`: environment for `CUFILE_ENV_PATH_JSON` and `CUDA_VISIBLE_DEVICES` (the server's GPUs);
+  default `os.environ` on `/`, `{}` elsewhere.
 - `python`: the interpreter that will run SGLang (default this one); its Python side of every
   path (pyside.py) is asked under any root, since it is a fact of that interpreter.
 Nothing here imports a native library; only `live` functions load one, and only if present.
@@ -23,6 +27,7 @@ from typing import Any, Iterator, Mapping
 
 from offload.config import OffloadConfig
 from offload.hw.dpu import probe_cards, probe_doca, probe_platform
+from offload.hw.drives import probe_drives
 from offload.hw.facts import AgentFact, Distance, Facts, Gpu
 from offload.hw.fsroot import Root
 from offload.hw.gds import probe_gds
@@ -103,12 +108,15 @@ def detect(cfg: OffloadConfig, root: str = "/", cache_dir: str | None = None,
     targets = [(c.functions[0] if c.functions else c.bdf,
                 "dpu" if c.kind == "bluefield" else "nic", c.model) for c in cards]
     targets += [(n.bdf, "nvme", n.name) for n in nvme if n.bdf]
+    cache_dirs = tuple(probe_cache_dir(r, d) for d in
+                       ([cache_dir] if cache_dir else cfg.store.directories()))
     facts = Facts(
         root=r.path, live=r.live, platform=platform, gpu_probe=gpu_probe, gpus=gpus,
         nics=cards, rdma=rdma, doca=probe_doca(r, live), gpudirect_rdma=probe_peermem(r),
         gds=probe_gds(r, live, env), nvme=nvme,
-        cache_dir=probe_cache_dir(r, cache_dir or cfg.store.path),
-        distances=_distances(gpus, pci, targets), agent=_agent(cfg, live),
-        python=probe_python(live, python or sys.executable, cfg.agent.transport))
+        cache_dir=cache_dirs[0], distances=_distances(gpus, pci, targets), agent=_agent(cfg, live),
+        python=probe_python(live, python or sys.executable, cfg.agent.transport),
+        drives=probe_drives(r, nvme), cache_dirs=cache_dirs,
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"))
     log_facts(facts)
     return facts

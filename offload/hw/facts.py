@@ -1,12 +1,13 @@
 """The facts detection found: plain frozen records, each with its `source` and a `reason`.
 
 Primitives: one dataclass per kind of fact (`Platform`, `Gpu`, `NetCard`, `RdmaDevice`, `Doca`,
-`GpuDirectRdma`, `Gds`, `Nvme`, `CacheDir`, `Distance`, `AgentFact`, `IoProbe`) gathered in
+`GpuDirectRdma`, `Gds`, `Nvme`, `CacheDir`, `Drive`, `Distance`, `AgentFact`, `IoProbe`) gathered in
 `Facts` (`PythonSide`: what the interpreter that runs SGLang can import, per path);
 `facts_to_json(facts)` gives the plain data of `detect --json` (schema in schema.json).
 `source` names where a fact was read (a machine path, `nvml`, `mlxconfig`, `config`, or
 `not checked` for a live probe that did not run); `reason` says what it means in words.
-Helpers for the CPU path: `gpu_numa_node(facts, index)` and `cache_numa_node(facts)`.
+Helpers for the CPU path: `gpu_numa_node(facts, index)` and `cache_numa_node(facts)`;
+`Facts.directories`: every cache directory probed.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class Nvme:
     namespaces: tuple[NvmeNamespace, ...]
     source: str
     reason: str
+    link: str | None = None  # PCIe link of its function: "Gen4 x4" (current_link_speed/width)
+    link_gbps: float | None = None  # that link's payload rate, GB/s: a ceiling on its reads
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,27 @@ class CacheDir:
     block_device: str | None
     disks: tuple[str, ...]
     nvme: tuple[str, ...]
+    free_bytes: int | None
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drive:
+    """One block device on NVMe that holds (or could hold) the cache: a namespace, a partition,
+    or md/dm above namespaces, with the file systems mounted from it; or a namespace that has
+    nothing mounted from it (`mount_points` empty). Free space on the live machine only."""
+
+    device: str  # block device name: nvme3n1, nvme0n1p2, md0
+    dev: str | None  # major:minor
+    disks: tuple[str, ...]  # NVMe namespaces below it
+    nvme: tuple[str, ...]  # their controllers
+    numa_nodes: tuple[int, ...]  # of those controllers (empty: unknown)
+    size_bytes: int | None
+    fs_type: str | None
+    mount_points: tuple[str, ...]  # writable mounts first
+    mount_options: str | None
+    read_only: bool  # every mount of it is read-only
     free_bytes: int | None
     source: str
     reason: str
@@ -244,6 +268,14 @@ class Facts:
     agent: AgentFact
     io: IoProbe | None = None
     python: PythonSide | None = None
+    drives: tuple[Drive, ...] = ()
+    cache_dirs: tuple[CacheDir, ...] = ()  # every configured directory (cache_dir is the first)
+    cuda_visible_devices: str | None = None  # the server's GPUs, from the environment
+
+    @property
+    def directories(self) -> tuple[CacheDir, ...]:
+        """Every cache directory probed (`cache_dirs`, or the one `cache_dir`)."""
+        return self.cache_dirs or (self.cache_dir,)
 
 
 def facts_to_json(facts: Facts) -> dict[str, Any]:

@@ -6,8 +6,9 @@ Primitives:
   (None when the directory is missing: not checked).
 - `check_host(cfg, root, cache_dir, connect) -> HostFindings`: every problem at once, each a line
   naming the key (or `--cache-dir`), the bad value and the fix:
-  errors: `transfer.numa_node` that is not a node of the machine; the cache directory naming
-  something that is not a directory, or on a pseudo file system (proc, sysfs, ...); and, on the
+  errors: `transfer.numa_node` that is not a node of the machine; a cache directory (each of
+  `store.paths`, or `path`, or `--cache-dir`) naming something that is not a directory, or on a
+  pseudo file system (proc, sysfs, ...); and, on the
   live machine only (a fixture root's files are not this machine's), a secret file
   (`redis.password_file`, `redis.secret_file`, `agent.secret_file`) that is missing,
   unreadable, not private to its owner or too short, and TLS files that cannot be read.
@@ -60,8 +61,7 @@ def _numa(cfg: OffloadConfig, root: Root) -> list[str]:
             f"in {NODE_DIR}); use one of them or unset it (then the GPU's node is used)"]
 
 
-def _cache_dir(root: Root, path: str, given: bool) -> list[str]:
-    key = f"--cache-dir {path}" if given else f"offload.store.path: {path}"
+def _cache_dir(root: Root, path: str, key: str) -> list[str]:
     machine = os.path.normpath(path if path.startswith("/") else os.path.abspath(path))
     if root.exists(machine) and not root.isdir(machine):
         return [f"{key} exists and is not a directory; name a directory (it is created if missing)"]
@@ -114,7 +114,13 @@ def check_host(cfg: OffloadConfig, root: str | Root = "/", cache_dir: str | None
                connect: Connect | None = None) -> HostFindings:
     """Every start-time problem of `cfg` on the machine under `root` (see the module doc)."""
     r = root if isinstance(root, Root) else Root(root)
-    errors = _numa(cfg, r) + _cache_dir(r, cache_dir or cfg.store.path, cache_dir is not None)
+    if cache_dir is not None:
+        dirs = [(cache_dir, f"--cache-dir {cache_dir}")]
+    elif cfg.store.paths:
+        dirs = [(d, f"offload.store.paths[{i}]: {d}") for i, d in enumerate(cfg.store.paths)]
+    else:
+        dirs = [(cfg.store.path, f"offload.store.path: {cfg.store.path}")]
+    errors = _numa(cfg, r) + [e for path, key in dirs for e in _cache_dir(r, path, key)]
     if r.live:
         errors += _secret_files(cfg)
     warnings = _redis_reachable(cfg, connect) if connect is not None and r.live else []

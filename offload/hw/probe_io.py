@@ -1,7 +1,10 @@
 """`detect --probe-io`: a few seconds of O_DIRECT write then read in the cache directory.
 
-Primitive: `probe_io(path, seconds=2.0, max_bytes=1 GiB, chunk=4 MiB) -> IoProbe` (GB/s = 1e9
-bytes/s). Buffers come from an anonymous mmap (page aligned, as O_DIRECT needs). Where O_DIRECT
+Primitives: `probe_io(path, seconds=2.0, max_bytes=1 GiB, chunk=4 MiB) -> IoProbe` (GB/s = 1e9
+bytes/s); `probe_io_many(paths, seconds)`: one probe per path (one directory per distinct device,
+drive_set.one_per_device), all at once in threads (the I/O calls release the GIL), whose write
+and read rates add up: the store's combined figure, each directory's in the reason.
+Buffers come from an anonymous mmap (page aligned, as O_DIRECT needs). Where O_DIRECT
 is refused (tmpfs, overlayfs) it falls back to buffered I/O, says so, and drops the page cache for
 the file (fsync + POSIX_FADV_DONTNEED) before reading. The file is always removed. Never raises.
 """
@@ -12,6 +15,7 @@ import mmap
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from offload.hw.facts import IoProbe
 
@@ -69,3 +73,22 @@ def probe_io(path: str, seconds: float = 2.0, max_bytes: int = 1 << 30,
                    source="O_DIRECT probe",
                    reason=f"{mode}, {written >> 20} MiB in {chunk >> 20} MiB chunks: write "
                           f"{w or 0:.2f} GB/s, read {r or 0:.2f} GB/s")
+
+
+def probe_io_many(paths: list[str], seconds: float = 2.0, max_bytes: int = 1 << 30) -> IoProbe:
+    """`probe_io` in every directory at once; the rates are the sums (None if any is None)."""
+    if len(paths) == 1:
+        return probe_io(paths[0], seconds, max_bytes)
+    with ThreadPoolExecutor(len(paths)) as pool:
+        probes = list(pool.map(lambda p: probe_io(p, seconds, max_bytes), paths))
+
+    def total(rates: list[float | None]) -> float | None:
+        return None if any(r is None for r in rates) else sum(r or 0.0 for r in rates)
+
+    w, r = total([p.write_gbps for p in probes]), total([p.read_gbps for p in probes])
+    each = "; ".join(f"{p.path}: {p.reason}" for p in probes)
+    return IoProbe(path=", ".join(paths), bytes=sum(p.bytes for p in probes), write_gbps=w,
+                   read_gbps=r, o_direct=all(p.o_direct for p in probes),
+                   source="O_DIRECT probe, one per device, at once",
+                   reason=f"{len(paths)} devices at once: write {w or 0:.2f} GB/s, read "
+                          f"{r or 0:.2f} GB/s combined ({each})")

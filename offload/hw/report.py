@@ -1,9 +1,11 @@
 """Rendering the facts and the decision: a human report, and the `--json` object.
 
-Primitives: `render_text(facts, decision, error) -> str` (platform; GPU, NIC/DPU and NVMe tables;
-cache directory; GPU x NIC/DPU/NVMe distance matrix; GPUDirect RDMA, GDS, DOCA, agent; the
-Python side of each path in the interpreter that runs SGLang; then the Decision block),
-`to_json(facts, decision, error) -> dict` (schema in schema.json, `SCHEMA_VERSION`), and
+Primitives: `render_text(facts, decision, error, drive_set) -> str` (platform; GPU, NIC/DPU and
+NVMe tables; the drives and which the cache would use (drive_set.py); the cache directories,
+each judged, their combined read bandwidth and a suggested `paths:` list; GPU x NIC/DPU/NVMe
+distance matrix; GPUDirect RDMA, GDS, DOCA, agent; the Python side of each path in the
+interpreter that runs SGLang; then the Decision block), `to_json(facts, decision, error,
+drive_set) -> dict` (schema in schema.json, `SCHEMA_VERSION`), and
 `gds_status(facts) -> (status, why)`: available | compat only | unavailable
 (the machine's side only: the Python side is reported on its own).
 """
@@ -14,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from offload.hw.decide import Decision, PathRejectedError, first_failure, gds_checks
+from offload.hw.drive_set import DriveSet
 from offload.hw.facts import SCHEMA_VERSION, Facts
 
 COMPAT_CHECKS = {"cache_fs", "cufile_json"}
@@ -71,8 +74,42 @@ def _targets(facts: Facts) -> list[tuple[str, str, str]]:
     return [(bdf, label, legend) for bdf, (label, legend) in seen.items()]
 
 
+def _drives(facts: Facts, ds: DriveSet | None) -> list[str]:
+    """The Drives table (which the cache would use, and why) and the cache directories."""
+    out: list[str] = []
+    if ds is not None:
+        use = {u.device: u for u in ds.drives}
+        out += ["", f"Drives: {len(facts.drives)}, {len(ds.chosen)} for the cache "
+                f"(the server's GPUs: {ds.gpu_nodes_reason})"]
+        out += _table(["device", "NVMe", "NUMA", "fs", "mounted at", "size", "free", "use", "why"],
+                      [[d.device, ",".join(d.nvme), ",".join(map(str, d.numa_nodes)) or "-",
+                        _v(d.fs_type), ",".join(d.mount_points) or "-", _size(d.size_bytes),
+                        _size(d.free_bytes), "yes" if use[d.device].use else "no",
+                        use[d.device].reason] for d in facts.drives])
+    dirs = facts.directories
+    checks = ds.directories if ds is not None else ()
+    out.append("")
+    out.append(f"Cache directory: {dirs[0].path}" if len(dirs) == 1 else
+               f"Cache directories: {len(dirs)}")
+    for i, cd in enumerate(dirs):
+        what = f"{cd.reason}" + (f"; {_size(cd.free_bytes)} free" if cd.free_bytes is not None
+                                 else "")
+        out.append(f"  {checks[i].key if checks else i}: {cd.path}: {what}" if len(dirs) > 1
+                   else f"  {what}")
+        out += [f"  warning: {w}" for w in (checks[i].warnings if checks else ())]
+    out.append(f"  (source: {dirs[0].source})")
+    if ds is not None:
+        out.append(f"  read bandwidth: {ds.bandwidth}")
+        if ds.suggestion:
+            listed = ", ".join(ds.suggestion)
+            out += [f"  suggested: offload.store.paths: [{listed}]" if len(ds.suggestion) > 1
+                    else f"  suggested: offload.store.path: {listed}",
+                    f"    ({ds.suggestion_reason})"]
+    return out
+
+
 def render_text(facts: Facts, decision: Decision | None,
-                error: PathRejectedError | None = None) -> str:
+                error: PathRejectedError | None = None, drive_set: DriveSet | None = None) -> str:
     out: list[str] = []
     p = facts.platform
     where = "this machine" if facts.live else f"fixture root {facts.root}"
@@ -100,15 +137,11 @@ def render_text(facts: Facts, decision: Decision | None,
         ports = ", ".join(f"{x.port}:{x.state}/{x.link_layer}/{x.rate}" for x in r.ports)
         out.append(f"  RDMA {r.name} ({_v(r.bdf)}): fw {_v(r.fw_ver)}; ports {ports or '-'}")
     out += ["", f"NVMe: {len(facts.nvme)}"]
-    out += _table(["name", "model", "transport", "PCI", "NUMA", "namespaces"],
-                  [[n.name, _v(n.model), _v(n.transport), _v(n.bdf), _v(n.numa_node),
+    out += _table(["name", "model", "transport", "PCI", "link", "NUMA", "namespaces"],
+                  [[n.name, _v(n.model), _v(n.transport), _v(n.bdf), _v(n.link), _v(n.numa_node),
                     ", ".join(f"{s.name} {_size(s.size_bytes)}" for s in n.namespaces) or "-"]
                    for n in facts.nvme])
-    cd = facts.cache_dir
-    out += ["", f"Cache directory: {cd.path}",
-            f"  {cd.reason}" + (f"; {_size(cd.free_bytes)} free" if cd.free_bytes is not None
-                                else ""),
-            f"  (source: {cd.source})"]
+    out += _drives(facts, drive_set)
     targets = _targets(facts)
     out += ["", "PCIe distance (GPU x NIC/DPU/NVMe)"]
     if not facts.gpus or not targets:
@@ -162,7 +195,8 @@ def render_text(facts: Facts, decision: Decision | None,
 
 
 def to_json(facts: Facts, decision: Decision | None,
-            error: PathRejectedError | None = None) -> dict[str, Any]:
+            error: PathRejectedError | None = None, drive_set: DriveSet | None = None
+            ) -> dict[str, Any]:
     data = dataclasses.asdict(facts)
     root, live = data.pop("root"), data.pop("live")
     gstat, gwhy = gds_status(facts)
@@ -173,7 +207,13 @@ def to_json(facts: Facts, decision: Decision | None,
         dec = {"role": decision.role, "path": decision.path, "requested": decision.requested,
                "reasons": list(decision.reasons),
                "rejected": [dataclasses.asdict(r) for r in decision.rejected],
-               "gpu_direct": decision.gpu_direct, "numa_node": decision.numa_node}
+               "gpu_direct": decision.gpu_direct, "numa_node": decision.numa_node,
+               "read_gbps": decision.read_gbps, "bandwidth": decision.bandwidth}
     err = None if error is None else {"path": error.path, "check": error.check, "fix": error.fix}
+    drives = None
+    if drive_set is not None:
+        drives = dataclasses.asdict(drive_set)
+        drives["chosen"] = [u.directory for u in drive_set.chosen]
+        drives["warnings"] = list(drive_set.warnings)
     return {"schema_version": SCHEMA_VERSION, "root": root, "live": live, "facts": data,
-            "decision": dec, "error": err}
+            "decision": dec, "error": err, "drive_set": drives}

@@ -8,7 +8,10 @@ Primitives:
   gives the block device, its whole disk, the disks below md/dm (`slaves/`) and their NVMe
   controllers. Free space (`os.statvfs`) only on the live machine.
 - `probe_nvme(root, pci) -> tuple[Nvme, ...]`: `/sys/class/nvme/nvmeX` (model, serial, firmware,
-  transport, address, state, PCI function and NUMA node) and its namespaces.
+  transport, address, state, PCI function, NUMA node, PCIe link from the function's
+  `current_link_speed`/`current_link_width`) and its namespaces.
+- `pcie_link(speed, width) -> (label, GB/s)`: "16.0 GT/s PCIe" x 4 -> ("Gen4 x4", 7.88), the
+  link's payload rate after line coding: a ceiling on what a drive behind it reads.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from offload.hw.live import NOT_CHECKED
 from offload.hw.pci import PciDevice
 
 MOUNTINFO = "/proc/self/mountinfo"
-_NS = re.compile(r"^nvme\d+(c\d+)?n\d+$")
+NAMESPACE = re.compile(r"^nvme\d+(c\d+)?n\d+$")
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def _existing(root: Root, path: str) -> tuple[str, str]:
     return real, rest
 
 
-def _disks(root: Root, dev: str, depth: int = 0) -> tuple[str | None, list[str]]:
+def disks_below(root: Root, dev: str, depth: int = 0) -> tuple[str | None, list[str]]:
     """(block device name, whole disks below it) for a major:minor."""
     real = root.realpath(f"/sys/dev/block/{dev}")
     if not real:
@@ -97,12 +100,12 @@ def _disks(root: Root, dev: str, depth: int = 0) -> tuple[str | None, list[str]]
         for s in slaves:
             sdev = root.read(f"/sys/class/block/{s}/dev")
             if sdev:
-                disks.extend(_disks(root, sdev, depth + 1)[1])
+                disks.extend(disks_below(root, sdev, depth + 1)[1])
         return name, disks
     return name, [disk_dir.rsplit("/", 1)[-1]]
 
 
-def _controller(root: Root, disk: str) -> str | None:
+def controller_of(root: Root, disk: str) -> str | None:
     real = root.realpath(f"/sys/class/block/{disk}") or ""
     m = re.search(r"/nvme/(nvme\d+)/", real)
     if m:
@@ -138,8 +141,8 @@ def probe_cache_dir(root: Root, path: str) -> CacheDir:
         return CacheDir(path=path, exists=exists, mount_point=None, fs_type=None, mount_source=None,
                         mount_options=None, device=device, block_device=None, disks=(), nvme=(),
                         free_bytes=free, source=MOUNTINFO, reason="no mount holds this path")
-    block, disks = _disks(root, m.device) if not m.device.startswith("0:") else (None, [])
-    nvme = tuple(dict.fromkeys(c for c in (_controller(root, d) for d in disks) if c))
+    block, disks = disks_below(root, m.device) if not m.device.startswith("0:") else (None, [])
+    nvme = tuple(dict.fromkeys(c for c in (controller_of(root, d) for d in disks) if c))
     how = "os.stat st_dev + " if root.live else "longest prefix in "
     where = f"{m.fs_type} on {m.source} mounted at {m.mount_point}"
     if block:
@@ -154,6 +157,21 @@ def probe_cache_dir(root: Root, path: str) -> CacheDir:
                     source=f"{how}{MOUNTINFO}"
                     + ("" if root.live else f" (free space {NOT_CHECKED})"),
                     reason=where)
+
+
+_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
+
+
+def pcie_link(speed: str | None, width: int | None) -> tuple[str | None, float | None]:
+    """(`Gen4 x4`, payload GB/s) of a link from sysfs `current_link_speed` and `_width`."""
+    m = re.match(r"^\s*([0-9.]+)\s*GT/s", speed or "")
+    if not m or not width or width <= 0:
+        return None, None
+    gts = float(m.group(1))
+    # 8b/10b up to Gen2, 128b/130b for Gen3-5, FLIT (242 of 256 bytes) from Gen6
+    per_lane = gts * (0.8 if gts < 8 else 128 / 130 if gts < 64 else 242 / 256) / 8
+    gen = _GEN.get(gts)
+    return (f"Gen{gen} x{width}" if gen else f"{gts:g} GT/s x{width}"), round(per_lane * width, 2)
 
 
 def probe_nvme(root: Root, pci: dict[str, PciDevice]) -> tuple[Nvme, ...]:
@@ -172,7 +190,7 @@ def probe_nvme(root: Root, pci: dict[str, PciDevice]) -> tuple[Nvme, ...]:
             numa = None
         namespaces = []
         for ns in root.listdir(base):
-            if not _NS.match(ns):
+            if not NAMESPACE.match(ns):
                 continue
             sectors = root.read_int(f"{base}/{ns}/size")
             rot = root.read_int(f"{base}/{ns}/queue/rotational")
@@ -182,11 +200,15 @@ def probe_nvme(root: Root, pci: dict[str, PciDevice]) -> tuple[Nvme, ...]:
                 logical_block_size=root.read_int(f"{base}/{ns}/queue/logical_block_size"),
                 rotational=None if rot is None else bool(rot)))
         transport = root.read(f"{base}/transport")
+        link, link_gbps = pcie_link(root.read(f"{base}/device/current_link_speed"),
+                                    root.read_int(f"{base}/device/current_link_width"))
         out.append(Nvme(name=name, model=root.read(f"{base}/model"),
                         serial=root.read(f"{base}/serial"),
                         firmware=root.read(f"{base}/firmware_rev"), transport=transport,
                         address=root.read(f"{base}/address"), state=root.read(f"{base}/state"),
                         bdf=bdf, numa_node=numa, namespaces=tuple(namespaces), source=base,
                         reason=f"NVMe controller over {transport or 'unknown transport'}, "
-                               f"{len(namespaces)} namespace(s)"))
+                               f"{len(namespaces)} namespace(s)"
+                               + (f", PCIe {link} (~{link_gbps:g} GB/s)" if link else ""),
+                        link=link, link_gbps=link_gbps))
     return tuple(out)

@@ -125,7 +125,7 @@ def write(p: LaunchCommand) -> None:
 
 def worth_it_text(p: LaunchCommand) -> str:
     """Which worth-it threshold the backend will apply on this device, and why."""
-    return plan_text(p.config.offload.worth_it, p.device.device)
+    return plan_text(p.config.offload.worth_it, p.device.device, p.decision.bandwidth)
 
 
 def render(p: LaunchCommand, config_file: str) -> str:
@@ -174,15 +174,17 @@ def summary(p: LaunchCommand, config_file: str) -> str:
     """What a real launch says before it execs SGLang: path and why, store, tiers, device."""
     d, off = p.decision, p.offload_tree
     store = off["store"]
+    dirs = store.get("paths") or [store["path"]]
     tiers = [f"L1 {p.device.device} KV pool (SGLang)", "L2 host pool (HiCache)",
-             f"L3 store {store['path']}"]
+             f"L3 store {', '.join(dirs)}"]
     if d.path == "dpu":
         tiers[-1] = f"L3 agent {off['agent']['address']} ({off['agent']['transport']})"
     if (off.get("redis") or {}).get("url"):
         tiers.append(f"shared Redis {redact(off)['redis']['url']}")
     lines = [f"sglang-offload launch: {config_file}",
              f"  path: {d.path} (requested {d.requested}): " + "; ".join(d.reasons),
-             f"  store: {store['path']} (capacity {store['capacity']}, namespace salt "
+             f"  store: {', '.join(dirs)} (capacity {store['capacity']}"
+             f"{' for all' if len(dirs) > 1 else ''}, namespace salt "
              f"{'set' if store.get('salt') else 'unset'})",
              "  tiers: " + " -> ".join(tiers),
              f"  device {p.device.device}: " + "; ".join(p.device.reasons),

@@ -124,9 +124,11 @@ class PlanInputs:
     target_users: int | None = None      # for tier sizing; None = the users served with offload
     hit_rate: float = 1.0
     prefix_tokens: int | None = None     # None = context
-    read_gbps: float = DEFAULT_READ_GBPS
+    read_gbps: float = DEFAULT_READ_GBPS  # the tier's read bandwidth per replica (all drives)
     prefill_tps: float | None = None     # per GPU; None = derived from the GPU's FLOPS
     model_source: str = ""
+    read_drives: int = 1                 # distinct drives behind read_gbps
+    read_source: str = ""                # how read_gbps was found ("4 drives x 7 GB/s")
 
 
 @dataclass(frozen=True)
@@ -263,8 +265,8 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
         "by the tier capacity)",
         "tier holds every served user's KV (HiCache write-through); NVMe and Redis need the same "
         "bytes (Redis per-key overhead not counted)",
-        f"prefix load reads every rank's share{mla_read} at {inp.read_gbps:g} GB/s aggregate per "
-        "replica; "
+        f"prefix load reads every rank's share{mla_read} at {inp.read_gbps:.3g} GB/s aggregate per "
+        "replica" + (f" ({inp.read_source})" if inp.read_source else "") + "; "
         f"prefill scales linearly over the {inp.tp} GPU(s) of a replica",
     ]
 
@@ -344,7 +346,9 @@ def format_table(plan: Plan, arch: Architecture) -> str:
         f"{plan.target_users} users at hit rate {i['hit_rate']:g} "
         f"({_gib(plan.users[0].tier_bytes_per_user)} per user)" + _short_note(plan),
         f"  prefix           {plan.prefix_tokens} tokens = {_gib(plan.prefix_load_bytes)}: load "
-        f"{plan.prefix_load_s:.2f} s at {i['read_gbps']:g} GB/s vs prefill "
+        f"{plan.prefix_load_s:.2f} s at {i['read_gbps']:.3g} GB/s"
+        + (f" ({i['read_drives']} drives combined)" if i["read_drives"] > 1 else "")
+        + " vs prefill "
         f"{plan.prefix_prefill_s:.2f} s -> {verdict}",
         f"  prefill rate     {_rate(plan.prefill_tps_per_gpu)} tokens/s per GPU: "
         f"{plan.prefill_tps_source}",

@@ -81,7 +81,7 @@ def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:
     if decision is None:
         from offload.hw import detect_and_decide
 
-        _, decision = detect_and_decide(cfg, cache_dir=cfg.store.path)
+        _, decision = detect_and_decide(cfg)   # every directory of the store
     if getattr(decision, "role", "host") == "agent":
         raise PathUnavailableError("this process runs on a BlueField DPU's Arm cores: run "
                                    "`sglang-offload agent` here and inference on the host")

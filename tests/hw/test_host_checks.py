@@ -195,3 +195,11 @@ def test_config_validate_does_not_import_sglang_s_parser() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert res.stdout.splitlines()[-1] == "LAZY 0", res.stderr
+
+
+def test_every_directory_of_paths_is_checked(tmp_path: Path) -> None:
+    m = _machine(tmp_path, None)
+    cfg = load_offload({"store": {"paths": [str(tmp_path / "ok"), "/proc/1", "/etc/passwd"]}})
+    errors = check_host(cfg, m).errors
+    assert [e.split(" is ")[0].split(" exists")[0] for e in errors] == [
+        "offload.store.paths[1]: /proc/1", "offload.store.paths[2]: /etc/passwd"]

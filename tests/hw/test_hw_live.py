@@ -112,3 +112,23 @@ def test_detect_loads_no_heavy_or_absent_native_library() -> None:
     if r["cufile"] != "loads":
         assert "libcufile" not in r["libs"]
     assert not {"libcuda.", "libtorch", "libnixl"} & set(r["libs"])
+
+
+def test_probe_io_measures_one_directory_per_device_and_adds_up(tmp_path: Path) -> None:
+    from offload.hw.probe_io import probe_io_many
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    io = probe_io_many([str(a), str(b)], seconds=0.2, max_bytes=64 << 20)
+    assert io.bytes > 0 and io.read_gbps and io.write_gbps
+    assert io.reason.startswith("2 devices at once") and str(a) in io.reason and str(b) in io.reason
+    assert list(a.iterdir()) == list(b.iterdir()) == []
+    # two directories of the config on this one file system: measured once, as one device
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"offload:\n  store:\n    paths: [{a}, {b}]\n")
+    p = detect("--json", "--config", str(cfg), "--probe-io", "--probe-io-seconds", "0.2")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert validate(out, SCHEMA) == [] and out["facts"]["io"]["path"] == str(a)
+    assert "are on one device" in p.stderr

@@ -23,3 +23,23 @@ def test_a_configured_prefill_speed_or_the_rule_off_is_named(capsys, tmp_path: P
     off = CPU + "  worth_it: {enabled: false}\n"
     assert "rule off" in dry_run(capsys, write(tmp_path, off),
                                  root=str(HOSTS / "cpu-box"))["worth_it"]
+
+
+def test_the_stores_drives_and_their_combined_bandwidth_are_named(capsys, tmp_path: Path) -> None:
+    dirs = "[/data1/kv, /data2/kv, /data4/kv, /data5/kv]"
+    cfg = write(tmp_path, CPU.replace("store: {path: /tmp/x}", f"store: {{paths: {dirs}}}"))
+    out = dry_run(capsys, cfg, root=str(HOSTS / "dgx-8nvme"))
+    combined = "4 drives (nvme1n1, nvme2n1, nvme4n1, nvme5n1), ~31.5 GB/s combined"
+    assert f"the store's reads span {combined}" in out["worth_it"]
+    assert any(r.startswith(f"store: 4 directories on {combined}")
+               for r in out["decision"]["reasons"])
+
+
+def test_the_summary_names_every_directory(tmp_path: Path) -> None:
+    from offload.launch.compose import prepare, summary
+
+    cfg = write(tmp_path, CPU.replace("store: {path: /tmp/x}",
+                                      "store: {paths: [/data1/kv, /data2/kv]}"))
+    text = summary(prepare(str(cfg), root=str(HOSTS / "dgx-8nvme")), str(cfg))
+    assert "store: /data1/kv, /data2/kv (capacity 100GiB for all" in text
+    assert "L3 store /data1/kv, /data2/kv" in text
