@@ -14,6 +14,7 @@ from tests.launch.helpers import CONFIGS, HOSTS, dry_run
 EXPECTED = {
     "llama-3.1-70b-128k-h100x8-nvme.yaml": [("/", "cpu"), ("h100x8-gds", "gds")],
     "llama-3.1-70b-128k-h100x8-nvme-fp8kv.yaml": [("/", "cpu"), ("h100x8-gds", "gds")],
+    "llama-3.1-70b-128k-h100x8-drives.yaml": [("dgx-8nvme", "cpu")],
     "llama-3.1-8b-128k-h200.yaml": [("/", "cpu")],
     "llama-3.1-70b-128k-b200x4.yaml": [("/", "cpu")],
     "llama-3.1-8b-128k-h100x2-bluefield3-dpu.yaml": [("h100-bf3-dpu", "dpu")],
