@@ -100,6 +100,25 @@ def timed_cpu(fn: Callable[[], T]) -> tuple[float, float, T]:
     return time.perf_counter() - t0, time.process_time() - cpu0, value
 
 
+def put_all(store: Any, keys: Sequence[bytes], views: Sequence[Any], batch: int, what: str) -> None:
+    """Put every key in batches (the i-th key of a batch from `views[i]`), then wait until they
+    are durable: a store's put figure is time to durable. RuntimeError naming `what` if not."""
+    for i in range(0, len(keys), batch):
+        ks = keys[i:i + batch]
+        if not all(store.put_many(ks, [[v] for v in views[:len(ks)]])):
+            raise RuntimeError(f"put failed at {what}")
+    if not store.flush():
+        raise RuntimeError(f"put not made durable at {what}")
+
+
+def get_all(store: Any, keys: Sequence[bytes], outs: Sequence[Any], batch: int, what: str) -> None:
+    """Get every key in batches into `outs` (RuntimeError naming `what` on a miss)."""
+    for i in range(0, len(keys), batch):
+        ks = keys[i:i + batch]
+        if not all(store.get_many(ks, [[o] for o in outs[:len(ks)]])):
+            raise RuntimeError(f"get failed at {what}")
+
+
 def median_of(tries: Sequence[Any]) -> Any:
     """Leaf-wise median of the same-shaped results of several tries (numbers at the leaves;
     anything else is taken from the first try)."""

@@ -21,7 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from offload.bench.common import drop_cache, median_of, timed
+from offload.bench.common import drop_cache, get_all, median_of, put_all, timed
 from offload.config import Size, StoreConfig, format_size
 
 
@@ -63,21 +63,12 @@ def bench_spread(roots: list[str], size: int, total: int, batch: int, threads: i
         return [int(d.get(field, 0)) for d in store.stats().extra["drives"]]  # type: ignore
 
     try:
-        def put() -> None:
-            for i in range(0, n, batch):
-                ks = keys[i:i + batch]
-                if not all(store.put_many(ks, [[v] for v in views[:len(ks)]])):
-                    raise RuntimeError(f"put failed at block size {size}")
-            if not store.flush():
-                raise RuntimeError(f"put not made durable at block size {size}")
+        what = f"block size {size}"
 
         def get() -> None:
-            for i in range(0, n, batch):
-                ks = keys[i:i + batch]
-                if not all(store.get_many(ks, [[o] for o in outs[:len(ks)]])):
-                    raise RuntimeError(f"get failed at block size {size}")
+            get_all(store, keys, outs, batch, what)
 
-        put_s = timed(put)
+        put_s = timed(lambda: put_all(store, keys, views, batch, what))
         written = per_drive("bytes_written")
         for d, s in zip(dirs, store.drive_stores()):
             if not s.o_direct:

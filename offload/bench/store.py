@@ -32,7 +32,9 @@ from offload.bench.common import (
     Outcome,
     dir_option,
     drop_cache,
+    get_all,
     median_of,
+    put_all,
     scratch,
     timed,
 )
@@ -103,23 +105,12 @@ def bench_size(root: str, size: int, total: int, batch: int, threads: int) -> di
     outs = [memoryview(dst)[i * size:(i + 1) * size] for i in range(batch)]
     keys = [os.urandom(32) for _ in range(n)]
     try:
-        def put() -> None:
-            for i in range(0, n, batch):
-                ks = keys[i:i + batch]
-                if not all(store.put_many(ks, [[v] for v in views[:len(ks)]])):
-                    raise RuntimeError(f"put failed at block size {size}")
-            # put_many returns once the bytes are written; the store's promise is "visible once
-            # durable", so the put figure is time-to-durable: the last group commit counts too.
-            if not store.flush():
-                raise RuntimeError(f"put not made durable at block size {size}")
+        what = f"block size {size}"
 
         def get() -> None:
-            for i in range(0, n, batch):
-                ks = keys[i:i + batch]
-                if not all(store.get_many(ks, [[o] for o in outs[:len(ks)]])):
-                    raise RuntimeError(f"get failed at block size {size}")
+            get_all(store, keys, outs, batch, what)
 
-        put_s = timed(put)
+        put_s = timed(lambda: put_all(store, keys, views, batch, what))
         if not store.o_direct:
             drop_cache(d, ".slab")
         res = {label: n * size / timed(get) / 1e9 for label in ("cold", "warm")}

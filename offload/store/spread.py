@@ -300,6 +300,17 @@ class SpreadStore:
         futs = [(idx, self._pool.submit(one, d, idx)) for d, idx in items]
         return [(idx, f.result()) for idx, f in futs]
 
+    def _on_second(self, keys: Sequence[bytes], where: list[list[Drive]], missed: list[int]
+                   ) -> list[tuple[int, Drive | None]]:
+        """Of the keys `missed` on their first drive, those their second drive holds (written
+        there while the first was out or full), with that drive: asked with `exists` first, so a
+        block on neither counts one miss, not two."""
+        second = self._group([(i, where[i][1]) for i in missed if len(where[i]) > 1])
+        held: list[tuple[int, Drive | None]] = []
+        for idx, got in self._fan(second, lambda s, ix: s.exists_many([keys[i] for i in ix])):
+            held += [(i, where[i][1]) for i, ok in zip(idx, got or []) if ok]
+        return held
+
     @staticmethod
     def _group(pairs: Sequence[tuple[int, Drive | None]]) -> dict[int, tuple[Drive, list[int]]]:
         out: dict[int, tuple[Drive, list[int]]] = {}
@@ -334,11 +345,7 @@ class SpreadStore:
                     out[i] = bool(ok)
 
         read([(i, w[0]) for i, w in enumerate(where) if w])
-        # the misses that their second drive holds (written there while the first was out)
-        second = self._group([(i, w[1]) for i, w in enumerate(where) if not out[i] and len(w) > 1])
-        held: list[tuple[int, Drive | None]] = []
-        for idx, got in self._fan(second, lambda s, ix: s.exists_many([keys[i] for i in ix])):
-            held += [(i, where[i][1]) for i, ok in zip(idx, got or []) if ok]
+        held = self._on_second(keys, where, [i for i, ok in enumerate(out) if not ok])
         if held:
             read(held)
         return out
@@ -438,11 +445,7 @@ class SpreadStore:
                     out[i] = slot
 
         pin([(i, w[0]) for i, w in enumerate(where) if w])
-        second = self._group([(i, w[1]) for i, w in enumerate(where)
-                              if out[i] is None and len(w) > 1])
-        held: list[tuple[int, Drive | None]] = []
-        for idx, ok in self._fan(second, lambda s, ix: s.exists_many([keys[i] for i in ix])):
-            held += [(i, where[i][1]) for i, h in zip(idx, ok or []) if h]
+        held = self._on_second(keys, where, [i for i, slot in enumerate(out) if slot is None])
         if held:
             pin(held)
         return out

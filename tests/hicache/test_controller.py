@@ -140,9 +140,10 @@ def test_a_store_over_several_drives_through_the_controller(tmp_path):
     extra["offload"]["store"]["paths"] = drives
     ctrl = ch.make_controller(kv, host, extra)
     try:
-        backend = ctrl.storage_backend
-        assert type(backend.store).__name__ == "SpreadStore" or any(
-            type(p).__name__ == "SpreadStore" for p in vars(backend.store).values())
+        from offload.events import _parts
+        from offload.store.spread import SpreadStore
+
+        assert any(isinstance(p, SpreadStore) for p in _parts(ctrl.storage_backend.store))
         hp.fill(host, seed=11)
         n_pages = 24
         src = host.alloc(n_pages * hp.PAGE)
