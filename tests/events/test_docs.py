@@ -22,3 +22,6 @@ def test_every_bound_in_the_events_reference_is_the_code_s() -> None:
                  f"{t.interval_s:g} s", f"every {tracker.snapshot_every():g} s",
                  _n(sources.SweepSource.__init__.__defaults__[-1]), tracker.SNAPSHOT_ENV):
         assert text in DOC, text
+    from sglang.srt.disaggregation.kv_events import KVEventsConfig
+
+    assert f"`buffer_steps`, default {_n(KVEventsConfig().buffer_steps)} batches" in DOC
