@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable
 
 from offload.config import MetricsConfig
-from offload.store.base import BlockStore, StoreStats, never_raises
+from offload.store.base import Backlog, BlockStore, HasBacklog, StoreStats, never_raises
 
 log = logging.getLogger(__name__)
 
@@ -208,15 +208,14 @@ class StoreWatch:
         with self._plock:
             for tier, s in tiers.items():
                 self._apply(tier, s)
-            if backlog is not None:
-                self.m.write_backlog.labels("redis").set(backlog)
+            for tier, b in backlog.items():
+                self.m.write_backlog.labels(tier).set(b.pages)
 
-    @never_raises("offload metrics: reading the upload queue", lambda *_: None, log)
-    def _backlog(self) -> int | None:
-        """Pages a tiered store queued for the shared tier (Redis) and not yet written: its
-        upload queue (`TieredStore._queue`; the write-through puts are synchronous)."""
-        q = getattr(self.store, "_queue", None) if getattr(self.store, "shared", None) else None
-        return None if q is None else int(q.qsize())
+    @never_raises("offload metrics: reading the write backlog", lambda *_: {}, log)
+    def _backlog(self) -> dict[str, Backlog]:
+        """Pages the store accepted for a tier and has not written yet, per tier (`HasBacklog`:
+        a tiered store's upload queue to the shared tier)."""
+        return self.store.backlog() if isinstance(self.store, HasBacklog) else {}
 
     def _apply(self, tier: str, s: StoreStats) -> None:
         m = self.m

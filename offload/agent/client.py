@@ -20,6 +20,9 @@ after a crash) until durable. `durable(keys)` asks the agent which
 keys are durable, waiting for their commits (DURABLE); `flush()` does that for every key put True
 since the last flush (remembered up to `FLUSH_KEYS`; past that the oldest are asked about first).
 
+`announce(pages)` / `feed(ns, after)`: the agent's announcement feed (which block hash each
+stored block holds, `offload.agent.feed`), read by the KV events of every host sharing it.
+
 Failure model (data path, never raises): an unreachable, slow or killed agent makes every call a
 miss (False / 0 / empty stats) within `timeout_s`; the connection is dropped and retried after
 `reconnect_s`, re-sending this host's NIXL metadata and namespaces. Each request carries a budget
@@ -389,6 +392,33 @@ class AgentStore:
                 self._unflushed.pop(bytes(k), None)
         return sum(reply.n for _, reply in self._key_chunks(protocol.DELETE, keys)
                    if reply is not None)
+
+    def announce(self, pages: Sequence[tuple[bytes, int, int | None]]) -> list[bool]:
+        """Announce (block key, block hash, parent hash) of pages this host stored, for every
+        host sharing the agent (ANNOUNCE); per page, recorded (False: the agent does not hold
+        the block durably, or is down)."""
+        out: list[bool] = []
+        with self._use() as c:
+            for start in range(0, len(pages), protocol.MAX_KEYS):
+                chunk = [(bytes(k), h, p) for k, h, p in pages[start:start + protocol.MAX_KEYS]]
+                try:
+                    reply = c.request(protocol.ANNOUNCE, protocol.Announce(chunk))[0]
+                except Down:
+                    reply = None
+                flags = reply.ok if isinstance(reply, protocol.Flags) else []
+                out += [bool(f) for f in flags] if len(flags) == len(chunk) else [False] * len(chunk)
+        return out
+
+    def feed(self, ns: bytes, after: int, limit: int = protocol.MAX_KEYS
+             ) -> protocol.FeedPage | None:
+        """The pages of namespace `ns` announced after cursor `after` (FEED); None while the
+        agent is down or refuses (a namespace this host may not use)."""
+        with self._use() as c:
+            try:
+                reply = c.request(protocol.FEED, protocol.FeedRead(bytes(ns), after, limit))[0]
+            except Down:
+                return None
+        return reply if isinstance(reply, protocol.FeedPage) else None
 
     def register_namespace(self, ns: Namespace) -> None:
         with self._lock:

@@ -3,7 +3,8 @@
 `AgentServer` builds one `AgentContext` and hands it to each connection (the way LMCache hands
 each connector one `ConnectorContext`): its store, the acknowledgements table, the access rules
 and quotas, the NIXL mover (set once the server started with `--transport ucx`), the limits,
-the memory budget, the namespace describer, the challenge buckets and the counters. A session
+the memory budget, the namespace describer, the announcement feed, the challenge buckets and
+the counters. A session
 never sees the server itself (no server <-> session <-> staged circle).
 """
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from offload.agent.budget import Memory
     from offload.agent.describe import Describer
     from offload.agent.direct import Direct
+    from offload.agent.feed import Feeds
     from offload.agent.limits import AgentLimits
     from offload.agent.mover import Mover
     from offload.agent.rate import Challenges
@@ -33,6 +35,7 @@ class AgentContext:
     limits: "AgentLimits"
     memory: "Memory"                                # frames and staging, per key and in all
     describer: "Describer"
+    feeds: "Feeds"                                  # the announcement feed (ANNOUNCE / FEED)
     challenges: "Challenges"
     count: Callable[..., None]                      # count(name, n=1)
     warn: Callable[..., None]                       # warn(kind, msg, *args): rate-limited log

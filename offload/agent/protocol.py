@@ -48,6 +48,11 @@ Requests (what the agent, `offload.agent.session`, does with each; one frame, on
   WRITEs straight from the pinned slots.
 - PUT/GET without descriptors (`--transport tcp`, or memory the host did not register): the bytes
   travel as the frame payload.
+- ANNOUNCE / FEED (version 6): the announcement feed (`offload.agent.feed`): a host announces
+  the (block key, block hash, parent hash) of pages it stored; the agent records those whose
+  namespace the host may use and whose block it holds durably, at most `feed.PER_TENANT` per
+  host key; FEED returns the pages of one namespace the host may use after a cursor, at most
+  `MAX_KEYS` a request. Replicas sharing the agent name each other's pages in KV events.
 - DURABLE, EXISTS, DELETE, STATS, REGISTER_NS (checked against the host's grants,
   `AgentServer.access`), METADATA (newer NIXL metadata of this connection; the peer it replaces
   is released), PROVE (the nonce sent to the endpoint, echoed; the MAC of it under this
@@ -76,10 +81,11 @@ import msgspec
 
 from offload.errors import OffloadError
 
-VERSION = 5                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
+VERSION = 6                        # 2: PROVE (proof of possession of a NIXL endpoint); 3: its MAC
                                    # is read back from the endpoint's memory (`Prove.addr`); 4: a
                                    # PUT's True means received, not durable (DURABLE asks for it);
-                                   # 5: block checksums beside PUT / GET (`Blocks.sums`, `Flags.sums`)
+                                   # 5: block checksums beside PUT / GET (`Blocks.sums`, `Flags.sums`);
+                                   # 6: the announcement feed (ANNOUNCE, FEED)
 HANDSHAKE_MAGIC = b"SGLA"
 FRAME_MAGIC = b"SGLF"
 LABEL = b"sglang-offload-agent-v1"
@@ -103,12 +109,13 @@ MAX_PROOF_NONCES = 8
 HOST_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$"   # no '/', spaces, quotes or control chars
 
 # Ops. A reply carries the request's op with REPLY set; ERROR replies to anything.
-HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA, PROVE, DURABLE = range(1, 11)
+HELLO, PUT, GET, EXISTS, DELETE, STATS, REGISTER_NS, METADATA, PROVE, DURABLE, ANNOUNCE, FEED = \
+    range(1, 13)
 ERROR = 0x7F
 REPLY = 0x80
 OP_NAMES = {HELLO: "hello", PUT: "put", GET: "get", EXISTS: "exists", DELETE: "delete",
             STATS: "stats", REGISTER_NS: "register_ns", METADATA: "metadata", PROVE: "prove",
-            DURABLE: "durable", ERROR: "error"}
+            DURABLE: "durable", ANNOUNCE: "announce", FEED: "feed", ERROR: "error"}
 
 
 class ProtocolError(OffloadError):
@@ -234,6 +241,37 @@ class Prove(Msg, frozen=True):
     addr: Annotated[int, msgspec.Meta(ge=0)]
 
 
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]   # an SGLang block hash
+Page = tuple[Key, I64, I64 | None]       # (block key, block hash, parent hash or None)
+Pages = Annotated[list[Page], msgspec.Meta(max_length=MAX_KEYS)]
+Cursor = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+NsDigest = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
+class Announce(Msg, frozen=True):
+    """ANNOUNCE (version 6): pages this host stored, for the announcement feed of their
+    namespace (`offload.agent.feed`). Reply `Flags`: per page, recorded (its namespace the
+    host's, and the block durable in the agent's store)."""
+    pages: Pages
+
+
+class FeedRead(Msg, frozen=True):
+    """FEED (version 6): the pages of namespace `ns` announced after `after`, at most `limit`."""
+    ns: NsDigest
+    after: Cursor = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_KEYS)] = MAX_KEYS
+
+
+class FeedPage(Msg, frozen=True):
+    """A FEED reply: `pages` oldest first, `next` the cursor to read on from, `first` the
+    oldest sequence the feed keeps (0: none; a cursor below `first - 1` missed pages), `epoch`
+    the agent's (a new one: the agent restarted, its sequences restarted)."""
+    epoch: Annotated[bytes, msgspec.Meta(max_length=16)]
+    pages: Pages
+    next: Cursor
+    first: Cursor
+
+
 class ErrorReply(Msg, frozen=True):
     message: str
 
@@ -241,10 +279,12 @@ class ErrorReply(Msg, frozen=True):
 REQUEST_TYPES: dict[int, Type[Msg]] = {
     HELLO: Hello, PUT: Blocks, GET: Blocks, EXISTS: KeyList, DELETE: KeyList, STATS: Empty,
     REGISTER_NS: RegisterNs, METADATA: Metadata, PROVE: Prove, DURABLE: Durable,
+    ANNOUNCE: Announce, FEED: FeedRead,
 }
 REPLY_TYPES: dict[int, Type[Msg]] = {
     HELLO: HelloReply, PUT: Flags, GET: Flags, EXISTS: Flags, DELETE: Count, STATS: StatsReply,
-    REGISTER_NS: Empty, METADATA: Empty, PROVE: Empty, DURABLE: Flags, ERROR: ErrorReply,
+    REGISTER_NS: Empty, METADATA: Empty, PROVE: Empty, DURABLE: Flags, ANNOUNCE: Flags,
+    FEED: FeedPage, ERROR: ErrorReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(t) for t in set(REQUEST_TYPES.values()) |

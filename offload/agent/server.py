@@ -39,6 +39,7 @@ from offload.agent.acks import Acks
 from offload.agent.budget import Memory
 from offload.agent.context import AgentContext
 from offload.agent.describe import Describer
+from offload.agent.feed import Feeds
 from offload.agent.limits import AgentLimits
 from offload.agent.rate import Challenges
 from offload.agent.session import Session
@@ -87,11 +88,13 @@ class AgentServer:
         self.acks = Acks(store, self.count)
         self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
         self.describer = Describer(store, lim.max_namespaces, self.count)
+        self.feeds = Feeds()               # announced pages, per namespace (ANNOUNCE / FEED)
         self.memory = Memory(lim.max_memory, lim.max_memory_per_key)    # frames and staging
         # What each connection may use of the agent (never the server itself).
         self.ctx = AgentContext(
             name=self.name, store=store, access=self.access, acks=self.acks, limits=lim,
-            memory=self.memory, describer=self.describer, challenges=self.challenges,
+            memory=self.memory, describer=self.describer, feeds=self.feeds,
+            challenges=self.challenges,
             count=self.count, warn=self.warn, counters=self.counters, admit=self.admit,
             release=self.release, direct=self.direct, stopping=lambda: self.stopping)
 

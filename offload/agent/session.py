@@ -28,6 +28,7 @@ from offload.agent import protocol
 from offload.agent.access import AccessError
 from offload.agent.acks import GET_WAIT_S, Settle
 from offload.agent.direct import direct_get, direct_put
+from offload.agent.feed import Page
 from offload.agent.rate import endpoint_of
 from offload.agent.staged import StagedPath
 from offload.keys import NS_BYTES
@@ -246,12 +247,13 @@ class Session:
             deadline = time.monotonic() + msg.budget_ms / 1000.0
             return protocol.Flags(acks.durable(msg.keys, deadline)), []
         if isinstance(msg, protocol.KeyList):
-            if op == protocol.EXISTS:      # the store first: a key it has is durable unless hidden
-                there = store.exists_many(msg.keys)
-                return protocol.Flags([t and not h for t, h in
-                                       zip(there, acks.hidden(msg.keys))]), []
+            if op == protocol.EXISTS:
+                return protocol.Flags(self._durable_now(msg.keys)), []
             acks.deleted(msg.keys)
+            self.ctx.feeds.forget(msg.keys)
             return protocol.Count(store.delete_many(msg.keys)), []
+        if isinstance(msg, (protocol.Announce, protocol.FeedRead)):
+            return self._feed(msg), []
         if isinstance(msg, protocol.RegisterNs):
             try:
                 self.ctx.access.register(self.host, msg)
@@ -269,6 +271,31 @@ class Session:
         else:   # STATS
             return protocol.StatsReply(self._stats()), []
         return protocol.Empty(), []
+
+    def _durable_now(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, held durably (the store first: a key it has is durable unless hidden)."""
+        there = self.ctx.store.exists_many(keys)
+        return [t and not h for t, h in zip(there, self.ctx.acks.hidden(keys))]
+
+    def _feed(self, msg: protocol.Announce | protocol.FeedRead) -> protocol.Msg:
+        """ANNOUNCE: record the pages of the host's namespaces whose block is durable here;
+        FEED: a page of a namespace the host may use (`offload.agent.feed`)."""
+        access, feeds = self.ctx.access, self.ctx.feeds
+        if isinstance(msg, protocol.FeedRead):
+            why = access.refused(self.host, [msg.ns])
+            if why is not None:
+                raise RequestError(why)
+            pages, nxt, first = feeds.read(msg.ns, msg.after, msg.limit)
+            return protocol.FeedPage(feeds.epoch, [(p.key, p.hash, p.parent) for p in pages],
+                                     nxt, first)
+        keys = [p[0] for p in msg.pages]
+        why = access.refused(self.host, keys)
+        if why is not None:
+            raise RequestError(why)
+        ok = self._durable_now(keys)
+        feeds.announce(access.tenant(self.host),
+                       [Page(*p) for p, f in zip(msg.pages, ok) if f])
+        return protocol.Flags(ok)
 
     def _describe(self, keys: Sequence[bytes]) -> None:
         """Describe a namespace to the store once this connection stored a block of it (a
@@ -291,6 +318,7 @@ class Session:
                     int(v) if isinstance(v, int) else float(v))
         out.update({f"agent_{k}": v for k, v in self.ctx.counters().items()})
         out.update({f"agent_quota_{k}": v for k, v in self.ctx.access.usage().items()})
+        out["agent_feed_pages"] = self.ctx.feeds.size()
         if self.ctx.mover is not None:
             out["agent_nixl_peers"] = self.ctx.mover.peers()
             out["agent_quarantined_now"] = self.ctx.mover.quarantine.held()

@@ -5,8 +5,9 @@ this package makes the HiCache backend publish the L3 tier too, through the hook
 patches/0016 (`OffloadStorage.take_kv_events`). Modules:
 - `chain`: pages as rows (block key, SGLang's block hash, parent hash) and rows as SGLang events;
 - `ledger`: the directory's `kv-events.db` (block key -> hash), shared by its processes;
-- `sources`: what each tier tells (the disk index's change log, the Redis stream and sweep, the
-  agent's sweep);
+- `sources`: what each tier tells (the disk index's change log; for the shared tiers, their
+  announcement feed and a sweep);
+- `feeds`: the shared tiers' announcement feeds (a Redis stream, the agent's ANNOUNCE / FEED);
 - `tracker`: `L3Events`, the queue SGLang takes from, fed by one thread.
 
 `open_events(store, digest, page_size, make_keys, split)` builds the tracker for a backend's store: `DISK`
@@ -19,7 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from offload.events.sources import DISK, EXTERNAL, DiskSource, SharedSource, Source, SweepSource
+from offload.events.feeds import AgentFeed, RedisFeed
+from offload.events.sources import DISK, EXTERNAL, DiskSource, SharedSource, Source
 from offload.events.tracker import L3Events
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ def _parts(store: Any) -> list[Any]:
 
 
 def sources_for(store: Any, digest: bytes) -> list[Source]:
+    from offload.agent.client import AgentStore
     from offload.store.disk.store import DiskStore
     from offload.store.redis.store import RedisStore
 
@@ -50,9 +53,9 @@ def sources_for(store: Any, digest: bytes) -> list[Source]:
         if isinstance(part, DiskStore):
             found.append(DiskSource(part.directory, digest))
         elif isinstance(part, RedisStore):
-            found.append(SharedSource(part, digest))
-        elif getattr(part, "name", None) == "dpu" and not hasattr(part, "store"):
-            found.append(SweepSource(part, EXTERNAL))
+            found.append(SharedSource(part, RedisFeed(part, digest)))
+        elif isinstance(part, AgentStore):
+            found.append(SharedSource(part, AgentFeed(part, digest)))
     return found
 
 

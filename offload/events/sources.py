@@ -6,14 +6,14 @@
   `Ledger`. Its first poll (and any poll after the log no longer reaches back, or after another
   process rebuilt the index) resynchronises from the index's committed keys: that is the
   announcement of what the directory holds after a restart.
-- `SharedSource` (medium `EXTERNAL`, the Redis tier): the replicas sharing a Redis announce their
-  pages on a capped Redis stream (`<key_prefix><format>kvev:<namespace digest>`, fields `k` block
-  key, `h` hash, `p` parent) once the page is in Redis; each replica reads the stream from its
-  start (so a new replica learns what the others stored, up to the cap) and checks every entry
-  with EXISTS before announcing it. Removals (the tier's byte budget, Redis's own eviction, a
-  delete by anyone) are found by a sweep: each poll checks the next `sweep` announced pages.
-- `SweepSource` (medium `EXTERNAL`, the agent): this process's own stores, and removals found by
-  the same sweep.
+- `SharedSource` (medium `EXTERNAL`, a tier replicas share: Redis, the agent): the replicas
+  announce their pages on the tier's feed (`offload.events.feeds`: a capped Redis stream, the
+  agent's ANNOUNCE / FEED) once the page is durable in the tier; each replica reads the feed from
+  its start (so a new replica learns what the others stored, up to the cap) and checks every
+  entry with EXISTS before announcing it. Removals (the tier's byte budget, Redis's own
+  eviction, the agent's, a delete by anyone) are found by a sweep: each poll checks the next
+  `sweep` announced pages.
+- `SweepSource`: the sweep alone, over pages this process stored (the base of `SharedSource`).
 
 A source's `poll()` returns (op, row) changes; `live()` what it holds announced. Sources run on
 the events thread only (`offload.events.tracker`); every tier call is bounded per poll.
@@ -28,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 from offload.events.chain import REMOVED, STORED, Row
+from offload.events.feeds import PER_POLL, Feed
 from offload.events.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,7 @@ log = logging.getLogger(__name__)
 DISK, EXTERNAL = "DISK", "EXTERNAL"
 CHANGES_PER_POLL = 20_000      # the index's change-log rows read per poll
 PENDING_POLLS = 40             # polls a committed block waits for its ledger row
-STREAM_MAX = 100_000           # entries kept on a Redis announcement stream (approximate cap)
-STREAM_PER_POLL = 2_000
-UPLOAD_WAIT_S = 120.0          # how long a page written here may take to reach Redis
+UPLOAD_WAIT_S = 120.0          # how long a page written here may take to be durable in a shared tier
 _OP_COMMIT = 1                 # offload.store.disk.index.schema.OP_COMMIT
 
 
@@ -95,13 +94,12 @@ class SweepSource(Source):
 
 
 class SharedSource(SweepSource):
-    """The Redis tier: announcements on a shared stream, removals by sweep."""
+    """A tier replicas share (Redis, the agent): pages announced on its feed once durable there,
+    read back by every replica and checked with EXISTS; removals by sweep."""
 
-    def __init__(self, redis_store: Any, digest: bytes, sweep: int = 512,
-                 clock: Any = time.monotonic):
-        super().__init__(redis_store, EXTERNAL, sweep)
-        self.stream = bytes(redis_store.prefix) + b"kvev:" + digest.hex().encode()
-        self._last = b"0-0"
+    def __init__(self, store: Any, feed: Feed, sweep: int = 512, clock: Any = time.monotonic):
+        super().__init__(store, EXTERNAL, sweep)
+        self.feed = feed
         self._uploading: dict[bytes, tuple[Row, float]] = {}
         self._clock = clock
 
@@ -110,46 +108,23 @@ class SharedSource(SweepSource):
         for r in rows:
             self._uploading[r.key] = (r, deadline)
 
-    def _run(self, fn: Any, what: str) -> Any:
-        return self.store.link.run(fn, what)
-
     def _announce_uploaded(self) -> None:
+        """Publish the pages written here that the tier now holds (durably)."""
         if not self._uploading:
             return
-        keys = list(self._uploading)[:STREAM_PER_POLL]
+        keys = list(self._uploading)[:PER_POLL]
         present = self.store.exists_many(keys)
-        now, done = self._clock(), []
-        for k, here in zip(keys, present):
-            row, deadline = self._uploading[k]
-            if here:
-                done.append(row)
-            if here or now > deadline:
-                del self._uploading[k]
+        done = [self._uploading[k][0] for k, here in zip(keys, present) if here]
+        published: set[bytes] = set()
         if done:
-            def add(c: Any) -> Any:
-                p = c.pipeline(transaction=False)
-                for r in done:
-                    p.xadd(self.stream, {b"k": r.key, b"h": str(r.hash),
-                                         b"p": "" if r.parent is None else str(r.parent)},
-                           maxlen=STREAM_MAX, approximate=True)
-                return p.execute()
-            self._run(add, "kv events announce")
+            published = {r.key for r, ok in zip(done, self.feed.publish(done)) if ok}
+        now = self._clock()
+        for k in keys:
+            if k in published or now > self._uploading[k][1]:
+                del self._uploading[k]
 
-    def _read_stream(self) -> list[tuple[str, Row]]:
-        got = self._run(lambda c: c.xread({self.stream: self._last}, count=STREAM_PER_POLL),
-                        "kv events read")
-        rows: list[Row] = []
-        for _name, entries in got or []:
-            for entry_id, fields in entries:
-                self._last = entry_id
-                try:
-                    p = fields.get(b"p", b"")
-                    rows.append(Row(bytes(fields[b"k"]), int(fields[b"h"]),
-                                    int(p) if p else None))
-                except (KeyError, ValueError):
-                    log.warning("offload events: a malformed entry %r on %r: skipped", entry_id,
-                                self.stream)
-        fresh = [r for r in rows if r.key not in self._live]
+    def _read_feed(self) -> list[tuple[str, Row]]:
+        fresh = [r for r in self.feed.read() if r.key not in self._live]
         if not fresh:
             return []
         present = self.store.exists_many([r.key for r in fresh])
@@ -162,7 +137,7 @@ class SharedSource(SweepSource):
 
     def poll(self) -> list[tuple[str, Row]]:
         self._announce_uploaded()
-        return self._read_stream() + self._sweep()
+        return self._read_feed() + self._sweep()
 
 
 class DiskSource(Source):

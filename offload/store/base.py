@@ -14,7 +14,8 @@ the store's `slot_medium` says.
 
 A put's True means "written, and stored unless its commit fails" for a store that commits in the
 background (the disk store); `durable(store, keys, ok)` narrows such flags to what is durable now
-(a server's acknowledgement to its client).
+(a server's acknowledgement to its client). A store that writes some puts later says what waits
+(`HasBacklog.backlog()`: per tier, `Backlog(pages, bytes)`).
 
 `never_raises(what, miss)` is the one way a data-path method keeps that promise: an exception
 becomes `miss(*args)` (e.g. all False), logged with its traceback the first time at each site and
@@ -29,7 +30,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, Union, runtime_checkable
+from typing import Any, Callable, Literal, NamedTuple, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 from offload.keys import Namespace
 
@@ -194,6 +195,21 @@ class Flushable(Protocol):
     is False if one was lost since the last flush."""
 
     def flush(self) -> bool:
+        ...
+
+
+class Backlog(NamedTuple):
+    """Pages a store accepted for a tier and has not written to it yet, and their bytes."""
+    pages: int
+    bytes: int
+
+
+@runtime_checkable
+class HasBacklog(Protocol):
+    """A store that writes some of its puts later (the tiered store's uploads to the shared
+    tier): `backlog()` is what waits, per tier name (those of `tier_stats()`)."""
+
+    def backlog(self) -> dict[str, Backlog]:
         ...
 
 

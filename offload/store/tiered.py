@@ -25,9 +25,11 @@ from typing import Protocol, Sequence
 from offload.config import RedisConfig
 from offload.keys import Namespace
 from offload.store.base import (
+    Backlog,
     BlockStore,
     Buffer,
     Flushable,
+    HasBacklog,
     RegistersRegions,
     StoreStats,
     never_raises,
@@ -102,7 +104,7 @@ class TieredStore:
         self.policy = policy
         self._known = _KeySet(known_keys)
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
-        self._queued_bytes = 0
+        self._queued_bytes = self._queued_pages = 0     # queued or being uploaded
         self._queue_limit = upload_queue_bytes
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -177,6 +179,7 @@ class TieredStore:
                 self.counters["uploads_dropped"] += 1
                 return
             self._queued_bytes += size
+            self._queued_pages += 1
             self.counters["uploads_queued"] += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._upload_loop, daemon=True,
@@ -198,7 +201,16 @@ class TieredStore:
                 if item is not None:
                     with self._lock:
                         self._queued_bytes -= len(item[1])
+                        self._queued_pages -= 1
                 self._queue.task_done()
+
+    def backlog(self) -> dict[str, Backlog]:
+        """The uploads queued for the shared tier (`redis`) and not yet done, with the local
+        tier's own backlog if it has one (the write-through puts are synchronous: never here)."""
+        with self._lock:
+            own = Backlog(self._queued_pages, self._queued_bytes)
+        local = self.local.backlog() if isinstance(self.local, HasBacklog) else {}
+        return {**local, "redis": own}
 
     @never_raises("upload to the shared tier", lambda *_a, **_k: False)
     def _upload(self, key: bytes, data: bytes) -> bool:

@@ -6,7 +6,7 @@ events and then as DISK events after the write-back, with the hashes SGLang comp
 prompt; a restart on the full store announces the same hashes from L3 (through SGLang's replay
 endpoint: the subscriber joins after the announcement); an eviction by another process
 (`sglang-offload cache evict`) produces `BlockRemoved` DISK; two replicas sharing one Redis see
-`EXTERNAL` events for each other's pages.
+`EXTERNAL` events for each other's pages, and so do two replicas on one storage agent.
 """
 
 from __future__ import annotations
@@ -124,28 +124,54 @@ def test_disk_events_follow_gpu_then_restart_announces_and_eviction_removes(
     late.until(lambda: late.holds(hashes, "DISK"), "DISK events of the re-written pages")
 
 
+def _two_replicas_see_each_others_pages(servers: Callable[..., LaunchedServer], tmp_path: Path,
+                                        **shared: object) -> tuple[list[int], Watch]:
+    """Two servers sharing a tier: each one's subscriber sees EXTERNAL events of the other's
+    pages (and none of them in its own GPU or DISK tier). Returns A's hashes and A's watch."""
+    from offload.events.subscribe import prompt_hashes
+
+    pa, pb = free_port(), free_port()
+    small = {"max-total-tokens": 16384, "hicache-ratio": 2}    # two servers at once
+    a = servers(tmp_path / "store-a", name="replica-a", sglang={**kv_events(pa), **small}, **shared)
+    b = servers(tmp_path / "store-b", name="replica-b", sglang={**kv_events(pb), **small}, **shared)
+    wa, wb = Watch(pa), Watch(pb)
+    ta, tb = ids(2), ids(3)
+    ra, rb = a.generate(ta), b.generate(tb)
+    ha = prompt_hashes(ta, PAGE)[:full_pages(ra.prompt_tokens) // PAGE]
+    hb = prompt_hashes(tb, PAGE)[:full_pages(rb.prompt_tokens) // PAGE]
+    wb.until(lambda: wb.holds(ha, "EXTERNAL"), "replica B's EXTERNAL events of A's pages")
+    wa.until(lambda: wa.holds(hb, "EXTERNAL"), "replica A's EXTERNAL events of B's pages")
+    assert wb.res.prefix_pages(ha, "GPU") == 0 and wb.res.prefix_pages(ha, "DISK") == 0
+    return ha, wa
+
+
 def test_two_replicas_on_one_redis_see_external_events_of_each_others_pages(
         servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
-    from offload.events.subscribe import prompt_hashes
     from tests.store.redis_fixtures import RedisProc
 
     redis = RedisProc(tmp_path / "redis", []).start()
     try:
-        shared = {"redis": {"url": redis.url}}
-        pa, pb = free_port(), free_port()
-        small = {"max-total-tokens": 16384, "hicache-ratio": 2}    # two servers at once
-        a = servers(tmp_path / "store-a", name="replica-a", sglang={**kv_events(pa), **small},
-                    **shared)
-        b = servers(tmp_path / "store-b", name="replica-b", sglang={**kv_events(pb), **small},
-                    **shared)
-        wa, wb = Watch(pa), Watch(pb)
-        ta, tb = ids(2), ids(3)
-        ra, rb = a.generate(ta), b.generate(tb)
-        ha = prompt_hashes(ta, PAGE)[:full_pages(ra.prompt_tokens) // PAGE]
-        hb = prompt_hashes(tb, PAGE)[:full_pages(rb.prompt_tokens) // PAGE]
-        wb.until(lambda: wb.holds(ha, "EXTERNAL"), "replica B's EXTERNAL events of A's pages")
-        wa.until(lambda: wa.holds(hb, "EXTERNAL"), "replica A's EXTERNAL events of B's pages")
-        assert wb.res.prefix_pages(ha, "GPU") == 0 and wb.res.prefix_pages(ha, "DISK") == 0
+        ha, wa = _two_replicas_see_each_others_pages(servers, tmp_path,
+                                                     redis={"url": redis.url})
         wa.until(lambda: wa.holds(ha, "DISK"), "replica A's DISK events of its own pages")
     finally:
         redis.kill()
+
+
+def test_two_replicas_on_one_agent_see_external_events_of_each_others_pages(
+        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    """The dpu path: both replicas' blocks live on one agent (the store they share), named to
+    each other through the agent's announcement feed (ANNOUNCE / FEED)."""
+    from tests.agent.conftest import SECRET, AgentProc, needs_nixl
+
+    if needs_nixl.args[0]:
+        pytest.skip(needs_nixl.kwargs["reason"])
+    agent = AgentProc(tmp_path, ["--memory"]).start()
+    try:
+        hosts = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "h100-bf3-dpu"
+        _two_replicas_see_each_others_pages(
+            servers, tmp_path, launch_args=("--root", str(hosts)),
+            env={"SGLANG_OFFLOAD_SECRET": SECRET.decode()}, transfer={"path": "dpu"},
+            agent={"address": agent.address, "transport": "ucx", "timeout_s": 10})
+    finally:
+        agent.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offload.events import sources, tracker
+from offload.agent import feed
+from offload.events import feeds, sources, tracker
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "events.md").read_text()
 
@@ -16,8 +17,11 @@ def _n(x: float) -> str:
 def test_every_bound_in_the_events_reference_is_the_code_s() -> None:
     t = tracker.L3Events([], 64, lambda keys: [])
     for text in (_n(tracker.SNAPSHOT_SLICE), _n(sources.CHANGES_PER_POLL),
-                 _n(sources.STREAM_PER_POLL), _n(sources.STREAM_MAX), _n(t.max_queued),
+                 _n(feeds.PER_POLL), _n(feeds.STREAM_MAX), _n(feed.PER_TENANT), _n(t.max_queued),
                  _n(sources.DiskSource.__init__.__defaults__[-1]),
                  f"{t.interval_s:g} s", f"every {tracker.snapshot_every():g} s",
                  _n(sources.SweepSource.__init__.__defaults__[-1]), tracker.SNAPSHOT_ENV):
         assert text in DOC, text
+    from sglang.srt.disaggregation.kv_events import KVEventsConfig
+
+    assert f"`buffer_steps`, default {_n(KVEventsConfig().buffer_steps)} batches" in DOC

@@ -15,6 +15,7 @@ import pytest
 
 from offload.config import RedisConfig, Size, StoreConfig
 from offload.events.chain import REMOVED, STORED, Row, event_hash, events, page_rows
+from offload.events.feeds import RedisFeed
 from offload.events.sources import DiskSource, SharedSource
 from offload.keys import Namespace
 from offload.store.base import flush
@@ -92,24 +93,25 @@ def test_two_replicas_on_one_redis_see_each_others_pages_and_removals(redis_url:
     from offload.store.redis.store import RedisStore
 
     a, b = RedisStore(RedisConfig(url=redis_url)), RedisStore(RedisConfig(url=redis_url))
-    sa, sb = SharedSource(a, NS.digest()), SharedSource(b, NS.digest())
+    sa, sb = SharedSource(a, RedisFeed(a, NS.digest())), SharedSource(b, RedisFeed(b, NS.digest()))
     rows = rows_for(page_keys(3))
     assert all(a.put_many([r.key for r in rows], [[b"y" * 1024] for _ in rows]))
     sa.wrote(rows)
     assert sorted(sa.poll()) == sorted((STORED, r) for r in rows)   # announced, read back
     assert sorted(sb.poll()) == sorted((STORED, r) for r in rows)   # the other replica
-    late = SharedSource(RedisStore(RedisConfig(url=redis_url)), NS.digest())
+    c = RedisStore(RedisConfig(url=redis_url))
+    late = SharedSource(c, RedisFeed(c, NS.digest()))
     assert len(late.poll()) == 3                                     # a new replica learns them
     assert b.delete_many([rows[0].key]) == 1
     assert sa.poll() == [(REMOVED, rows[0])] and sb.poll() == [(REMOVED, rows[0])]
-    other = SharedSource(a, Namespace(**{**NS.__dict__, "model": "other"}).digest())
+    other = SharedSource(a, RedisFeed(a, Namespace(**{**NS.__dict__, "model": "other"}).digest()))
     assert other.poll() == []                                        # another namespace's stream
-    for s in (a, b):
+    for s in (a, b, c):
         s.close()
 
 
 def test_sweep_source_announces_own_stores_and_finds_removals() -> None:
-    """The agent's source (here over an in-memory store, the agent's `BlockStore` interface)."""
+    """The sweep under every shared tier's source (here over an in-memory store)."""
     from offload.events.sources import SweepSource
     from offload.store.memory.store import MemoryStore
 

@@ -3,13 +3,15 @@ metrics of a real backend (SGLang's factory, a real DiskStore) after a store and
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from offload.metrics import StoreWatch, TierMetrics, counted_by_backend, path_of
-from offload.store.base import StoreStats
+from offload.store.base import Backlog, StoreStats
 from offload.store.memory.store import MemoryStore
-from offload.store.tiered import TieredStore, WriteThrough
+from offload.store.tiered import SeenN, TieredStore, WriteThrough
 from tests.hicache import hicache_pools as hp
 
 
@@ -53,6 +55,36 @@ def test_tiered_store_counts_local_and_redis_separately():
     w.poll()                                          # no change: no double counting
     assert _v(reg, "sglang_offload_hits_total", tier="local") == 2
     assert path_of(t) == "cpu" and set(t.tier_stats()) == {"local", "redis"}
+
+
+class SlowRedis(RedisLike):
+    """A shared tier whose puts wait until `gate` is set (uploads pile up behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def put_many(self, keys, blocks):  # type: ignore[no-untyped-def]
+        self.gate.wait(30)
+        return super().put_many(keys, blocks)
+
+
+def test_write_backlog_is_the_tiered_stores_queued_uploads():
+    shared = SlowRedis()
+    t = TieredStore(MemoryStore(), shared, SeenN(2))    # the 2nd sighting (a local hit) uploads
+    reg = CollectorRegistry()
+    w = StoreWatch(t, TierMetrics(reg))
+    keys = _keys(3, b"b")
+    assert all(t.put_many(keys, [[b"q" * 100]] * 3)) and t.backlog() == {"redis": Backlog(0, 0)}
+    assert all(t.get_many(keys, [[bytearray(100)] for _ in keys]))    # three uploads queued
+    assert t.backlog() == {"redis": Backlog(3, 300)}
+    w.poll()
+    assert _v(reg, "sglang_offload_write_backlog_pages", tier="redis") == 3
+    shared.gate.set()
+    assert t.flush() and t.backlog() == {"redis": Backlog(0, 0)}
+    w.poll()
+    assert _v(reg, "sglang_offload_write_backlog_pages", tier="redis") == 0
+    assert shared.exists_many(keys) == [True] * 3
 
 
 def test_counters_survive_a_store_restart():

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from offload.store.base import durable
+from offload.store.base import Backlog, durable
 from offload.store.disk import recovery
 from offload.store.disk import writes as disk_write
 from offload.store.disk.index.db import Index
@@ -162,8 +162,10 @@ def test_a_waiter_that_does_not_hurry_leaves_rounds_grouped_and_a_kick_starts_on
         s._commits._group_s = 3600.0
         assert put(s, [0]) == [True]
         assert s._commits.wait_for([key(0)], 0.05, hurry=False) is False   # still in flight
+        assert s._commits.backlog() == Backlog(1, SIZE)     # written, not yet durable
         s.commit_now()                                     # without waiting for it
         assert s._commits.wait_for([key(0)], 60, hurry=False) is True
+        assert s._commits.backlog() == Backlog(0, 0)
         assert s.durable([key(0)], hurry=False) == [True]
 
 

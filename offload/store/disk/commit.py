@@ -14,7 +14,8 @@ timeout)` (a get of a key in flight waits for its commit, then reads it from the
 bytes that are not durable), `cancel(keys)` / `honored(keys)` (a delete of blocks in flight),
 `kick()` (start the next round now, without waiting for it),
 `settle(timeout)` (everything submitted so far is committed or failed), `flush(timeout)` (the
-same, and whether nothing was lost since the last flush), `close(timeout)`.
+same, and whether nothing was lost since the last flush), `backlog()` (written, not yet durable:
+blocks and bytes), `close(timeout)`.
 
 Rounds are grouped: a round starts `group_s` after the first batch it takes was submitted, or as
 soon as `group_bytes` are queued for it or a caller waits (`wait_for` unless told not to hurry,
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from offload.store.base import Backlog
 from offload.store.disk.location import Location
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,11 @@ class Committer:
     def pending(self) -> int:
         """Bytes submitted and not yet committed or failed."""
         return self._bytes
+
+    def backlog(self) -> Backlog:
+        """Blocks written and not yet durable (submitted, not committed or failed), and bytes."""
+        with self._cond:
+            return Backlog(len(self._keys), self._bytes)
 
     def in_flight(self, key: bytes) -> bool:
         return key in self._keys
