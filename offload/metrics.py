@@ -107,6 +107,11 @@ class TierMetrics:
         self.write_backlog = Gauge(PREFIX + "write_backlog_pages",
                                    "pages accepted for a tier and not yet written to it", tier,
                                    multiprocess_mode="livesum", registry=reg)
+        self.drive_state = Gauge(PREFIX + "drive_state",
+                                 "each drive of a store over several (offload.store.paths): 1 for "
+                                 "its state (in, full: read not written, out: its blocks are "
+                                 "misses), 0 for the others", ["drive", "state"],
+                                 multiprocess_mode="mostrecent", registry=reg)
         self.declined = Counter(PREFIX + "worth_it_declined_pages",
                                 "hit pages not loaded: recomputing them is faster", registry=reg)
         self.accepted = Counter(PREFIX + "worth_it_accepted_pages",
@@ -219,6 +224,11 @@ class StoreWatch:
 
     def _apply(self, tier: str, s: StoreStats) -> None:
         m = self.m
+        drives = s.extra.get("drives")
+        if isinstance(drives, list):   # a SpreadStore: one state series per drive
+            for d in drives:
+                for state in ("in", "full", "out"):
+                    m.drive_state.labels(str(d["path"]), state).set(int(d["state"] == state))
         m.capacity_used.labels(tier).set(s.bytes_used)
         m.capacity.labels(tier).set(s.capacity)
         m.blocks.labels(tier).set(s.blocks)

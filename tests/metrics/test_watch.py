@@ -154,3 +154,22 @@ def test_tier_stats_come_from_the_stores_not_their_class_names():
     t = TieredStore(renamed, RedisLike(), WriteThrough())
     assert set(t.tier_stats()) == {"agent", "redis"}
     assert t.tier_stats()["agent"].extra == {"process_counters": ("hits", "misses")}
+
+
+def test_each_drive_of_a_spread_store_has_its_state(tmp_path):
+    from offload.config import Size, StoreConfig
+    from offload.store.spread import SpreadStore
+
+    dirs = [tmp_path / f"nvme{i}" for i in range(2)]
+    reg = CollectorRegistry()
+    with SpreadStore(StoreConfig(paths=tuple(map(str, dirs)), capacity=Size(64 << 20),
+                                 min_free=Size(0)), monitor=False) as s:
+        w = StoreWatch(s, TierMetrics(reg))
+        w.poll()
+        assert _v(reg, "sglang_offload_drive_state", drive=str(dirs[0]), state="in") == 1
+        dirs[1].rename(tmp_path / "away")            # unplugged
+        s.check()
+        w.poll()
+        assert _v(reg, "sglang_offload_drive_state", drive=str(dirs[1]), state="out") == 1
+        assert _v(reg, "sglang_offload_drive_state", drive=str(dirs[1]), state="in") == 0
+        assert _v(reg, "sglang_offload_drive_state", drive=str(dirs[0]), state="in") == 1
