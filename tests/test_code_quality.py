@@ -3,7 +3,8 @@
 ruff (lint + import order) and mypy (the whole package) run with the settings in
 pyproject.toml; argparse lives only in the command modules (and launch/, which reads SGLang's own
 flags); no import cycle between packages; the disk store's two halves stay apart (index/ is SQLite
-only and never imports slab/; slab/ is files only and never imports sqlite3 or index/); launch/
+only and never imports slab/; slab/ is files only and never imports sqlite3 or index/) and its
+classes are parts, not mixins (none has more than one base class); launch/
 never imports commands/ (it builds a store through offload.store.factory).
 """
 
@@ -105,6 +106,21 @@ def test_disk_slab_never_imports_sqlite_or_index() -> None:
     bad = {str(p.relative_to(ROOT)): _names(_imports(p), "sqlite3", "offload.store.disk.index")
            for p in _under(DISK / "slab")}
     assert _under(DISK / "slab") and not any(bad.values()), f"slab/ imports sqlite3 or index/: {bad}"
+
+
+def _bases(node: ast.ClassDef) -> list[str]:
+    """A class's base classes as written, leaving out `object` and `Protocol` (`Generic[...]` too)."""
+    names = [ast.unparse(b) for b in node.bases]
+    return [n for n in names if n not in ("object", "Protocol") and not n.startswith("Generic[")]
+
+
+def test_disk_store_classes_are_parts_not_mixins() -> None:
+    """`DiskStore` is a face over parts that share one state object (`disk/state.py`): no class
+    under offload/store/disk inherits from more than one class."""
+    bad = {f"{p.relative_to(ROOT)}:{node.name}": _bases(node) for p in _under(DISK)
+           for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.ClassDef) and len(_bases(node)) > 1}
+    assert not bad, f"classes with several base classes (mixins) under offload/store/disk: {bad}"
 
 
 def test_launch_never_imports_commands() -> None:

@@ -55,7 +55,7 @@ def main() -> None:
                                            page_size=16))
         ks = [key(j) for j in range(n)]
         out(ok=store.put_many(ks, [[data(k, size)] for k in ks]), flushed=store.flush())
-        db = store._ix.writer.db
+        db = store._state.ix.writer.db
         db.execute("BEGIN IMMEDIATE")
         db.execute("UPDATE meta SET value=value WHERE name='used'")
         out(locked=True)

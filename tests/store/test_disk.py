@@ -128,7 +128,7 @@ def test_lru_eviction_keeps_under_cap_and_drops_oldest(tmp_path):
         for i in range(10):
             assert s.put_many([key(i)], [[data(key(i), size)]]) == [True]
         s.get_many([key(0)], [[bytearray(size)]])  # block 0 is recently used now
-        s._flush_touches()
+        s._reads.flush_touches()
         for i in range(10, 30):
             assert s.put_many([key(i)], [[data(key(i), size)]]) == [True]
             assert s.stats().bytes_used <= cap
@@ -159,7 +159,7 @@ def test_corrupt_data_is_a_miss_and_is_deleted(tmp_path):
         ks = [key(i) for i in range(4)]
         s.put_many(ks, [[data(k, size)] for k in ks])
         loc = s._index.locate([ks[2]])[ks[2]]
-        path = s._slabs.path(loc.seg, loc.slot_bytes)
+        path = s._state.slabs.path(loc.seg, loc.slot_bytes)
     with open(path, "r+b") as f:  # flip one bit in block 2's data
         off = loc.slot * loc.slot_bytes + 4096 + 777
         f.seek(off)

@@ -22,7 +22,7 @@ def test_a_corrupt_read_of_a_kept_row_leaves_the_key_stored(tmp_path, monkeypatc
     with open_store(tmp_path / "cache") as s:
         assert put(s, range(2)) == [True] * 2
         assert s.exists_many([key(0), key(1)]) == [True, True]   # key set up to date
-        real = s._ix.reader.locate
+        real = s._state.ix.reader.locate
 
         def stale(keys: list[bytes]) -> dict[bytes, Location]:   # the read before the re-put
             got = real(keys)
@@ -30,9 +30,9 @@ def test_a_corrupt_read_of_a_kept_row_leaves_the_key_stored(tmp_path, monkeypatc
             got[key(1)] = dataclasses.replace(loc, csum=loc.csum ^ 1, created=loc.created - 1)
             return got
 
-        monkeypatch.setattr(s._ix.reader, "locate", stale)
+        monkeypatch.setattr(s._state.ix.reader, "locate", stale)
         assert s.get_many([key(0), key(1)], [[bytearray(SIZE)], [bytearray(SIZE)]]) == [True, False]
-        monkeypatch.setattr(s._ix.reader, "locate", real)
+        monkeypatch.setattr(s._state.ix.reader, "locate", real)
         st = s.stats()   # reused under the read: a miss, not corruption
         assert st.checksum_failures == 0 and st.reused_reads == 1
         assert s.exists_many([key(0), key(1)]) == [True, True]   # the row was kept: still stored
@@ -48,7 +48,7 @@ def test_damaged_rows_and_busy_waits_are_typed_stats_and_metrics(tmp_path):
     with open_store(d) as s:
         ks = [key(i) for i in range(8)]
         s.get_many(ks, [[bytearray(SIZE)] for _ in ks])
-        s._ix.busy += 2                   # as two data-path waits past their deadline would
+        s._state.ix.busy += 2                   # as two data-path waits past their deadline would
         st = s.stats()
         assert st.damaged_rows == len(HOSTILE) and st.index_busy == 2
         assert "index_busy" not in st.extra

@@ -140,7 +140,7 @@ def test_damaged_slab_header_is_not_resurrected_by_a_rebuild(tmp_path):
     _populate(tmp_path, n=8)
     with open_store(tmp_path) as s:
         loc = s._index.locate([key(3)])[key(3)]
-        slab_path = s._slabs.path(loc.seg, loc.slot_bytes)
+        slab_path = s._state.slabs.path(loc.seg, loc.slot_bytes)
     with open(slab_path, "r+b") as f:
         f.seek(loc.slot * loc.slot_bytes + 10)
         f.write(b"\xff\xff")

@@ -176,7 +176,7 @@ def test_slab_fd_cache_is_bounded(tmp_path):
         assert put(s, range(20)) == [True] * 20
         assert len(slabs_of(d)) in (20, 21)    # + at most one slab reserved ahead
         assert exact(s, range(20))
-        assert s._slabs.open_count() <= 3
+        assert s._state.slabs.open_count() <= 3
         assert open_slab_fds(d) <= 3 + 6  # + index.db, -wal, -shm of the writer and the reader
 
 

@@ -130,9 +130,9 @@ def test_put_returns_once_written_and_the_block_is_visible_once_durable(tmp_path
             b[:] = bytes(SIZE)
         assert other.exists_many(ks) == [False] * 4        # not durable: invisible elsewhere
         assert s.exists_many(ks) == [True] * 4             # in flight: stored, for this process
-        used = s._ix.reader.usage()[1]
+        used = s._state.ix.reader.usage()[1]
         assert put(s, range(4)) == [True] * 4              # not written twice
-        assert s._ix.reader.usage()[1] == used
+        assert s._state.ix.reader.usage()[1] == used
         gate.open.set()
         assert durable(s, ks, [True, True, True, False]) == [True, True, True, False]
         assert s.flush()

@@ -1,2 +1,3 @@
-"""The NVMe tier: `store.DiskStore` over a cache directory; the books in `index/` (SQLite only), the
-bytes in `slab/` (files only); writes, group commit, recovery, the directory's safety, the lease."""
+"""The NVMe tier: `store.DiskStore` over a cache directory, a face over parts sharing one
+`state.DiskState` (reads, writes, the commits, slots, admin); the books in `index/` (SQLite only),
+the bytes in `slab/` (files only); group commit, recovery, the directory's safety, the lease."""

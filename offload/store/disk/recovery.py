@@ -28,6 +28,9 @@ stop existing, its slots are never handed out again); dead processes' pending sl
 and tombstoned slots punched again. Returns the index and where an old one was set aside (None if
 it was sound or missing).
 
+`Opener`: one store's `open_index` (what `IndexAccess` calls to open and reopen), holding the
+store's lease and where a rebuild set the old index aside.
+
 `step(name)` is called at each step of a rebuild (a fault-injection point for the tests).
 """
 
@@ -46,7 +49,7 @@ from offload.store.disk import cachedir
 from offload.store.disk.index.access import is_busy
 from offload.store.disk.index.db import SIDE_FILES, Freed, Index
 from offload.store.disk.index.schema import MAX_LENGTH, MAX_SEG, read_only
-from offload.store.disk.owner import live_leases
+from offload.store.disk.owner import Lease, live_leases
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
 
@@ -143,6 +146,43 @@ def open_index(directory: str, slabs: slab.SlabFiles, *, capacity: int, segment_
                 log.info("index %s is locked by another process (%s): waiting", path, e)
                 time.sleep(pause)
                 pause = min(0.25, pause * 2)
+
+
+class Opener:
+    """One store's `open_index`, for `IndexAccess` (`open(timeout_s)`; called again after another
+    process set the index aside and rebuilt it): it takes this process's lease at the first open
+    (`owner`, the token of its slots; `close()` ends it) and keeps where a rebuild set the old
+    index aside (`rebuilt_from`)."""
+
+    def __init__(self, directory: str, slabs: slab.SlabFiles, capacity: int, segment_size: int):
+        self.directory, self.slabs = directory, slabs
+        self.capacity, self.segment_size = capacity, segment_size
+        self.lease: Lease | None = None
+        self.rebuilt_from: str | None = None
+
+    @property
+    def owner(self) -> str:
+        return self.lease.token if self.lease is not None else ""
+
+    def open(self, timeout_s: float) -> Index:
+        index, aside = open_index(self.directory, self.slabs, capacity=self.capacity,
+                                  segment_size=self.segment_size, free_slot=self._free_slot,
+                                  timeout_s=timeout_s, lease=self._take_lease,
+                                  mine=self.lease.token if self.lease else None)
+        self.rebuilt_from = aside or self.rebuilt_from
+        return index
+
+    def _take_lease(self) -> str:
+        if self.lease is None:
+            self.lease = Lease(self.directory)
+        return self.lease.token
+
+    def _free_slot(self, f: Freed) -> None:
+        self.slabs.free(f.seg, f.slot_bytes, f.slot)
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.close()   # its slots are given back (or left for a reclaim)
 
 
 def _open_locked(directory: str, slabs: slab.SlabFiles, path: str, capacity: int,
@@ -350,5 +390,5 @@ def _recover(slabs: slab.SlabFiles, found: Scan, segment_size: int, tombstoned: 
     return rows, segments, free, tombs
 
 
-__all__ = ["INDEX_NAME", "LOCK_NAME", "REBUILD_SUFFIX", "Scan", "drop_missing_segments",
+__all__ = ["INDEX_NAME", "LOCK_NAME", "REBUILD_SUFFIX", "Opener", "Scan", "drop_missing_segments",
            "open_index", "parse_slab_name", "scan_slabs", "step"]

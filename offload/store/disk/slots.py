@@ -4,8 +4,9 @@
 Primitives:
 - `SlotBooks`: what the disk store lends its slot access — its slab files, its stats, and three
   bookkeeping calls that take the store's locks themselves (`allocate`, `finish`, `locate`).
-- `SlotAccess`: the `SlotStore` methods, mixed into `DiskStore`; they reach the store only
-  through `slot_books()` (built here from the store's index access and committer).
+- `Slots(state, commits, finish)`: the `SlotStore` methods behind `DiskStore`'s (which guards
+  them: `never_raises`); they reach the store only through `books()` (built here from the shared
+  state, the committer and the slot path's commit, `Finish.commit_written`).
 Lifecycle: a path reserves slots (`reserve_slots`: 4 KiB-aligned data areas inside slab files,
 counted against the cap like any put), writes the data with its own engine, then `commit_slots`
 writes each slot's header with the checksum the path computed (kind WSUM64, verified on the CPU by
@@ -18,18 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from offload.store.base import Slot, SlotMedium, StoreStats, never_raises
+from offload.store.base import Slot, StoreStats
 from offload.store.disk.commit import BUSY as COMMIT_BUSY
 from offload.store.disk.commit import Committer
-from offload.store.disk.index.access import BUSY, IndexAccess
+from offload.store.disk.finish import Finish
+from offload.store.disk.index.access import BUSY
 from offload.store.disk.index.db import Allocation, Index, Location
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
+from offload.store.disk.state import DiskState
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +60,6 @@ def _loc_of(s: Slot) -> Location:
     return Location(s.key, seg, (s.offset - slot_format.HEADER_BYTES) // sb, sb, s.length, s.checksum)
 
 
-def _none_each(_self: Any, keys: Sequence[Any], *_: Any) -> list[None]:
-    return [None] * len(keys)
-
-
-def _abort_all(self: "SlotAccess", slots: Sequence[Slot], *_: Any) -> list[bool]:
-    self.abort_slots(slots)      # guarded itself: never raises
-    return [False] * len(slots)
-
-
 def _file_wsum64(s: Slot) -> int:
     """The checksum of a slot's bytes as written in its file (a committer that gave none)."""
     fd = os.open(s.path, os.O_RDONLY)
@@ -76,64 +69,64 @@ def _file_wsum64(s: Slot) -> int:
         os.close(fd)
 
 
-class SlotAccess:
-    slot_medium: SlotMedium = "file"
-    # provided by DiskStore
-    _slabs: slab.SlabFiles
-    _stats: StoreStats
-    _lock: threading.RLock
-    _keys: set[bytes]
-    _ix: IndexAccess
-    _commits: Committer
-    _orphans: list[Location]
+class Slots:
+    def __init__(self, state: DiskState, commits: Committer, finish: Finish):
+        self.state, self.commits, self.finish = state, commits, finish
 
-    def _refresh_keys(self) -> bool:
-        raise NotImplementedError
-
-    def _allocate(self, items: list[tuple[bytes, int, int, int]]) -> Callable[[Index], Allocation]:
-        raise NotImplementedError
-
-    def _commit(self, good: list[tuple[Location, int]], free: list[Location]) -> str:
-        raise NotImplementedError
-
-    def slot_books(self) -> SlotBooks:
+    def books(self) -> SlotBooks:
         """What the store lends: its bookkeeping under its own locks and deadlines."""
-        return SlotBooks(self._slabs, self._stats, self._slot_allocate, self._slot_finish,
-                         self._slot_locate)
+        return SlotBooks(self.state.slabs, self.state.stats, self._allocate, self._finish,
+                         self._locate)
 
-    def _slot_allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
-        with self._lock:
-            if not self._refresh_keys():
+    def _allocate(self, items: list[tuple[bytes, int]]) -> list[Location]:
+        st = self.state
+        with st.lock:
+            if not st.refresh_keys():
                 return []
             todo = [(k, n, slot_format.slot_bytes_for(n), 0) for k, n in items
-                    if k not in self._keys and not self._commits.in_flight(k)]
-        alloc = self._ix.write(self._allocate(todo)) if todo else BUSY
+                    if k not in st.keys and not self.commits.in_flight(k)]
+        alloc = st.ix.write(self._allocation(todo)) if todo else BUSY
         return alloc.new if isinstance(alloc, Allocation) else []
 
-    def _slot_finish(self, good: list[tuple[Location, int]], failed: list[Location]) -> bool:
+    def _allocation(self, items: list[tuple[bytes, int, int, int]]
+                    ) -> Callable[[Index], Allocation]:
+        """Reserve slots (under the write lock; the key set refreshed)."""
+        st = self.state
+
+        def run(index: Index) -> Allocation:
+            st.drop_missing(index)
+            alloc = index.allocate(
+                items, st.owner, high=st.cfg.high_watermark, low=st.cfg.low_watermark,
+                free_bytes=lambda: st.free_bytes(st.directory), min_free=st.cfg.min_free,
+                segment_size=st.cfg.segment_size, create_segment=st.slabs.create,
+                free_slot=st.free_slot, release=st.orphans)
+            st.orphans = []
+            st.evicted(alloc.evicted)
+            st.drop_missing(index)
+            return alloc
+        return run
+
+    def _finish(self, good: list[tuple[Location, int]], failed: list[Location]) -> bool:
         """Commit / free slots written (and synced) by another path: False if not committed
         (the slots are then freed, at the latest by the next reservation)."""
-        why = self._commit(good, failed)
+        st = self.state
+        why = self.finish.commit_written(good, failed)
         if why == COMMIT_BUSY:
-            with self._ix.wlock:
-                self._orphans += [loc for loc, _ in good] + failed
+            with st.ix.wlock:
+                st.orphans += [loc for loc, _ in good] + failed
             return False
         if not why:
-            with self._lock:
-                self._keys.update(loc.key for loc, _ in good)
+            with st.lock:
+                st.keys.update(loc.key for loc, _ in good)
         return not why
 
-    def _slot_locate(self, keys: list[bytes]) -> dict[bytes, Location]:
-        with self._lock:
-            return self._ix.reader.locate(keys)
+    def _locate(self, keys: list[bytes]) -> dict[bytes, Location]:
+        with self.state.lock:
+            return self.state.ix.reader.locate(keys)
 
-    def arena_region(self) -> tuple[int, int] | None:
-        return None      # file slots: nothing to register in memory
-
-    @never_raises("reserve_slots", _none_each)
     def reserve_slots(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[Slot | None]:
         """Slots for blocks not stored yet (None: already stored, in flight, or no room)."""
-        books = self.slot_books()
+        books = self.books()
         seen: set[bytes] = set()
         items = []
         for k, n in zip(keys, sizes):
@@ -153,11 +146,10 @@ class SlotAccess:
             books.finish([], failed)
         return [out.pop(k, None) for k in keys]
 
-    @never_raises("commit_slots", _abort_all)
     def commit_slots(self, slots: Sequence[Slot], checksums: Sequence[int] | None = None
                      ) -> list[bool]:
         """Headers (checksum kind WSUM64) -> fdatasync -> visible. One flag per slot."""
-        books = self.slot_books()
+        books = self.books()
         sums = list(checksums) if checksums is not None else [_file_wsum64(s) for s in slots]
         locs = [_loc_of(s) for s in slots]
         now = time.time_ns()
@@ -179,25 +171,22 @@ class SlotAccess:
         ok = {loc.key for loc, _ in good}
         return [s.key in ok for s in slots]
 
-    @never_raises("abort_slots (the slots are reclaimed when this process ends)", lambda *_: None)
     def abort_slots(self, slots: Sequence[Slot]) -> None:
-        self.slot_books().finish([], [_loc_of(s) for s in slots])
+        self.books().finish([], [_loc_of(s) for s in slots])
 
-    @never_raises("pin_slots", _none_each)
     def pin_slots(self, keys: Sequence[bytes]) -> list[Slot | None]:
         """Committed blocks' slots with their stored checksum (not held: see `SlotStore`)."""
-        books = self.slot_books()
+        books = self.books()
         locs = books.locate(list(keys))
         books.stats.misses += sum(k not in locs for k in keys)
         return [_slot_of(books, locs[k], locs[k].csum) if k in locs else None for k in keys]
 
-    @never_raises("unpin_slots", lambda *_: None)
     def unpin_slots(self, slots: Sequence[Slot], ok: Sequence[bool] | None = None) -> None:
-        stats = self.slot_books().stats
+        stats = self.books().stats
         for n, s in enumerate(slots):
             if ok is None or ok[n]:
                 stats.hits += 1
                 stats.bytes_read += s.length
 
 
-__all__ = ["SlotAccess", "SlotBooks"]
+__all__ = ["SlotBooks", "Slots"]
