@@ -5,14 +5,17 @@ prompts, each sent cold (a fresh store, nothing cached) and again (an L1/L2 hit:
 and host pools). Then a restart on the same store (L1/L2 empty) and, per prompt, an interleaved
 triple on the restarted server (`offload.bench.serve_target`): a fresh prompt (cold), the prompt
 from before the restart (an L3 hit from the offload store), the same again (an L1/L2 hit), and
-the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between. The L3 target:
+the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between; every timed request
+starts on a quiet server (`serve_target.settle`: the last one's write-back done). The L3 target:
 the L3 hit's first token at most the L1/L2 hit's plus twice that raw read plus 30 ms (medians of
 the triples). Each reply's cached tokens and its greedy output (which must equal the cold one)
 are recorded, and the store's blocks and bytes. A short warm-up prompt goes through each phase
 first (the first load from the store pays one-off costs: its time is reported apart,
-`first_l3_request_s`). A restart that fails (the server does not come back, or dies during the
-triples) is reported, not dropped: the rows measured before it stay, each length without its L3
-target says `l3_failed` with the reason, and the command exits 1. The server: started from
+`first_l3_request_s`; `native_hash_at_start`: each started server's line on SGLang's page-hash
+extension, built or loaded before it answered). A restart that fails (the server does not come
+back, or dies during the triples) is reported, not dropped: the rows measured before it stay,
+each length without its L3 target says `l3_failed` with the reason, and the command exits 1.
+The server: started from
 `--config FILE` through `sglang-offload launch` (a free loopback port and a private store under
 `--dir`, removed at the end), or one already running at `--url` (no restart there: cold and L1/L2
 only; fresh prompts make the cold row cold).
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -36,7 +40,14 @@ from typing import Any
 import yaml
 
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
-from offload.bench.serve_target import has_patch, raw_read_s, triple_prompts, verdict
+from offload.bench.serve_target import (
+    has_patch,
+    raw_read_s,
+    settle,
+    store_blocks,
+    triple_prompts,
+    verdict,
+)
 from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
@@ -83,6 +94,17 @@ def _server_info(server: LaunchedServer) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def native_hash_at_start(server: LaunchedServer) -> str | None:
+    """The backend's line on SGLang's page-hash extension in a started server's log (built or
+    loaded at start, `offload.hicache.native_hash`), or None."""
+    try:
+        text = server.log.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"offload: SGLang's page-hash extension \S+ [^\n]*", text)
+    return found.group(0) if found else None
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -182,14 +204,18 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             result["note"] = TORCH_NATIVE_NOTE
         for _ in range(2):                       # warm-up: the cold and the L1/L2 path once
             server.generate(warm, args.max_new_tokens)
+        page = int(result["server"].get("page_size") or 64)
         for n in lengths:
             for ids in prompts[n]:
+                watch = None if args.url else store
+                until = store_blocks(watch) + (n - 1) // page
                 tries["cold"][n].append(server.generate(ids, args.max_new_tokens))
-                if "l1l2" in phases:
+                if "l1l2" in phases:       # each timed request starts on a quiet server
+                    settle(watch, until)
                     tries["l1l2"][n].append(server.generate(ids, args.max_new_tokens))
+                    settle(None, 0)
             print(f"  {n} tokens: cold and L1/L2 done", file=sys.stderr)
         if "l3" in phases:
-            page = int(result["server"].get("page_size") or 64)
             wait_store(store, sum((n - 1) // page * args.repeat for n in lengths)
                        + (WARM - 1) // page)
             server.stop()
@@ -230,6 +256,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             raise
         raise RunError(f"bench serve: the server at {server.url} failed: {e}") from None
     finally:
+        result["native_hash_at_start"] = [native_hash_at_start(s) for s in servers
+                                          if s.proc is not None]
         for s in servers:
             s.stop()
 
@@ -247,10 +275,14 @@ def _triples(args: Args, server: LaunchedServer, store: Path, lengths: list[int]
         raws: list[float] = []
         result["rows"][str(n)]["raw_read_s_tries"] = raws   # filled as the triples go
         for ids, fresh in zip(prompts[n], triple_prompts(n, seed, args.repeat)):
+            until = store_blocks(store) + (n - 1) // page
             tries["cold_restarted"][n].append(server.generate(fresh, args.max_new_tokens))
+            settle(store, until)                # each timed request starts on a quiet server
             hit = server.generate(ids, args.max_new_tokens)
             tries["l3"][n].append(hit)
+            settle(None, 0)
             tries["l1l2_restarted"][n].append(server.generate(ids, args.max_new_tokens))
+            settle(None, 0)
             raws.append(round(raw_read_s(str(store), hit.cached_tokens // page * block_bytes), 5))
         print(f"  {n} tokens: {len(raws)} triples after the restart done", file=sys.stderr)
 

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from offload import cli
-from offload.bench import serve
+from offload.bench import serve, serve_target
 from offload.launch.server import LaunchedServer
 
 PAGE = 64
@@ -87,7 +87,9 @@ def test_a_failed_restart_keeps_the_rows_and_names_the_failure(
         return LaunchedServer(url, proc, Path(log))
 
     monkeypatch.setattr(serve.LaunchedServer, "start", staticmethod(start))
-    monkeypatch.setattr(serve, "wait_store", lambda *_a, **_k: 0)
+    monkeypatch.setattr(serve, "wait_store", lambda *_a, **_k: 0)      # no store to watch
+    monkeypatch.setattr(serve_target, "wait_store", lambda *_a, **_k: 0)
+    monkeypatch.setattr(serve_target, "SETTLE_S", 0.0)
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text("sglang: {model-path: /m}\n")
     rc = cli.main(["bench", "serve", "--config", str(cfg), "--dir", str(tmp_path), "--lengths",
