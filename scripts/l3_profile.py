@@ -14,7 +14,8 @@ requests' times to first token, and milliseconds per request by thread (the sche
 the request's critical path; the prefetch query, I/O and ACK threads and the backup thread work
 beside it) and stage (a sample goes to the first stage whose pattern its leaf-most frame matches;
 a thread blocked in a queue, a lock or a sleep is "idle wait"), so the L3 column less the L1/L2
-column is what the L3 path adds, stage by stage. `--keep DIR` keeps the raw samples and the log.
+column is what the L3 path adds, stage by stage. `--keep DIR` keeps the raw samples and the log;
+`--from DIR` tables kept samples again without a server.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ STAGES = [
     ("idle wait", r"^(Condition\.wait|Event\.wait|Queue\.get|select|poll|_poll|sleep|"
                   r"IdleSleeper\.maybe_sleep|Socket\.poll)\b"),
     ("store read: checksum", r"crc|checksum|xxh|blake|verify"),
-    ("store read: disk", r"preadv?\b|_read_run|read_into|os\.read"),
+    ("store read: index (locate, LRU touch)", r"Index\.|_flush_touches|\blocate\b"),
+    ("store read: disk", r"preadv?\b|read_run|read_batch|read_into|os\.read"),
     ("store read: other", r"batch_get_v1|read_pages"),
     ("lookup: batch_exists / exists_many", r"batch_exists|exists_many"),
     ("hashing of the prompt's pages", r"get_native_hash|get_hash_str|get_storage_hash_str|"
@@ -107,14 +109,34 @@ def _stages(raw: Path, rate: int) -> Counter[tuple[str, str]]:
     return out
 
 
+def _table(cpu: dict[str, Counter[tuple[str, str]]], length: int, n: int, rate: int) -> None:
+    print(f"\nmilliseconds per request of {length} tokens, by thread and stage (py-spy "
+          f"--idle, {rate} Hz, {n} requests per phase, max_new_tokens 1):")
+    print(f"{'thread':<24} {'stage':<44} {'L3 hits':>8} {'L1/L2':>8} {'extra':>8}")
+    keys = sorted(set(cpu["l3"]) | set(cpu["l1l2"]))
+    for role, _ in ROLES:
+        for key in [k for k in keys if k[0] == role]:
+            a, b = 1000 * cpu["l3"][key] / n, 1000 * cpu["l1l2"][key] / n
+            if max(a, b) >= 0.5:
+                print(f"{role:<24} {key[1]:<44} {a:>8.1f} {b:>8.1f} {a - b:>8.1f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
+    p.add_argument("--config")
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--keep", metavar="DIR", help="copy the raw samples and the server log here")
+    p.add_argument("--from", dest="source", metavar="DIR", help="no server: table the samples a "
+                   "run kept with --keep DIR (give its --length, --repeat and --rate)")
     args = p.parse_args()
+    if not args.source and not args.config:
+        p.error("give --config FILE (or --from DIR)")
+    if args.source:
+        _table({ph: _stages(Path(args.source) / f"{ph}.txt", args.rate) for ph in ("l3", "l1l2")},
+               args.length, args.repeat, args.rate)
+        return 0
     with tempfile.TemporaryDirectory(prefix="l3-profile-") as work_dir:
         work = Path(work_dir)
         seed = int(time.time())
@@ -153,16 +175,7 @@ def main() -> int:
                 Path(args.keep).mkdir(parents=True, exist_ok=True)
                 for f in [*work.glob("*.txt"), *work.glob("*.log")]:
                     shutil.copy(f, Path(args.keep) / f.name)
-    n = args.repeat
-    print(f"\nmilliseconds per request of {args.length} tokens, by thread and stage (py-spy "
-          f"--idle, {args.rate} Hz, {n} requests per phase, max_new_tokens 1):")
-    print(f"{'thread':<24} {'stage':<44} {'L3 hits':>8} {'L1/L2':>8} {'extra':>8}")
-    keys = sorted(set(cpu["l3"]) | set(cpu["l1l2"]))
-    for role, _ in ROLES:
-        for key in [k for k in keys if k[0] == role]:
-            a, b = 1000 * cpu["l3"][key] / n, 1000 * cpu["l1l2"][key] / n
-            if max(a, b) >= 0.5:
-                print(f"{role:<24} {key[1]:<44} {a:>8.1f} {b:>8.1f} {a - b:>8.1f}")
+    _table(cpu, args.length, args.repeat, args.rate)
     return 0
 
 
