@@ -5,7 +5,8 @@
 One server started through `sglang-offload launch` (a private store and port in a scratch
 directory). `--prompts` prompts are sent once (written back to the store). Then rounds: in each
 round, for each policy (wait_complete, timeout, best_effort; the order rotates per round) the
-policy is set at run time (SGLang's `PUT /hicache/storage-backend`, same backend: a policy update),
+policy is set at run time (SGLang's `PUT /hicache/storage-backend` with the server's admin key, a
+random one per run; same backend: a policy update),
 the device and host caches are emptied (`/flush_cache`), and the next stored prompt is sent: an
 L3 hit, or less of one when the policy starts the prefill before the load is done. Prints per
 policy the median time to first token and the cached tokens of its tries.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -25,18 +27,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offload.bench.serve import _prompt  # noqa: E402
-from offload.bench.serve_target import private_server  # noqa: E402
-from offload.launch.server import wait_store  # noqa: E402
+from offload.bench.serve import _prompt, deployment  # noqa: E402
+from offload.bench.serve_target import SETTLE_S  # noqa: E402
+from offload.launch.server import LaunchedServer, free_port, wait_store  # noqa: E402
 
 POLICIES = ("wait_complete", "timeout", "best_effort")
 
 
-def _put_policy(url: str, policy: str) -> None:
+def _flush(url: str, key: str) -> None:
+    """Empty SGLang's device and host caches (`/flush_cache`, an admin call)."""
+    req = urllib.request.Request(url + "/flush_cache", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+def _put_policy(url: str, policy: str, key: str) -> None:
     body = json.dumps({"hicache_storage_backend": "dynamic",
                        "hicache_storage_prefetch_policy": policy}).encode()
     req = urllib.request.Request(url + "/hicache/storage-backend", data=body, method="PUT",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = r.read().decode()
     if r.status != 200:
@@ -54,8 +64,11 @@ def main() -> int:
         work = Path(work_dir)
         seed = int(time.time())
         prompts = [_prompt(args.length, seed + 7919 * k) for k in range(n_prompts)]
-        server = private_server(args.config, work)
-        url = server.url
+        key = secrets.token_hex(16)      # SGLang takes a policy change only with its admin key
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = LaunchedServer.start(deployment(args.config, work / "store", port,
+                                                 {"admin-api-key": key}), work / "server.log", url)
         got: dict[str, list[tuple[float, int]]] = {p: [] for p in POLICIES}
         try:
             server.wait_ready(900)
@@ -63,14 +76,15 @@ def main() -> int:
             for ids in prompts:
                 server.generate(ids, 8)
             wait_store(work / "store", (args.length - 1) // 64 * n_prompts, 300)
-            server.get("/flush_cache")
+            _flush(url, key)
             server.generate(_prompt(512, seed - 1), 8)     # the first L3 load's one-off costs
             k = 0
             for r in range(args.rounds):
                 order = POLICIES[r % 3:] + POLICIES[:r % 3]
                 for policy in order:
-                    _put_policy(url, policy)
-                    server.get("/flush_cache")
+                    _put_policy(url, policy, key)
+                    _flush(url, key)
+                    time.sleep(SETTLE_S)
                     reply = server.generate(prompts[k], 8)
                     k += 1
                     got[policy].append((reply.ttft_s, reply.cached_tokens))

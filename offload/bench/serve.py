@@ -5,14 +5,20 @@ prompts, each sent cold (a fresh store, nothing cached) and again (an L1/L2 hit:
 and host pools). Then a restart on the same store (L1/L2 empty) and, per prompt, an interleaved
 triple on the restarted server (`offload.bench.serve_target`): a fresh prompt (cold), the prompt
 from before the restart (an L3 hit from the offload store), the same again (an L1/L2 hit), and
-the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between. The L3 target:
+the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between; every timed request
+starts on a quiet server (`serve_target.settle`: the last one's write-back done). The L3 target:
 the L3 hit's first token at most the L1/L2 hit's plus twice that raw read plus 30 ms (medians of
 the triples). Each reply's cached tokens and its greedy output (which must equal the cold one)
 are recorded, and the store's blocks and bytes. A short warm-up prompt goes through each phase
 first (the first load from the store pays one-off costs: its time is reported apart,
-`first_l3_request_s`). The server: started from `--config FILE` through `sglang-offload launch`
-(a free loopback port and a private store under `--dir`, removed at the end), or one already
-running at `--url` (no restart there: cold and L1/L2 only; fresh prompts make the cold row cold).
+`first_l3_request_s`; `native_hash_at_start`: each started server's line on SGLang's page-hash
+extension, built or loaded before it answered). A restart that fails (the server does not come
+back, or dies during the triples) is reported, not dropped: the rows measured before it stay,
+each length without its L3 target says `l3_failed` with the reason, and the command exits 1.
+The server: started from
+`--config FILE` through `sglang-offload launch` (a free loopback port and a private store under
+`--dir`, removed at the end), or one already running at `--url` (no restart there: cold and L1/L2
+only; fresh prompts make the cold row cold).
 
 On a wheel without patches/0008 (SGLang's own torch_native, the CPU backend) a note says that
 attention is recomputed over the whole prompt even when the prefix is cached, which hides the
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -33,7 +40,14 @@ from typing import Any
 import yaml
 
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
-from offload.bench.serve_target import has_patch, raw_read_s, triple_prompts, verdict
+from offload.bench.serve_target import (
+    has_patch,
+    raw_read_s,
+    settle,
+    store_blocks,
+    triple_prompts,
+    verdict,
+)
 from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
@@ -80,6 +94,17 @@ def _server_info(server: LaunchedServer) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def native_hash_at_start(server: LaunchedServer) -> str | None:
+    """The backend's line on SGLang's page-hash extension in a started server's log (built or
+    loaded at start, `offload.hicache.native_hash`), or None."""
+    try:
+        text = server.log.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"offload: SGLang's page-hash extension \S+ [^\n]*", text)
+    return found.group(0) if found else None
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -130,7 +155,7 @@ def run(args: Args) -> Outcome:
         print(json.dumps(result, indent=2))
     bad = [n for n, row in result["rows"].items() for p in row.values()
            if isinstance(p, dict) and p.get("same_output") is False]
-    return Outcome(result, 1 if bad else 0)
+    return Outcome(result, 1 if bad or "l3_failed" in result else 0)
 
 
 def _summary(replies: list[Reply], cold: list[Reply] | None) -> dict[str, Any]:
@@ -179,25 +204,34 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             result["note"] = TORCH_NATIVE_NOTE
         for _ in range(2):                       # warm-up: the cold and the L1/L2 path once
             server.generate(warm, args.max_new_tokens)
+        page = int(result["server"].get("page_size") or 64)
         for n in lengths:
             for ids in prompts[n]:
+                watch = None if args.url else store
+                until = store_blocks(watch) + (n - 1) // page
                 tries["cold"][n].append(server.generate(ids, args.max_new_tokens))
-                if "l1l2" in phases:
+                if "l1l2" in phases:       # each timed request starts on a quiet server
+                    settle(watch, until)
                     tries["l1l2"][n].append(server.generate(ids, args.max_new_tokens))
+                    settle(None, 0)
             print(f"  {n} tokens: cold and L1/L2 done", file=sys.stderr)
         if "l3" in phases:
-            page = int(result["server"].get("page_size") or 64)
             wait_store(store, sum((n - 1) // page * args.repeat for n in lengths)
                        + (WARM - 1) // page)
             server.stop()
             server = LaunchedServer.start(cfg, work / "server-2.log", url)
             servers.append(server)
-            server.wait_ready(args.start_timeout)
-            # the first load from the store pays one-off costs (SGLang JIT-loads its hash
-            # extension); it is timed and reported, not counted in the rows
-            result["first_l3_request_s"] = round(server.generate(warm, args.max_new_tokens)
-                                                 .ttft_s, 3)
-            _triples(args, server, store, lengths, prompts, seed, page, tries, result)
+            try:
+                server.wait_ready(args.start_timeout)
+                # the first load from the store pays one-off costs: it is timed and reported,
+                # not counted in the rows
+                result["first_l3_request_s"] = round(server.generate(warm, args.max_new_tokens)
+                                                     .ttft_s, 3)
+                _triples(args, server, store, lengths, prompts, seed, page, tries, result)
+            except (RunError, OSError) as e:   # the rows measured so far stay, the failure named
+                print(f"--- {server.log} (last lines) ---\n{server.tail()}", file=sys.stderr)
+                result["l3_failed"] = (f"the restarted server failed: {e}" if isinstance(e, OSError)
+                                       else str(e))
         for n in lengths:
             row = result["rows"][str(n)]
             row["cold"] = _summary(tries["cold"][n], None)
@@ -208,8 +242,11 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                                          if row[p]["ttft_s"] > 0 else None)
             if tries["cold_restarted"][n]:
                 row["cold_restarted"] = _summary(tries["cold_restarted"][n], None)
+            if row.get("l1l2_restarted") and row.get("raw_read_s_tries"):
                 row["target"] = verdict(row["l1l2_restarted"]["ttft_s"], row["l3"]["ttft_s"],
                                         statistics.median(row["raw_read_s_tries"]))
+            if "l3_failed" in result and not row.get("target"):
+                row["l3_failed"] = result["l3_failed"]
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data}
     except (RunError, OSError) as e:
@@ -219,6 +256,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             raise
         raise RunError(f"bench serve: the server at {server.url} failed: {e}") from None
     finally:
+        result["native_hash_at_start"] = [native_hash_at_start(s) for s in servers
+                                          if s.proc is not None]
         for s in servers:
             s.stop()
 
@@ -233,14 +272,18 @@ def _triples(args: Args, server: LaunchedServer, store: Path, lengths: list[int]
     block_bytes = data // blocks if blocks else 0
     result["store_block_bytes"] = block_bytes
     for n in lengths:
-        raws = []
+        raws: list[float] = []
+        result["rows"][str(n)]["raw_read_s_tries"] = raws   # filled as the triples go
         for ids, fresh in zip(prompts[n], triple_prompts(n, seed, args.repeat)):
+            until = store_blocks(store) + (n - 1) // page
             tries["cold_restarted"][n].append(server.generate(fresh, args.max_new_tokens))
+            settle(store, until)                # each timed request starts on a quiet server
             hit = server.generate(ids, args.max_new_tokens)
             tries["l3"][n].append(hit)
+            settle(None, 0)
             tries["l1l2_restarted"][n].append(server.generate(ids, args.max_new_tokens))
+            settle(None, 0)
             raws.append(round(raw_read_s(str(store), hit.cached_tokens // page * block_bytes), 5))
-        result["rows"][str(n)]["raw_read_s_tries"] = raws
         print(f"  {n} tokens: {len(raws)} triples after the restart done", file=sys.stderr)
 
 
@@ -273,6 +316,10 @@ def _print(result: dict[str, Any]) -> None:
                   f"{t['limit_s']:.3f} s (L1/L2 + 2 x raw + 30 ms): "
                   f"{'met' if t['met'] else 'MISSED'} (L3 - L1/L2 = "
                   f"{1000 * t['l3_extra_s']:.0f} ms)")
+    for n, row in result["rows"].items():
+        if row.get("l3_failed"):
+            print(f"L3 at {n} tokens: FAILED, {row['l3_failed']} (the rows above were measured "
+                  "before it)")
     st = result.get("store") or {}
     if st.get("blocks") is not None:
         print(f"store: {st['blocks']} blocks, {st['data_bytes']} bytes")

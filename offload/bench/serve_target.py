@@ -7,6 +7,11 @@ each prefix, and the verdict.
   sequentially with O_DIRECT (`offload.bench.rawdisk`, 4 MiB reads), measured in the run;
 - `verdict(l1l2_s, l3_s, raw_s)`: the issue-25 target, an L3 hit's first token at most the L1/L2
   hit's plus twice the raw read of its KV bytes plus 30 ms, with the limit and the slack;
+- `settle(store, until_blocks)`: before the next timed request, wait until the last one's
+  write-back is done: `until_blocks` blocks in the store (`store_blocks(store)` before the
+  request plus its pages; None: no store to watch), then `SETTLE_S` more
+  for SGLang's device -> host copy, which runs on the scheduler's thread after a prefill and
+  would otherwise be paid by whatever request comes next;
 - `has_patch(prefix)`: whether the SGLang this process imports was built with a patch of
   `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang;
 - `private_server(config, work)`: a server started from a deployment file through launch, on a
@@ -21,15 +26,17 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from offload.bench.rawdisk import raw_bandwidth
-from offload.launch.server import LaunchedServer, free_port
+from offload.launch.server import LaunchedServer, free_port, store_usage, wait_store
 
 SLACK_S = 0.030       # the target's fixed allowance
+SETTLE_S = 1.0        # after a request's write-back reached the store: SGLang's own host copy
 CHUNK = 4 << 20       # raw read size (bytes)
 TRIPLE_SEED = 104_729
 
@@ -48,6 +55,19 @@ def raw_read_s(directory: str, nbytes: int) -> float:
     total = max(CHUNK, -(-nbytes // CHUNK) * CHUNK)
     _write, read_gbs = raw_bandwidth(directory, total, chunk=CHUNK)
     return nbytes / (read_gbs * 1e9) if read_gbs > 0 else 0.0
+
+
+def store_blocks(store: Path | None) -> int:
+    """Blocks in `store` now (0 without one): what `settle` counts from."""
+    return store_usage(store)[0] if store is not None else 0
+
+
+def settle(store: Path | None, until_blocks: int) -> None:
+    """Wait for the last request's write-back: `until_blocks` blocks in `store` (None: no store
+    to watch), then SETTLE_S seconds."""
+    if store is not None and until_blocks > 0:
+        wait_store(store, until_blocks, timeout=120.0)
+    time.sleep(SETTLE_S)
 
 
 def verdict(l1l2_s: float, l3_s: float, raw_s: float) -> dict[str, Any]:

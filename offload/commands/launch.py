@@ -2,9 +2,10 @@
 
 The steps are `offload.launch.compose.prepare`; this module parses the command line, prints the
 dry run (secrets redacted, nothing written), or prints its decision (`compose.summary`: path and
-why, store, tiers, device choices) to stderr, writes the settings file (`compose.write`: 0600,
-private runtime directory) and replaces this process with SGLang (`os.execvpe`, with the device's
-environment: signals reach SGLang directly).
+why, store, tiers, device choices) to stderr, checks what SGLang's page-hash extension needs
+(`offload.launch.prebuild`: exit 1 naming a missing ninja or compiler), writes the settings file
+(`compose.write`: 0600, private runtime directory) and replaces this process with SGLang
+(`os.execvpe`, with the device's environment: signals reach SGLang directly).
 Exit codes: 0 ok, 1 the requested path cannot work here, 2 bad config or flags.
 """
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from offload.hw import PathRejectedError
     from offload.hw.host_checks import check_host
+    from offload.launch.prebuild import check_native_hash
 
     if args.json and not args.dry_run:
         raise OffloadError("--json goes with --dry-run (without it, launch starts SGLang)")
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(render(p, args.config))
         return 0
     sys.stderr.write(summary(p, args.config))   # the decision, before SGLang's own logs
+    # SGLang's L3 page hashes: built or loaded by the backend at start; the tools checked here
+    sys.stderr.write(f"  {check_native_hash({**os.environ, **p.device.env})}\n")
     write(p)                      # the settings (with the secrets) go to a 0600 file, not argv
     sys.stdout.flush()
     sys.stderr.flush()

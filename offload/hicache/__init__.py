@@ -4,7 +4,8 @@
 pools: draft, indexer, Mamba, SWA, DeepSeek-V4), `legacy` (its copying interface), `keying` (which
 blocks hold a rank's pages: namespaces, head groups, writers), `l3_layout` (SGLang's L3 layout
 handshake), `layout` (host-pool page -> buffers), `page_io` (pages <-> the store), `worth_it`
-(load-or-recompute rule), `contract` (backend name, module, class and extra-config keys; imports
+(load-or-recompute rule), `native_hash` (SGLang's page-hash extension, built before the first
+request), `contract` (backend name, module, class and extra-config keys; imports
 no SGLang). `offload.hicache:OffloadStorage` is the name users'
 configs, `launch` and patches/ give SGLang: it resolves lazily, so importing `offload.hicache.contract`
 does not import SGLang.

@@ -10,9 +10,10 @@ Lifecycle: SGLang constructs `OffloadStorage(storage_config, kwargs)` in each sc
 (settings are validated here; a bad one raises `ConfigError` naming it), then calls
 `register_mem_pool_host(host_pool)`, which fixes the key plan (`offload.hicache.keying`: the
 namespaces of model, ranks or head groups, MLA, dtype, layout, page size, salt) and the page map
-(`offload.hicache.layout`); a layout we cannot map is refused there. Hybrid stacks then register
-their sidecar pools (`register_mem_host_pool_v2`, the v2 interface in `offload.hicache.pools`;
-DeepSeek-V4's anchor holds no bytes: a "logical anchor"). Then, from its storage
+(`offload.hicache.layout`); a layout we cannot map is refused there, and SGLang's page-hash
+extension is built or loaded (`offload.hicache.native_hash`: no request pays it). Hybrid stacks
+then register their sidecar pools (`register_mem_host_pool_v2`, the v2 interface in
+`offload.hicache.pools`; DeepSeek-V4's anchor holds no bytes: a "logical anchor"). Then, from its storage
 threads: `batch_exists` (leading hits), `batch_set_v1` / `batch_get_v1` (pages moved straight
 between host-pool memory and the store, no copy), or the legacy `get/set/batch_get/batch_set`
 (flat page tensors, `offload.hicache.legacy`). `clear` deletes every namespace of the rank;
@@ -68,6 +69,7 @@ from offload.hicache.keying import (
 )
 from offload.hicache.layout import PageMap
 from offload.hicache.legacy import LegacyMixin
+from offload.hicache.native_hash import ensure_native_hash
 from offload.hicache.page_io import page_starts, read_pages, write_pages
 from offload.hicache.pools import KV, Pool, PoolsMixin
 from offload.hicache.worth_it import WorthIt, cuda_gpu_name, from_config
@@ -194,6 +196,7 @@ class OffloadStorage(PoolsMixin, LegacyMixin, HiCacheStorage):
         refused = refuse_layout(mem_pool_host)
         if refused is not None:
             raise refused
+        ensure_native_hash()   # SGLang's page hashes: built / loaded now, not by the first request
         if allocator_only_mla(mem_pool_host):   # MLA host dedup: rank 0 holds the bytes
             self.plan = replica_plan(self.storage_config, mem_pool_host, self.cfg.store.salt)
             self.namespace = self.plan.namespaces[0]

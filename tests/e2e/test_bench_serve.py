@@ -55,6 +55,10 @@ def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -
     assert "L3 target at 512 tokens" in out
     assert result["store"]["blocks"] >= full_pages(512) // 64
     assert "bench serve:" in out
+    # SGLang's page-hash extension was ready before each server answered: no request built it
+    assert len(result["native_hash_at_start"]) == 2
+    assert all(" hicache_hash_cpp " in line and " loaded in " in line
+               for line in result["native_hash_at_start"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.yaml"]   # its scratch is gone
 
 

@@ -115,4 +115,5 @@ def test_a_real_launch_says_its_decision_then_execs_with_the_device_env(tmp_path
     assert err[2].startswith(f"  store: {tmp_path / 'store'} (capacity ")
     assert err[3] == f"  tiers: L1 cpu KV pool (SGLang) -> L2 host pool (HiCache) -> L3 store " \
                      f"{tmp_path / 'store'}"
-    assert "attention-backend torch_native" in err[4] and err[-1].startswith("  exec: SGLANG_USE")
+    assert "attention-backend torch_native" in err[4] and err[-2].startswith("  exec: SGLANG_USE")
+    assert err[-1].startswith("  page-hash extension hicache_hash_cpp: ")
