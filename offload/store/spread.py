@@ -41,7 +41,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 from offload.config import Size, StoreConfig
 from offload.errors import StoreError
 from offload.keys import Namespace
-from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, all_false, never_raises
+from offload.store.base import Backlog, Buffer, Slot, SlotMedium, StoreStats, all_false, never_raises
 from offload.store.disk.store import DiskStore, fs_free_bytes
 
 log = logging.getLogger(__name__)
@@ -389,6 +389,11 @@ class SpreadStore:
                 for i, ok in zip(idx, got or []):
                     out[i] = out[i] or bool(ok)
         return out
+
+    def backlog(self) -> dict[str, Backlog]:
+        """Every drive's blocks written and not yet durable, as one local tier."""
+        parts = [s.backlog()["local"] for s in self.drive_stores()]
+        return {"local": Backlog(sum(b.pages for b in parts), sum(b.bytes for b in parts))}
 
     def commit_now(self) -> None:
         for s in self.drive_stores():

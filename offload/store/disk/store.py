@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 from offload.config import StoreConfig
 from offload.errors import StoreError
 from offload.keys import Namespace
-from offload.store.base import Buffer, Slot, SlotMedium, StoreStats, never_raises
+from offload.store.base import Backlog, Buffer, Slot, SlotMedium, StoreStats, never_raises
 from offload.store.disk import cachedir
 from offload.store.disk.admin import Admin
 from offload.store.disk.commit import Committer
@@ -183,6 +183,10 @@ class DiskStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block put so far is durable and visible (`Writes.flush`)."""
         return self._writes.flush(timeout)
+
+    def backlog(self) -> dict[str, Backlog]:
+        """Blocks this process put that are written but not yet durable (the group committer's)."""
+        return {"local": self._commits.backlog()}
 
     # ---- slots (`slots.py`) ------------------------------------------------------------------
 
