@@ -144,7 +144,10 @@ class SpreadStore:
         self._lock = threading.Lock()
         self._closed = False
         fresh = not any(os.path.isfile(os.path.join(d, INDEX)) for d in dirs)
-        self._drives = [Drive(d, _fs_size(d), _seed(d)) for d in dirs]
+        # a drive missing after the first start has no size of its own (its parent's file system
+        # would stand in for it): unknown, the mean below
+        self._drives = [Drive(d, _fs_size(d) if fresh or os.path.isdir(d) else 0.0, _seed(d))
+                        for d in dirs]
         known = [d.weight for d in self._drives if d.weight > 0]
         mean = sum(known) / len(known) if known else 1.0
         for d in self._drives:
