@@ -32,6 +32,9 @@ KINDS_LAYOUTS = {
     "mamba": ("page_first", "page_first_direct"),
 }
 IO_BACKENDS = ("kernel", "direct")
+# How the device indices of a transfer are ordered: whole pages in order (HiCache's page-aligned
+# transfers: patch 0005's page-granular copy) or the same pages' tokens reversed (its row copy).
+ORDERS = ("pages", "rows")
 
 
 def _run(check: Callable[[], None]) -> str:
@@ -170,12 +173,14 @@ def _mamba_pool(layout: str):
     return pool, device, None
 
 
-def check_roundtrip(kind: str, layout: str, io_backend: str) -> None:
+def check_roundtrip(kind: str, layout: str, io_backend: str, order: str = "pages") -> None:
     pool, device, page_rows = {"mha": _mha_pool, "mla": _mla_pool, "mamba": _mamba_pool}[kind](layout)
     page = pool.page_size
     originals = [tuple(t.clone() for t in layer) for layer in device]
     # Two scattered device pages, into two host pages the pool hands out.
     device_indices = torch.cat([torch.arange(12, 12 + page), torch.arange(4, 4 + page)])
+    if order == "rows":
+        device_indices = device_indices.flip(0)
     host_indices = pool.alloc(2 * page)
     assert host_indices is not None
     pool.backup_from_device_all_layer(None, host_indices, device_indices, io_backend)
@@ -197,6 +202,15 @@ def check_roundtrip(kind: str, layout: str, io_backend: str) -> None:
             _eq(got, want, f"device layer {layer_id} after the load")
 
 
+def check_whole_pages() -> None:
+    from sglang.srt.mem_cache.pool_host.torch_transfer import whole_pages
+
+    assert whole_pages(torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), 4).tolist() == [2, 0]
+    for indices in ([8, 9, 10, 11, 0, 1, 2], [9, 10, 11, 12], [8, 10, 9, 11], []):
+        assert whole_pages(torch.tensor(indices, dtype=torch.int64), 4) is None, indices
+    assert whole_pages(torch.arange(4), 1) is None
+
+
 def check_host_pool_without_registration() -> None:
     pool, _, _ = _mha_pool("page_first", pin_memory=True)
     assert pool.pin_memory is False, "the CPU engine must not pin host pools"
@@ -211,9 +225,12 @@ def probe() -> dict:
             "speculative_imports": _run(check_speculative_imports),
         },
         "host_pool": _run(check_host_pool_without_registration),
+        "whole_pages": _run(check_whole_pages),
         "roundtrip": {
-            f"{kind}/{layout}/{io}": _run(lambda k=kind, la=layout, i=io: check_roundtrip(k, la, i))
+            f"{kind}/{layout}/{io}" + ("" if order == "pages" else f"/{order}"):
+                _run(lambda k=kind, la=layout, i=io, o=order: check_roundtrip(k, la, i, o))
             for kind, layouts in KINDS_LAYOUTS.items() for layout in layouts for io in IO_BACKENDS
+            for order in (ORDERS if kind != "mamba" else ORDERS[:1])
         },
     }
 

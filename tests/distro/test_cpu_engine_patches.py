@@ -19,10 +19,12 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from probe_cpu_engine import IO_BACKENDS, KINDS_LAYOUTS  # noqa: E402
+from probe_cpu_engine import IO_BACKENDS, KINDS_LAYOUTS, ORDERS  # noqa: E402
 
-ROUNDTRIPS = [f"{kind}/{layout}/{io}" for kind, layouts in KINDS_LAYOUTS.items()
-              for layout in layouts for io in IO_BACKENDS]
+# Mamba state slots are not pages: only the MHA and MLA pools take patch 0005's page copies.
+ROUNDTRIPS = [f"{kind}/{layout}/{io}" + ("" if order == "pages" else f"/{order}")
+              for kind, layouts in KINDS_LAYOUTS.items() for layout in layouts
+              for io in IO_BACKENDS for order in (ORDERS if kind != "mamba" else ORDERS[:1])]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,11 @@ def test_torch_fallbacks_match_the_reference(cpu_probe, name):
 
 def test_host_pools_skip_cuda_host_registration(cpu_probe):
     assert cpu_probe["host_pool"] == "ok", cpu_probe["host_pool"]
+
+
+def test_whole_pages_are_told_from_other_indices(cpu_probe):
+    """Patch 0005 copies whole pages at once, and only indices that are whole pages in order."""
+    assert cpu_probe["whole_pages"] == "ok", cpu_probe["whole_pages"]
 
 
 def test_every_pool_layout_and_io_backend_is_probed(cpu_probe):

@@ -206,7 +206,10 @@ class Index(IndexAlloc):
         return self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        with self.txn():
+        """Record last use times. Not synced: they only order eviction, a crash that loses the
+        latest ones costs nothing stored, and a synced commit here would put an fsync of the
+        index's log on the read path (the next durable commit syncs them anyway)."""
+        with self.txn(durable=False):
             self._touch(keys, time.time())
 
     def _touch(self, keys: Sequence[bytes], now: float) -> None:
