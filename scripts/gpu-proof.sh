@@ -12,25 +12,34 @@
 #      (cold, L1/L2, and the L3 triples after a restart, with the L3 target verdict) at
 #      SERVE_LENGTHS tokens, into $OUT/bench-serve.txt + bench-serve.json; skipped, with the
 #      reason, where SGLang does not import or the file's model is not on local disk (no network).
+#   5. with --config FILE --workload: then `sglang-offload bench workload` from the same file (no
+#      L3, SGLang's file L3 and ours, each restarted halfway; SGLang's own client, many users on
+#      long shared prefixes, multi-turn), WORKLOAD_ARGS, into $OUT/bench-workload.txt + .json.
+#      Six server starts of the file's model: longer than the proof's few minutes, so opt-in.
 #
-#   bash scripts/gpu-proof.sh [--config FILE]             on the GPU machine
-#   bash scripts/gpu-proof.sh --dry-run [--config FILE]   anywhere: install into the target, run a
-#                          tiny model on the CPU, skip the GPU parts with the reason; with --config,
-#                          check the file and print the SGLang command and the bench serve command
+#   bash scripts/gpu-proof.sh [--config FILE [--workload]]   on the GPU machine
+#   bash scripts/gpu-proof.sh --dry-run [--config FILE [--workload]]   anywhere: install into the
+#                          target, run a tiny model on the CPU, skip the GPU parts with the reason;
+#                          with --config, check the file and print the SGLang command and the bench
+#                          serve (and bench workload) command
 # Environment: PYTHON (default: python3 with torch, else .venv/bin/python), OUT, WHEELS (default
 # .whl), TARGET (default /tmp/sglang-offload-proof-site), CACHE_DIR (the store, on local disk),
 # SERVE_LENGTHS (default 8192,32768,131008: 128K less a page, so 8 new tokens fit a 131072
-# context), SERVE_TIMEOUT (seconds, default 1800).
+# context), SERVE_TIMEOUT (seconds, default 1800), WORKLOAD_ARGS (bench workload's options, default
+# 8 shared 32K-token prefixes x 8 users x 3 turns, 16 in flight, L1 128K tokens, L2 1.5x that:
+# below the ~310K-token working set), WORKLOAD_TIMEOUT (seconds, default 5400).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
+workload=0
 config=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
+    --workload) workload=1 ;;
     --config) [ $# -ge 2 ] || { echo "gpu-proof: error: --config needs a FILE" >&2; exit 2; }
               config="$2"; shift ;;
-    *) echo "gpu-proof: error: unknown argument $1 (use --dry-run, --config FILE)" >&2; exit 2 ;;
+    *) echo "gpu-proof: error: unknown argument $1 (use --dry-run, --config FILE, --workload)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -40,6 +49,12 @@ if [ -n "$config" ] && [ ! -f "$config" ]; then
 fi
 SERVE_LENGTHS="${SERVE_LENGTHS:-8192,32768,131008}"
 SERVE_TIMEOUT="${SERVE_TIMEOUT:-1800}"
+WORKLOAD_ARGS="${WORKLOAD_ARGS:---groups 8 --users 8 --turns 3 --prefix-tokens 32768 --question-tokens 256 --output-tokens 16 --concurrency 16 --l1-tokens 131072 --l2-ratio 1.5 --seed 1}"
+WORKLOAD_TIMEOUT="${WORKLOAD_TIMEOUT:-5400}"
+if [ "$workload" = 1 ] && [ -z "$config" ]; then
+  echo "gpu-proof: error: --workload needs --config FILE (the deployment its servers start from)" >&2
+  exit 2
+fi
 WHEELS="${WHEELS:-.whl}"
 TARGET="${TARGET:-/tmp/sglang-offload-proof-site}"
 OUT="${OUT:-$PWD/gpu-proof-out}"
@@ -92,6 +107,26 @@ why = missing_for_serve(sys.argv[1]); print(why or "ok"); sys.exit(1 if why else
   return "$serve_rc"
 }
 
+read -r -a workload_args <<< "$WORKLOAD_ARGS"
+workload_cmd=("$PYTHON" -m offload.cli bench workload --config "$config" "${workload_args[@]}"
+              --dir "$CACHE_DIR" --json)
+# bench workload on the same file: three tiers, each started twice
+bench_workload() {
+  [ "$workload" = 1 ] || return 0
+  local why
+  why=$("$PYTHON" -c 'import sys; from offload.bench.serve_target import missing_for_serve
+why = missing_for_serve(sys.argv[1]); print(why or "ok"); sys.exit(1 if why else 0)' "$config" 2>&1) ||
+    { say "skip: bench workload ($why)"; return 0; }
+  say "bench workload: ${workload_cmd[*]}"
+  mkdir -p "$CACHE_DIR"
+  timeout "$WORKLOAD_TIMEOUT" "${workload_cmd[@]}" > "$OUT/bench-workload.txt" 2> "$OUT/bench-workload.log"
+  local workload_rc=$?
+  sed -n '/^{/q;p' "$OUT/bench-workload.txt"
+  sed -n '/^{/,$p' "$OUT/bench-workload.txt" > "$OUT/bench-workload.json"
+  say "bench workload exit $workload_rc (table: $OUT/bench-workload.txt, log: $OUT/bench-workload.log)"
+  return "$workload_rc"
+}
+
 rc=0
 if [ "$dry" = 1 ]; then
   say "skip: the gpu-marked tests (--dry-run: no GPU)"
@@ -101,6 +136,7 @@ if [ "$dry" = 1 ]; then
     say "the SGLang command launch would run from $config:"
     "$PYTHON" -m offload.cli launch --config "$config" --dry-run 2>/dev/null | sed -n '/^Command$/{n;p}'
     say "skip: bench serve (--dry-run); on the GPU machine: ${serve_cmd[*]}"
+    [ "$workload" = 1 ] && say "skip: bench workload (--dry-run); on the GPU machine: ${workload_cmd[*]}"
   fi
   exit "$rc"
 fi
@@ -115,4 +151,5 @@ say "gpu tests exit $test_rc (log: $OUT/gpu-tests.txt)"
 timeout 420 "$PYTHON" scripts/gpu_proof.py --out "$OUT" --cache-dir "$CACHE_DIR" || rc=$?
 [ "$rc" = 0 ] && rc=$test_rc
 bench_serve || { [ "$rc" = 0 ] && rc=1; }
+bench_workload || { [ "$rc" = 0 ] && rc=1; }
 exit "$rc"

@@ -53,8 +53,8 @@ def test_gpu_proof_dry_run_end_to_end(wheels: Path, tmp_path: Path) -> None:
         env.pop("PYTHON")
     h200 = REPO / "configs" / "llama-3.1-8b-128k-h200.yaml"      # a GPU host's file, unchanged
     res = subprocess.run(["bash", str(SCRIPTS / "gpu-proof.sh"), "--dry-run", "--config",
-                          str(h200)], capture_output=True, text=True, timeout=900, env=env,
-                         cwd=tmp_path)
+                          str(h200), "--workload"], capture_output=True, text=True, timeout=900,
+                         env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "gpu-proof: kvikio 26." in res.stdout
     assert "skip: the gpu-marked tests (--dry-run: no GPU)" in res.stdout
@@ -62,6 +62,9 @@ def test_gpu_proof_dry_run_end_to_end(wheels: Path, tmp_path: Path) -> None:
     assert "-m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct" in res.stdout
     assert (f"skip: bench serve (--dry-run); on the GPU machine: {env.get('PYTHON', 'python3')} "
             f"-m offload.cli bench serve --config {h200} --lengths 8192,32768,131008") in res.stdout
+    assert (f"skip: bench workload (--dry-run); on the GPU machine: {env.get('PYTHON', 'python3')} "
+            f"-m offload.cli bench workload --config {h200} --groups 8 --users 8 --turns 3 "
+            "--prefix-tokens 32768") in res.stdout
     assert (tmp_path / "site" / "kvikio").is_dir()
     result = json.loads((out / "gpu-proof.json").read_text())
     assert result["dry_run"] is True and result["gds"]["skipped"] == "dry run: no GPU"
@@ -98,6 +101,7 @@ def test_llama_8b_shape_and_kv_bytes() -> None:
     (["--config"], "--config needs a FILE"),
     (["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: no such file"),
     (["--fast"], "unknown argument --fast"),
+    (["--workload"], "--workload needs --config FILE"),
 ])
 def test_gpu_proof_bad_arguments_are_one_error_line(argv: list[str], expected: str,
                                                      tmp_path: Path) -> None:
