@@ -90,41 +90,26 @@ PY
 
 serve_cmd=("$PYTHON" -m offload.cli bench serve --config "$config" --lengths "$SERVE_LENGTHS"
            --repeat 3 --dir "$CACHE_DIR" --json)
-# bench serve on the deployment file: needs SGLang and the file's model on local disk
-bench_serve() {
-  [ -n "$config" ] || { say "skip: bench serve (no --config FILE)"; return 0; }
-  local why
-  why=$("$PYTHON" -c 'import sys; from offload.bench.serve_target import missing_for_serve
-why = missing_for_serve(sys.argv[1]); print(why or "ok"); sys.exit(1 if why else 0)' "$config" 2>&1) ||
-    { say "skip: bench serve ($why)"; return 0; }
-  say "bench serve: ${serve_cmd[*]}"
-  mkdir -p "$CACHE_DIR"
-  timeout "$SERVE_TIMEOUT" "${serve_cmd[@]}" > "$OUT/bench-serve.txt" 2> "$OUT/bench-serve.log"
-  local serve_rc=$?
-  sed -n '/^bench serve:/,/^{/p' "$OUT/bench-serve.txt" | sed '$d'
-  sed -n '/^{/,$p' "$OUT/bench-serve.txt" > "$OUT/bench-serve.json"
-  say "bench serve exit $serve_rc (table: $OUT/bench-serve.txt, log: $OUT/bench-serve.log)"
-  return "$serve_rc"
-}
-
 read -r -a workload_args <<< "$WORKLOAD_ARGS"
 workload_cmd=("$PYTHON" -m offload.cli bench workload --config "$config" "${workload_args[@]}"
               --dir "$CACHE_DIR" --json)
-# bench workload on the same file: three tiers, each started twice
-bench_workload() {
-  [ "$workload" = 1 ] || return 0
-  local why
+# `bench_step NAME LIMIT CMD...`: one benchmark on the deployment file (needs SGLang and the
+# file's model on local disk); its table to stdout, all of it in $OUT/bench-NAME.txt, the --json
+# object in bench-NAME.json, its log in bench-NAME.log
+bench_step() {
+  local name=$1 limit=$2 why
+  shift 2
   why=$("$PYTHON" -c 'import sys; from offload.bench.serve_target import missing_for_serve
 why = missing_for_serve(sys.argv[1]); print(why or "ok"); sys.exit(1 if why else 0)' "$config" 2>&1) ||
-    { say "skip: bench workload ($why)"; return 0; }
-  say "bench workload: ${workload_cmd[*]}"
+    { say "skip: bench $name ($why)"; return 0; }
+  say "bench $name: $*"
   mkdir -p "$CACHE_DIR"
-  timeout "$WORKLOAD_TIMEOUT" "${workload_cmd[@]}" > "$OUT/bench-workload.txt" 2> "$OUT/bench-workload.log"
-  local workload_rc=$?
-  sed -n '/^{/q;p' "$OUT/bench-workload.txt"
-  sed -n '/^{/,$p' "$OUT/bench-workload.txt" > "$OUT/bench-workload.json"
-  say "bench workload exit $workload_rc (table: $OUT/bench-workload.txt, log: $OUT/bench-workload.log)"
-  return "$workload_rc"
+  timeout "$limit" "$@" > "$OUT/bench-$name.txt" 2> "$OUT/bench-$name.log"
+  local step_rc=$?
+  sed -n '/^{/q;p' "$OUT/bench-$name.txt"
+  sed -n '/^{/,$p' "$OUT/bench-$name.txt" > "$OUT/bench-$name.json"
+  say "bench $name exit $step_rc (table: $OUT/bench-$name.txt, log: $OUT/bench-$name.log)"
+  return "$step_rc"
 }
 
 rc=0
@@ -150,6 +135,12 @@ test_rc=${PIPESTATUS[0]}
 say "gpu tests exit $test_rc (log: $OUT/gpu-tests.txt)"
 timeout 420 "$PYTHON" scripts/gpu_proof.py --out "$OUT" --cache-dir "$CACHE_DIR" || rc=$?
 [ "$rc" = 0 ] && rc=$test_rc
-bench_serve || { [ "$rc" = 0 ] && rc=1; }
-bench_workload || { [ "$rc" = 0 ] && rc=1; }
+if [ -z "$config" ]; then
+  say "skip: bench serve (no --config FILE)"
+else
+  bench_step serve "$SERVE_TIMEOUT" "${serve_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
+fi
+if [ "$workload" = 1 ]; then   # three tiers, each started twice: only when asked
+  bench_step workload "$WORKLOAD_TIMEOUT" "${workload_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
+fi
 exit "$rc"
