@@ -146,6 +146,26 @@ def drop_cache(directory: str, suffix: str) -> None:
     _each(directory, suffix, lambda fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))
 
 
+def drop_tree_cache(root: str) -> int:
+    """Write back, then drop from the page cache, every regular file under `root` (a store's
+    directory after its server stopped: the next reads come from the disk, as after a reboot or
+    on another host). Returns the number of files."""
+    done = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                done += 1
+            finally:
+                os.close(fd)
+    return done
+
+
 def fsync_files(directory: str, suffix: str) -> None:
     """fsync every file named *suffix in `directory`, then the directory (its entries)."""
     _each(directory, suffix, os.fsync)

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from offload.bench import workload_client as wc
-from offload.bench.common import JSON, Args, Option, Outcome, median_of, scratch
+from offload.bench.common import JSON, Args, Option, Outcome, drop_tree_cache, median_of, scratch
 from offload.bench.serve import deployment
 from offload.bench.workload_tiers import TIERS, StartedTier, start
 from offload.commands.argtypes import count, names, positive, work_dir
@@ -87,6 +87,10 @@ OPTIONS = (
     Option(("--l2-ratio",), "SGLang's hicache-ratio (the L2 host pool, times L1) over the "
            "file's", None, _ratio, metavar="X"),
     Option(("--repeat",), "rounds, the tiers alternating in each (medians reported)", 1, count),
+    Option(("--cold-restart",), "at the restart, drop every L3 file from the page cache (written "
+           "back first), so the restarted server reads its L3 from the disk, as after a reboot or "
+           "on another host; without it a backend that reads through the page cache (SGLang's "
+           "file L3) finds what it wrote minutes ago in RAM", False, flag=True),
     Option(("--sweep-users",), "the concurrency question instead of the restart run: user "
            "counts to try, ascending (each user a context of --prefix-tokens, all in flight)",
            None, _users, metavar="LIST"),
@@ -125,6 +129,8 @@ def _pools(args: Args) -> dict[str, Any]:
 def run(args: Args) -> Outcome:
     if args.sweep_users and not args.ttft_target_ms:
         raise UsageError("--sweep-users needs --ttft-target-ms MS (the p90 TTFT to stay within)")
+    if args.cold_restart and args.sweep_users:
+        raise UsageError("--cold-restart is for the restart run; --sweep-users has no restart")
     if args.ttft_target_ms and not args.sweep_users:
         raise UsageError("--ttft-target-ms is the target of --sweep-users LIST: give both")
     over = _pools(args)
@@ -136,7 +142,8 @@ def run(args: Args) -> Outcome:
                     args.question_tokens, args.output_tokens, args.concurrency, seed)
     result: dict[str, Any] = {"mode": "sweep" if args.sweep_users else "restart",
                               "workload": {**w.__dict__, "conversations": w.conversations},
-                              "tiers": tiers, "pools": over, "client": wc.CLIENT}
+                              "tiers": tiers, "pools": over, "client": wc.CLIENT,
+                              "cold_restart": bool(args.cold_restart)}
     # a SIGTERM (a CI timeout, a Ctrl-C'd wrapper) unwinds like an error, so the servers this
     # started are stopped and the scratch directory removed
     before = signal.signal(signal.SIGTERM, _terminated)
@@ -244,6 +251,8 @@ def _restart_runs(args: Args, work: Path, tiers: list[str], over: dict[str, Any]
                 row["l3_blocks"] = t.settle() if tier != "none" else 0
             finally:
                 t.server.stop()
+            if args.cold_restart and tier != "none":
+                row["l3_files_dropped"] = drop_tree_cache(str(d / "l3"))
             t = _serve(args, tier, d, over, "server-2")
             try:
                 row["first_request_s"].append(t.first_request_s)

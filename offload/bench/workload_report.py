@@ -18,7 +18,9 @@ def _header(result: dict[str, Any]) -> str:
             f"{srv.get('max_total_num_tokens')} tokens, L2 x{srv.get('hicache_ratio')}; "
             f"{w['groups']} prefixes of {w['prefix']} tokens x {w['users']} users x "
             f"{w['turns']} turns ({w['question']} new, {w['output']} generated), "
-            f"{w['concurrency']} in flight, seed {w['seed']} (SGLang's {result['client']})")
+            f"{w['concurrency']} in flight, seed {w['seed']} (SGLang's {result['client']})"
+            + ("; L3 files dropped from the page cache at the restart"
+               if result.get("cold_restart") else ""))
 
 
 def print_result(result: dict[str, Any]) -> None:

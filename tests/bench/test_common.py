@@ -35,6 +35,15 @@ def test_cache_helpers_open_only_the_named_files(tmp_path):
     assert (tmp_path / "a.slab").read_bytes() == b"x" * 4096
 
 
+def test_a_tree_is_dropped_from_the_page_cache_file_by_file_links_left_alone(tmp_path):
+    (tmp_path / "l3" / "objects").mkdir(parents=True)
+    (tmp_path / "l3" / "index.db").write_bytes(b"i" * 8192)
+    (tmp_path / "l3" / "objects" / "page.bin").write_bytes(b"p" * 4096)
+    (tmp_path / "l3" / "objects" / "away").symlink_to(tmp_path / "elsewhere")   # dangling
+    assert common.drop_tree_cache(str(tmp_path / "l3")) == 2
+    assert (tmp_path / "l3" / "objects" / "page.bin").read_bytes() == b"p" * 4096   # kept
+
+
 @pytest.mark.parametrize("target", [t for t in cmd.BENCHES])
 def test_every_benchmark_declares_its_options_as_data(target):
     module = importlib.import_module(cmd.BENCHES[target][0])

@@ -27,6 +27,8 @@ BENCH_DEPS = REPO / "distro" / "sglang-bench-deps.txt"
     (["--config", "{cfg}", "--sweep-users", "4,2"], "must be ascending"),
     (["--config", "{cfg}", "--sweep-users", "1,2"], "--sweep-users needs --ttft-target-ms"),
     (["--config", "{cfg}", "--ttft-target-ms", "500"], "--ttft-target-ms is the target of"),
+    (["--config", "{cfg}", "--sweep-users", "1,2", "--ttft-target-ms", "500", "--cold-restart"],
+     "--cold-restart is for the restart run"),
     (["--config", "{cfg}", "--tiers", "ours,ours"], "--tiers ours,ours: each tier once"),
     (["--config", "{tmp}/nope.yaml"], "--config {tmp}/nope.yaml: cannot read it"),
     (["--config", "{tmp}/list.yaml"], "expected a deployment file with a sglang: section"),
