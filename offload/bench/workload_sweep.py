@@ -3,8 +3,9 @@
 How many users with long contexts does one box serve within a TTFT target, with and without the
 tier? Per tier (one server each, the tiers alternating over `--repeat` rounds) and per user count
 U, ascending: U users, each with a context of its own (`--prefix-tokens`: one generated-shared-
-prefix group per user, `--turns` turns), all in flight, send their conversation; then the same
-users come back and send it again, and that second pass is measured. What L1/L2 could not keep
+prefix group per user, `--turns` turns), all in flight, send their conversation; then, once the
+L3 stopped growing (their write-back landed, as in the restart run), the same users come back and
+send it again, and that second pass is measured. What L1/L2 could not keep
 (`--l1-tokens`, `--l2-ratio`) is loaded from the L3 or recomputed. The sweep of a tier stops at
 the first U whose p90 TTFT passes the target; `max_users` is the largest U within it (the
 smallest over rounds).
@@ -37,6 +38,8 @@ def sweep(args: Args, work: Path, tiers: list[str], over: dict[str, Any], w: wc.
                                                seed=w.seed + users)
                     wc.run_client(t.server.url, step, d / f"u{users}-first.jsonl", d,
                                   args.client_timeout)
+                    if tier != "none":   # the users come back once their KV reached the L3
+                        t.settle()
                     s = wc.summary(wc.run_client(t.server.url, step, d / f"u{users}-back.jsonl",
                                                  d, args.client_timeout))
                     p90 = s["ttft_ms"]["p90"]
