@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-
 from sglang.srt.mem_cache.pool_host.torch_transfer import (
     copy_rows_to_device,
     copy_rows_to_host,
@@ -66,8 +65,9 @@ def main() -> int:
     offsets = torch.arange(args.page)
     host_idx = (host_pages_idx[:, None] * args.page + offsets).flatten()
     dev_idx = (dev_pages_idx[:, None] * args.page + offsets).flatten()
+    mib = args.tokens * args.heads * args.head_dim * 2 / 2**20
     print(f"{args.tokens} tokens = {n_pages} pages of {args.page}; one layer's K (or V): "
-          f"{args.heads} heads x {args.head_dim}, bf16, {args.tokens * args.heads * args.head_dim * 2 / 2**20:.1f} MiB; "
+          f"{args.heads} heads x {args.head_dim}, bf16, {mib:.1f} MiB; "
           f"medians of {args.repeat} alternating tries, ms")
     print(f"{'layout':18} {'direction':10} {'rows':>8} {'pages':>8} {'rows/pages':>10}")
     for layout in args.layouts.split(","):
