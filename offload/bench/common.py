@@ -131,14 +131,23 @@ def median_of(tries: Sequence[Any]) -> Any:
     return first
 
 
+def _on_file(path: str, fn: Callable[[int], None]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fn(fd)
+    finally:
+        os.close(fd)
+
+
 def _each(directory: str, suffix: str, fn: Callable[[int], None]) -> None:
     for name in os.listdir(directory):
         if name.endswith(suffix):
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                fn(fd)
-            finally:
-                os.close(fd)
+            _on_file(os.path.join(directory, name), fn)
+
+
+def _write_back_and_drop(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def drop_cache(directory: str, suffix: str) -> None:
@@ -154,15 +163,9 @@ def drop_tree_cache(root: str) -> int:
     for dirpath, _, names in os.walk(root):
         for name in names:
             path = os.path.join(dirpath, name)
-            if not os.path.isfile(path) or os.path.islink(path):
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if os.path.isfile(path) and not os.path.islink(path):
+                _on_file(path, _write_back_and_drop)
                 done += 1
-            finally:
-                os.close(fd)
     return done
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distro.conftest import load_script
 from tests.docker.image_tools import HOST_CA, Buildah, ensure_base_tar, tools_missing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,9 +76,8 @@ def test_patched_sglang_and_our_package_are_installed(image: Buildah) -> None:
                  "p = pathlib.Path(u.find_spec('sglang').origin).parent; "
                  "print('\"offload\"' in (p / 'srt/arg_groups/fields/memory.py').read_text()); "
                  "print(pathlib.Path('/tmp/wheels').exists())")
-    local = [line for line in (REPO / "distro" / "local-version").read_text().splitlines()
-             if line.strip() and not line.startswith("#")][0].strip()
-    wheel = f"0.5.23+offload.{local}"
+    bw = load_script(REPO / "distro" / "build_wheel.py", "sglang_offload_build_wheel")
+    wheel = f"{bw.load_pin().version}+{bw.local_version()}"
     assert out.split() == [wheel, "0.1.0", "True", "False"]
 
 
