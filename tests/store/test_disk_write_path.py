@@ -75,6 +75,25 @@ class Gate:
 
 # ---- the data path vs a busy index -------------------------------------------------------------
 
+def test_a_put_waits_out_a_slow_index_commit_of_its_own_process(tmp_path):
+    """The write lock held past the read path's deadline (a log sync on a loaded disk): a put
+    that needs a reservation waits for it (`PUT_WAIT_S`) instead of skipping its blocks."""
+    from offload.store.disk.index.access import DATA_LOCK_TIMEOUT_S
+    assert disk_write.PUT_WAIT_S > 2 * DATA_LOCK_TIMEOUT_S
+    with open_store(tmp_path) as s:
+        assert put(s, [0]) == [True] and s.flush()
+        lock = s._state.ix.wlock
+        assert lock.acquire(timeout=5)
+        got: list[list[bool]] = []
+        t = threading.Thread(target=lambda: got.append(put(s, [1], 2 * SIZE)))  # a new size
+        t.start()
+        t.join(1.5 * DATA_LOCK_TIMEOUT_S)    # past the read path's deadline, within the put's
+        lock.release()
+        t.join(60)
+        assert got == [[True]] and s.flush() and exact(s, [1], 2 * SIZE)
+        assert s.stats().put_skipped == 0
+
+
 def test_a_held_write_transaction_elsewhere_never_stalls_the_data_path(tmp_path):
     with open_store(tmp_path) as s:
         assert put(s, [0, 1]) == [True, True] and s.flush()

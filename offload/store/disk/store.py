@@ -39,7 +39,8 @@ every public call to them.
 The data path (put/get/exists/delete) never raises (`never_raises`, on the face's methods): it
 returns per-block flags and logs why. It never waits on the index longer than
 `DATA_LOCK_TIMEOUT_S` (`disk/index/access.py`: reads and writes go through separate connections, so
-gets go on while a write waits); past that a read is a miss and a write is skipped, counted in
+gets go on while a write waits), a put (a writer's own thread) `PUT_WAIT_S` (`disk/writes.py`);
+past that a read is a miss and a write is skipped, counted in
 `stats().index_busy`; an index row that fails the range checks is a miss for that block and
 dropped, counted in `stats().damaged_rows`.
 """

@@ -31,6 +31,10 @@ from offload.store.disk.state import DiskState
 log = logging.getLogger("offload.store.disk.store")
 
 DURABLE_WAIT_S = 5.0        # `durable` (a server about to acknowledge a put) waits this long
+# A put runs on a writer's own thread (SGLang's backup thread, the agent's store writer), never
+# on a request's: it waits this long for the index lock and the committer before it skips its
+# blocks, so a slow log sync on a loaded disk delays a write-back instead of losing it.
+PUT_WAIT_S = 2.0
 PUT_STALE_S = 0.25          # a put trusts its key set this long (see put_many)
 
 
@@ -57,7 +61,7 @@ class Writes:
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
-        end = time.monotonic() + DATA_LOCK_TIMEOUT_S   # for the waits on the committer
+        end = time.monotonic() + PUT_WAIT_S   # for the waits on the index and the committer
         result = [False] * len(keys)
         items: list[tuple[bytes, int, int, int]] = []
         where: dict[bytes, list[int]] = {}
@@ -137,7 +141,7 @@ class Writes:
                 left = end - time.monotonic()
                 if left <= 0 or not self.commits.pending() or not self.commits.settle(left):
                     break
-            res = self._reserve_into(got, short)
+            res = self._reserve_into(got, short, end)
             if res is None:
                 return None
             why = res.short
@@ -152,7 +156,7 @@ class Writes:
         return new
 
     def _reserve_into(self, got: dict[int, list[tuple[int, int]]],
-                      short: dict[int, int]) -> Reserved | None:
+                      short: dict[int, int], end: float) -> Reserved | None:
         """One reservation transaction: `short` more slots per size into `got`, plus a range
         ahead into the spare, sized to what this process writes (`Spare.ask_ahead`); sizes
         unused for a while go back, and the rest of the range too if the need would evict
@@ -166,7 +170,8 @@ class Writes:
             offer = st.spare.clear()
         res: object = BUSY
         try:
-            res = st.ix.write(self._reserve(wants, unused, offer))
+            res = st.ix.write(self._reserve(wants, unused, offer),
+                              wait=max(DATA_LOCK_TIMEOUT_S, end - time.monotonic()))
         finally:
             if res is BUSY:   # busy or failed: the slots taken stay this process's
                 with st.lock:
@@ -284,4 +289,4 @@ class Writes:
                               st.owner, st.free_slot, punch=True)
 
 
-__all__ = ["DURABLE_WAIT_S", "PUT_STALE_S", "Writes", "skipped"]
+__all__ = ["DURABLE_WAIT_S", "PUT_STALE_S", "PUT_WAIT_S", "Writes", "skipped"]
