@@ -13,7 +13,10 @@ Restart run (the default): each tier's server serves the workload, waits for its
 restarts on the same L3 (L1/L2 empty), and serves the same workload again (the same users coming
 back: every conversation re-sent, turn by turn). Per tier and phase (before / after the
 restart): TTFT mean / p50 / p90, throughput, cached tokens by tier (device / host / storage from
-SGLang's cached_tokens_details); ratios of ours to no L3 and to `file` (targets: <= 0.5x and <=
+SGLang's cached_tokens_details), and the storage hits SGLang did not load (by its own metrics,
+on for every tier: `host_capacity` is a hit trimmed to the L2 host pool's room, the rest
+recomputed; it falls on whichever users' prefetches overlap, so it moves the mean TTFT of any L3
+from run to run); ratios of ours to no L3 and to `file` (targets: <= 0.5x and <=
 0.8x, after the restart); greedy-output agreement with the reference (the first tier's first
 phase), where a differing turn's top-2 logprob margin (`offload.bench.workload_margin`) tells a
 near-tie of a random-weight model (margin below `--tie-margin`) from a real difference (exit 1).
@@ -42,7 +45,7 @@ import yaml
 from offload.bench import workload_client as wc
 from offload.bench.common import JSON, Args, Option, Outcome, drop_tree_cache, median_of, scratch
 from offload.bench.serve import deployment
-from offload.bench.workload_tiers import TIERS, StartedTier, start
+from offload.bench.workload_tiers import TIERS, StartedTier, not_loaded, start
 from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import free_port
@@ -69,7 +72,8 @@ def _users(text: str) -> str:
 
 OPTIONS = (
     Option(("--config",), "deployment YAML every tier's server starts from (sglang-offload "
-           "launch); its engine flags are used unchanged but for --l1-tokens / --l2-ratio",
+           "launch); its engine flags are used unchanged but for --l1-tokens / --l2-ratio "
+           "(and SGLang's enable-metrics, on for every tier)",
            metavar="FILE", required=True),
     Option(("--tiers",), "L3 set-ups to compare, in this order (none: L1/L2 only; file: "
            "SGLang's stock file backend; ours: the offload tier); the first is the reference of "
@@ -118,7 +122,8 @@ def _pools(args: Args) -> dict[str, Any]:
     if not isinstance(sg, dict):
         raise UsageError(f"--config {args.config}: expected a deployment file with a sglang: "
                          "section")
-    over: dict[str, Any] = {}
+    # SGLang's Prometheus metrics on every tier alike: what each L3 held but SGLang did not load
+    over: dict[str, Any] = {"enable-metrics": True}
     if args.l1_tokens:
         over["max-total-tokens"] = args.l1_tokens
     if args.l2_ratio:
@@ -223,6 +228,15 @@ def _serve(args: Args, tier: str, d: Path, over: dict[str, Any], name: str) -> S
     return t
 
 
+def _not_loaded(t: StartedTier) -> dict[str, int] | None:
+    """The server's storage hits SGLang did not load so far (`workload_tiers.not_loaded`); None
+    where /metrics does not answer."""
+    try:
+        return not_loaded(t.server.get("/metrics"))
+    except (OSError, ValueError):
+        return None
+
+
 def _client(args: Args, t: StartedTier, w: wc.Workload, out: Path) -> dict[str, Any]:
     try:
         return wc.run_client(t.server.url, w, out, out.parent, args.client_timeout)
@@ -248,6 +262,7 @@ def _restart_runs(args: Args, work: Path, tiers: list[str], over: dict[str, Any]
                         "max_total_num_tokens", "hicache_ratio", "hicache_storage_prefetch_policy")}
                 row["first_request_s"] = [t.first_request_s]
                 first = _client(args, t, w, d / "before.jsonl")
+                unloaded = [_not_loaded(t)]
                 row["l3_blocks"] = t.settle() if tier != "none" else 0
             finally:
                 t.server.stop()
@@ -257,10 +272,11 @@ def _restart_runs(args: Args, work: Path, tiers: list[str], over: dict[str, Any]
             try:
                 row["first_request_s"].append(t.first_request_s)
                 second = _client(args, t, w, d / "after.jsonl")
+                unloaded.append(_not_loaded(t))
             finally:
                 t.server.stop()
-            for phase, res in (("before", first), ("after", second)):
-                row[phase] = wc.summary(res)
+            for phase, res, nl in (("before", first, unloaded[0]), ("after", second, unloaded[1])):
+                row[phase] = {**wc.summary(res), "l3_not_loaded_tokens": nl}
                 outputs[(tier, rnd, phase)] = wc.texts(res)
             runs.append(row)
             print(f"  {tier} round {rnd + 1}: TTFT p50 {row['before']['ttft_ms']['p50']} ms "

@@ -40,6 +40,11 @@ def print_result(result: dict[str, Any]) -> None:
                   f"{_f(s['throughput']['output_tokens_per_s'], '.1f'):>9} "
                   f"{s['cached_tokens']:>8} {c['device']:>7} {c['host']:>7} {c['storage']:>7} "
                   f"{s['hit_rate']:>6.1%}")
+    for tier, phases in result.get("summary", {}).items():
+        nl = phases.get("after", {}).get("l3_not_loaded_tokens")
+        if tier != "none" and nl and nl.get("total"):
+            print(f"{tier}: after the restart SGLang left {nl['total']:.0f} tokens of storage hits "
+                  f"unloaded ({nl['host_capacity']:.0f} for want of L2 room), recomputed instead")
     for key, r in result.get("ratios", {}).items():
         a = r["after"]
         line = (f"{key} TTFT after the restart: mean {_f(a['mean'], '.2f')}x, p50 "

@@ -10,6 +10,10 @@
 storage backend flags swapped, because `launch` refuses any storage backend but its own. So the
 three differ in the L3 and in nothing else. `StartedTier.blocks()` counts what the L3 holds
 (store blocks, the file backend's files, 0 for none), to wait for a write-back before a restart.
+`not_loaded(metrics_text)`: the tokens an L3 held that SGLang did not load, by reason, from its
+`sglang:storage_prefetch_unfulfilled_tokens_total` (the servers run with `--enable-metrics`):
+`host_capacity` is a storage hit trimmed because the L2 host pool had no room for all of it (the
+rest is recomputed), the same for every L3.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from offload.launch.server import LaunchedServer, store_usage
 
 TIERS = ("none", "file", "ours")
+UNFULFILLED = "sglang:storage_prefetch_unfulfilled_tokens_total"
 BACKEND_FLAGS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
 STORAGE_NAMES = {"none": "no L3", "file": "SGLang file L3", "ours": "offload L3"}
 
@@ -76,6 +81,24 @@ class StartedTier:
             if now != last:
                 last, since = now, time.monotonic()
         return last
+
+
+def not_loaded(metrics_text: str) -> dict[str, int]:
+    """Tokens of storage hits SGLang did not load, from its Prometheus text: `total`, and
+    `host_capacity` (the hit trimmed to the L2 room); summed over ranks."""
+    out = {"total": 0, "host_capacity": 0}
+    for line in metrics_text.splitlines():
+        if not line.startswith(UNFULFILLED + "{"):
+            continue
+        labels, _, value = line.rpartition("}")
+        try:
+            n = int(float(value.strip()))
+        except ValueError:
+            continue
+        out["total"] += n
+        if 'reason="host_capacity"' in labels:
+            out["host_capacity"] += n
+    return out
 
 
 def start(tier: str, config: Path, l3: Path, log: Path, url: str) -> StartedTier:

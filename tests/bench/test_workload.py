@@ -143,3 +143,22 @@ def test_a_saved_result_plots(tmp_path: Path) -> None:
         assert plot.kind_of(result) == "workload"
         out = tmp_path / f"{name}.png"
         assert plot.draw(result, str(out)) == str(out) and out.stat().st_size > 0
+
+
+def test_storage_hits_sglang_did_not_load_are_read_from_its_metrics() -> None:
+    from offload.bench.workload_tiers import not_loaded
+
+    text = "\n".join([
+        "# HELP sglang:storage_prefetch_unfulfilled_tokens_total Storage hits not loaded",
+        "# TYPE sglang:storage_prefetch_unfulfilled_tokens_total counter",
+        'sglang:storage_prefetch_unfulfilled_tokens_total{pp_rank="0",reason="host_capacity",'
+        'tp_rank="0"} 4480.0',
+        'sglang:storage_prefetch_unfulfilled_tokens_total{pp_rank="0",reason="host_capacity",'
+        'tp_rank="1"} 64.0',
+        'sglang:storage_prefetch_unfulfilled_tokens_total{pp_rank="0",reason="deadline",'
+        'tp_rank="0"} 128.0',
+        'sglang:storage_prefetch_hit_tokens_total{pp_rank="0",tp_rank="0"} 9999.0',
+        'sglang:storage_prefetch_unfulfilled_tokens_total{reason="x"} not-a-number',
+    ])
+    assert not_loaded(text) == {"total": 4672, "host_capacity": 4544}
+    assert not_loaded("") == {"total": 0, "host_capacity": 0}

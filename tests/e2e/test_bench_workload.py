@@ -52,6 +52,10 @@ def test_storage_hits_after_the_restart_for_both_l3s_none_without_and_outputs_ag
         assert after["cached_by_tier"]["storage"] >= 2 * 192, (tier, after)
         assert after["cached_tokens"] > s["none"]["after"]["cached_tokens"]
     assert s["ours"]["after"]["storage_backend"] == "OffloadStorage"
+    for tier in ("none", "file", "ours"):     # SGLang's /metrics answered on every server
+        for phase in ("before", "after"):
+            nl = s[tier][phase]["l3_not_loaded_tokens"]
+            assert set(nl) == {"total", "host_capacity"} and nl["total"] >= nl["host_capacity"]
     ag = result["agreement"]
     assert ag["real_differences"] == 0, ag
     assert ag["requests"] == 8 * 6
