@@ -94,6 +94,28 @@ def test_a_put_waits_out_a_slow_index_commit_of_its_own_process(tmp_path):
         assert s.stats().put_skipped == 0
 
 
+def test_a_promotion_waits_for_the_index_only_as_long_as_a_read(tmp_path):
+    """`promote_many` runs on a get's path (a shared tier's block copied to the local disk): with
+    the write lock held past the read path's deadline it skips its block, counted, where a put
+    (test above) would have waited; the block is stored by the next promotion."""
+    from offload.store.disk.index.access import DATA_LOCK_TIMEOUT_S
+    with open_store(tmp_path) as s:
+        assert put(s, [0]) == [True] and s.flush()
+        lock = s._state.ix.wlock
+        assert lock.acquire(timeout=5)
+        release_at = threading.Timer(2 * DATA_LOCK_TIMEOUT_S, lock.release)
+        release_at.start()
+        try:
+            ks = [key(1)]
+            assert s.promote_many(ks, [[data(ks[0], 2 * SIZE)]]) == [False]   # a new size
+        finally:
+            release_at.join(60)
+        assert s.stats().put_skipped == 1
+        ks = [key(1)]
+        assert s.promote_many(ks, [[data(ks[0], 2 * SIZE)]]) == [True]
+        assert s.flush() and exact(s, [1], 2 * SIZE)
+
+
 def test_a_held_write_transaction_elsewhere_never_stalls_the_data_path(tmp_path):
     with open_store(tmp_path) as s:
         assert put(s, [0, 1]) == [True, True] and s.flush()

@@ -360,3 +360,18 @@ def test_cache_commands_per_drive_and_across_all(dirs: list[Path]) -> None:
     m = run_cli("cache", "stats", *ds)
     assert m.returncode == 1
     assert f"drive {ds[1]}: not done" in m.stdout and "cache over 2 of 3 drives" in m.stdout
+
+
+def test_a_promotion_goes_to_each_drive_as_a_promotion(dirs: list[Path]) -> None:
+    """`promote_many` (a tiered store's copy of a shared block, on a get's path) stores where a
+    put would, through each drive's `promote_many` (which waits as a read does)."""
+    with SpreadStore(cfg(dirs), monitor=False) as s:
+        seen: list[int] = []
+        for d in s.drives():
+            assert d.store is not None
+            real = d.store.promote_many
+            d.store.promote_many = (  # type: ignore[method-assign]
+                lambda ks, bs, real=real: (seen.append(len(ks)), real(ks, bs))[1])
+        ks = [key(i) for i in range(30)]
+        assert s.promote_many(ks, [[data(k, BLOCK)] for k in ks]) == [True] * 30
+        assert sum(seen) == 30 and s.flush() and all(readable(s, range(30)))

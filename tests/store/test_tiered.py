@@ -52,6 +52,23 @@ def test_shared_hit_is_promoted_into_local() -> None:
     assert st.hits == 2 and st.extra["shared"]["hits"] == 1 and st.extra["local"]["hits"] == 1
 
 
+def test_a_promotion_is_put_as_the_local_store_puts_on_a_read_path() -> None:
+    """A local store with `promote_many` (the disk store: it waits for its index no longer than
+    a read does) is given the promoted blocks through it, never through `put_many`."""
+    t, local, shared = tiers()
+    calls: list[str] = []
+    real = local.put_many
+
+    def promote_many(keys, blocks):  # type: ignore[no-untyped-def]
+        calls.append("promote")
+        return real(keys, blocks)
+
+    local.promote_many = promote_many  # type: ignore[attr-defined]
+    shared.put_many(ks("p"), data("p"))
+    assert get_bytes(t, NS.key("p"), SIZE) == block_bytes("p", SIZE)
+    assert calls == ["promote"] and local.exists_many(ks("p")) == [True]
+
+
 def test_mixed_batch_keeps_order_and_counts_misses() -> None:
     t, local, shared = tiers()
     local.put_many(ks("l"), data("l"))

@@ -168,6 +168,13 @@ class DiskStore:
         """Write the blocks; True once written (visible once durable: `Writes.put_many`)."""
         return self._writes.put_many(keys, blocks)
 
+    @never_raises("disk put (promotion)", _skipped)
+    def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
+                     ) -> list[bool]:
+        """`put_many` on a read's path (a block a get found in a shared tier, copied here): it
+        waits for the index no longer than a read does (`DATA_LOCK_TIMEOUT_S`), then skips."""
+        return self._writes.put_many(keys, blocks, wait_s=DATA_LOCK_TIMEOUT_S)
+
     @never_raises("disk delete", _nothing)
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._writes.delete_many(keys)

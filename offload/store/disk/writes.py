@@ -49,8 +49,11 @@ class Writes:
         self.state, self.commits = state, commits
         self._held_checked = time.monotonic()   # the last check of the range against the index
 
-    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        """Write the blocks; True once written (visible once durable: see `store.py`).
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]],
+                 wait_s: float = PUT_WAIT_S) -> list[bool]:
+        """Write the blocks; True once written (visible once durable: see `store.py`). `wait_s`:
+        how long it may wait for the index and the committer (a put on a read's path, such as a
+        promotion from a shared tier, passes the read path's `DATA_LOCK_TIMEOUT_S`).
 
         The per-call bookkeeping stays off the device's path: the key set is refreshed (a read of
         other processes' commits) only when it is over `PUT_STALE_S` old or the index was rebuilt
@@ -61,7 +64,7 @@ class Writes:
         if len(keys) != len(blocks):
             log.error("put: %d keys but %d blocks; nothing stored", len(keys), len(blocks))
             return [False] * len(keys)
-        end = time.monotonic() + PUT_WAIT_S   # for the waits on the index and the committer
+        end = time.monotonic() + wait_s   # for the waits on the index and the committer
         result = [False] * len(keys)
         items: list[tuple[bytes, int, int, int]] = []
         where: dict[bytes, list[int]] = {}
