@@ -190,6 +190,16 @@ class Durable(Protocol):
 
 
 @runtime_checkable
+class Promotable(Protocol):
+    """A store with a put for a read's path (`promote_many`: a tiered store copying a block the
+    shared tier served into the local one): it waits for its index no longer than a read does."""
+
+    def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
+                     ) -> list[bool]:
+        ...
+
+
+@runtime_checkable
 class Flushable(Protocol):
     """A store whose puts become durable after they return: `flush()` waits for all of them and
     is False if one was lost since the last flush."""
@@ -233,6 +243,15 @@ def durable(store: BlockStore, keys: Sequence[bytes], ok: Sequence[bool]) -> lis
     if not isinstance(store, Durable):
         return list(ok)
     return [bool(o and d) for o, d in zip(ok, store.durable(keys))]
+
+
+def promote(store: BlockStore, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
+            ) -> list[bool]:
+    """Put blocks on a read's path: the store's `promote_many` where it has one (`Promotable`),
+    else its `put_many`."""
+    if isinstance(store, Promotable):
+        return store.promote_many(keys, blocks)
+    return store.put_many(keys, blocks)
 
 
 def flush(store: BlockStore) -> bool:

@@ -328,21 +328,22 @@ class SpreadStore:
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         # (a caller puts what `exists` said is missing, on either drive a block may be on; a block
         # put again anyway while a copy sits on its second drive is stored twice, both verified)
-        return self._put(keys, blocks, "put_many")
+        return self._put(keys, blocks, lambda s, k, b: s.put_many(k, b))
 
     @never_raises("spread put (promotion)", all_false)
     def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
                      ) -> list[bool]:
         """`put_many` on a read's path: each drive's store waits as a read does
         (`DiskStore.promote_many`)."""
-        return self._put(keys, blocks, "promote_many")
+        return self._put(keys, blocks, lambda s, k, b: s.promote_many(k, b))
 
     def _put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]],
-             method: str) -> list[bool]:
+             put: Callable[[DiskStore, list[bytes], list[Sequence[Buffer]]], list[bool]]
+             ) -> list[bool]:
         out = [False] * len(keys)
         todo = self._group(list(enumerate(self._target(keys))))
-        for idx, got in self._fan(todo, lambda s, ix: getattr(s, method, s.put_many)(
-                [keys[i] for i in ix], [blocks[i] for i in ix])):
+        for idx, got in self._fan(todo, lambda s, ix: put(
+                s, [keys[i] for i in ix], [blocks[i] for i in ix])):
             for i, ok in zip(idx, got or []):
                 out[i] = bool(ok)
         return out

@@ -33,6 +33,7 @@ from offload.store.base import (
     RegistersRegions,
     StoreStats,
     never_raises,
+    promote,
     total_len,
 )
 
@@ -149,8 +150,7 @@ class TieredStore:
         self._count("misses", len(miss) - len(found))
         if found:
             # on the get's path: a local store that can, waits no longer than a read does
-            promote = getattr(self.local, "promote_many", self.local.put_many)
-            prom = promote([keys[i] for i in found], [dests[i] for i in found])
+            prom = promote(self.local, [keys[i] for i in found], [dests[i] for i in found])
             self._count("promotions", sum(prom))
             self._count("promotion_failures", len(found) - sum(prom))
         return out

@@ -16,13 +16,14 @@ On a machine with one NUMA node (or an unknown node) nothing is pinned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from offload.store.base import BlockStore, Buffer, StoreStats, never_raises
+from offload.store.base import BlockStore, Buffer, StoreStats, never_raises, promote
 from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,14 @@ class CpuStagingPath(StoreBookkeeping):
         if _any_gpu(blocks):
             return self._gpu().put(keys, blocks)
         return self._run(self.store.put_many, keys, blocks)
+
+    def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
+                     ) -> list[bool]:
+        """A put on a read's path (a tiered store's promotion): the store's own
+        (`offload.store.base.promote`), on the dispatcher thread."""
+        if _any_gpu(blocks):
+            return self._gpu().put(keys, blocks)
+        return self._run(functools.partial(promote, self.store), keys, blocks)
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         if _any_gpu(dests):

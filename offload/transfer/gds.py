@@ -23,7 +23,16 @@ import threading
 from typing import Any, Sequence
 
 from offload.errors import PathUnavailableError
-from offload.store.base import BlockStore, Buffer, Slot, SlotStore, StoreStats, all_false, never_raises
+from offload.store.base import (
+    BlockStore,
+    Buffer,
+    Slot,
+    SlotStore,
+    StoreStats,
+    all_false,
+    never_raises,
+    promote,
+)
 from offload.transfer.base import StoreBookkeeping
 
 log = logging.getLogger(__name__)
@@ -162,6 +171,14 @@ class GdsPath(StoreBookkeeping):
                                                             [blocks[i] for i in rest])):
                 ok[i] = flag
         return ok
+
+    @never_raises("gds promotion", all_false)
+    def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
+        """A put on a read's path (a tiered store's promotion): host blocks through the CPU
+        path's promotion (`offload.store.base.promote`), GPU blocks as `put_many` writes them."""
+        if any(getattr(b, "is_cuda", False) for bs in blocks for b in bs):
+            return self.put_many(keys, blocks)
+        return promote(self.fallback, keys, blocks)
 
     @never_raises("gds get", all_false)
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]) -> list[bool]:

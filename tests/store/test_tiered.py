@@ -69,6 +69,29 @@ def test_a_promotion_is_put_as_the_local_store_puts_on_a_read_path() -> None:
     assert calls == ["promote"] and local.exists_many(ks("p")) == [True]
 
 
+def test_a_promotion_through_the_cpu_path_reaches_the_disk_stores_promotion(
+        tmp_path: Path) -> None:
+    """As the backend builds it (`make_tiered(open_path(cfg), ...)`): the local store is the cpu
+    transfer path over a disk store, and a promoted block goes to the disk store's
+    `promote_many` (the read's wait), not its `put_many`."""
+    from offload.transfer.cpu_staging import CpuStagingPath
+    from tests.store.test_disk import open_store
+
+    disk = open_store(tmp_path / "local")
+    calls: list[str] = []
+    for name in ("put_many", "promote_many"):
+        real = getattr(disk, name)
+        setattr(disk, name, lambda k, b, real=real, name=name: (calls.append(name), real(k, b))[1])
+    shared = FaultyMemoryStore()
+    t = TieredStore(CpuStagingPath(disk), shared, WriteThrough())  # type: ignore[arg-type]
+    try:
+        shared.put_many(ks("q"), data("q"))
+        assert get_bytes(t, NS.key("q"), SIZE) == block_bytes("q", SIZE)
+        assert calls == ["promote_many"] and disk.flush() and disk.exists_many(ks("q")) == [True]
+    finally:
+        t.close()
+
+
 def test_mixed_batch_keeps_order_and_counts_misses() -> None:
     t, local, shared = tiers()
     local.put_many(ks("l"), data("l"))
