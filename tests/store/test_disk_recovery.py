@@ -177,7 +177,7 @@ def test_slab_fd_cache_is_bounded(tmp_path):
         assert len(slabs_of(d)) in (20, 21)    # + at most one slab reserved ahead
         assert exact(s, range(20))
         assert s._state.slabs.open_count() <= 3
-        assert open_slab_fds(d) <= 3 + 6  # + index.db, -wal, -shm of the writer and the reader
+        assert open_slab_fds(d) <= 3 + 7  # + index.db, -wal, -shm (writer, reader), the lease
 
 
 def test_fd_cache_churn_under_concurrent_threads_never_mixes_files(tmp_path):

@@ -278,7 +278,10 @@ def control_error(e: OSError, what: str) -> StoreError:
 
 @contextlib.contextmanager
 def locked(path: str, timeout_s: float) -> Iterator[None]:
-    """Hold the exclusive flock on `path` (created 0600 if missing), waiting at most `timeout_s`."""
+    """Hold the exclusive flock on `path` (created 0600 if missing) and on its directory, waiting
+    at most `timeout_s`. The directory's flock is what excludes this version's openers (a cleaner
+    may delete a lock file nobody writes to, and the next opener would lock a new one); the file's
+    is what an older version sharing the directory waits on."""
     try:
         try:
             fd = open_file(path, os.O_RDWR)
@@ -291,27 +294,40 @@ def locked(path: str, timeout_s: float) -> Iterator[None]:
     except OSError as e:
         raise control_error(e, "lock file") from None
     try:
+        dfd = os.open(os.path.dirname(path) or ".",
+                      os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        os.close(fd)
+        raise control_error(e, "cache directory") from None
+    try:
         deadline = time.monotonic() + timeout_s
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreError(
-                        f"lock file {path!r} is held by another process for more than "
-                        f"{timeout_s:g} s (`fuser -v {path}` shows which); the store cannot "
-                        f"open its index until it is released") from None
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.05)
+        for held in (fd, dfd):   # always in this order: no two openers wait on each other
+            _flock(held, path, deadline, timeout_s)
         try:
             yield
         finally:
+            fcntl.flock(dfd, fcntl.LOCK_UN)
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
+        os.close(dfd)
         os.close(fd)
+
+
+def _flock(fd: int, path: str, deadline: float, timeout_s: float) -> None:
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(
+                    f"lock file {path!r} is held by another process for more than "
+                    f"{timeout_s:g} s (`fuser -v {path}` shows which); the store cannot "
+                    f"open its index until it is released") from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.05)
 
 
 __all__ = ["DIR_MODE", "FILE_MODE", "UnsafeFile", "control_error", "fsync_dir", "locked",
