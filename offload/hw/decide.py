@@ -17,7 +17,8 @@ The gds and cpu paths' reasons end with the store: its directories and the combi
 bandwidth of their distinct devices (drive_set.read_bandwidth: "4 drives (...), ~31.5 GB/s
 combined"), also in `Decision.read_gbps` and `.bandwidth` (launch's worth-it line names it;
 empty on the dpu path, whose blocks go to the agent's store). The GDS
-`cache_fs` check holds for every directory of `offload.store.paths`.
+`cache_fs` and `nvfs_modules` checks hold for every directory of `offload.store.paths`
+(`nvfs_modules`: nvidia-fs registered the driver under each, else GDS runs in compat mode).
 No I/O here: everything comes from `Facts` (see detect.py).
 """
 
@@ -29,7 +30,7 @@ from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.hw.drive_set import Bandwidth, read_bandwidth
 from offload.hw.facts import Facts, NetCard, cache_numa_node, gpu_numa_node
-from offload.hw.gds import fs_gds_support
+from offload.hw.gds import fs_gds_support, nvfs_driver_support
 from offload.hw.live import NOT_CHECKED
 from offload.hw.pci import DPU_CAPABLE_NET_IDS, level_rank
 
@@ -144,6 +145,15 @@ def gds_checks(facts: Facts) -> list[Check]:
     checks.append(Check("cache_fs", ok, why, "" if ok else "put every cache directory "
                         "(offload.store.path or paths) on ext4/xfs on local NVMe (or a "
                         "GDS-capable file system)"))
+    if g.nvidia_fs:     # the P2PDMA route has no nvidia-fs driver registrations
+        drivers = [nvfs_driver_support(g, cd, facts.nvme) for cd in facts.directories]
+        ok, why = next((v for v in drivers if not v[0]), drivers[0])
+        checks.append(Check("nvfs_modules", ok, why, "" if ok else
+                            "use a storage driver that registers with nvidia-fs (the "
+                            "distribution's nvme module, or a DOCA-OFED/MLNX_OFED nvme built "
+                            "with GDS support), then reload nvidia_fs and check that `cat "
+                            "/proc/driver/nvidia-fs/modules` lists it (with a cuFile process "
+                            "running); until then the cpu path serves"))
     checks.append(python_check(facts, "gds"))
     return checks
 

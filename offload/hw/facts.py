@@ -130,6 +130,10 @@ class Gds:
     run_udev: bool
     source: str
     reason: str
+    # storage drivers registered with nvidia-fs (/proc/driver/nvidia-fs/modules: nvme,
+    # nvme_rdma, lnet, ...); None: that file is missing. A driver not listed there serves GDS
+    # reads in compat mode, silently.
+    modules: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ is reported as `not checked`. The functions:
 
 - `nvml() -> NvmlReport`       GPUs through NVML (`nvidia-ml-py`, module `pynvml`); never raises.
 - `load_cufile() -> (ok, why)`  whether `libcufile.so.0` loads (kvikio's first GDS condition).
+- `nvfs_modules() -> str | None`  `/proc/driver/nvidia-fs/modules` read while `/dev/nvidia-fs0`
+                                is held open: nvidia-fs registers the storage drivers when a
+                                process opens it and drops them when the last one closes, so
+                                the file read cold lists nothing. None: the file is missing.
 - `run(argv, timeout) -> CommandResult | None`  run a tool (mlxconfig, pkg-config); None = not
                                 installed.
 - `uname() -> (release, machine)`
@@ -130,6 +134,28 @@ def load_cufile() -> tuple[bool, str]:
     except OSError as e:
         return False, f"libcufile.so.0 does not load: {e}"
     return True, "libcufile.so.0 loads"
+
+
+NVFS_MODULES = "/proc/driver/nvidia-fs/modules"
+
+
+def nvfs_modules() -> str | None:
+    """`NVFS_MODULES` with `/dev/nvidia-fs0` held open (as libcufile holds it); None if missing."""
+    import os
+
+    fd = None
+    try:
+        fd = os.open("/dev/nvidia-fs0", os.O_RDONLY)
+    except OSError as e:
+        log.debug("cannot open /dev/nvidia-fs0 (%s): reading %s as it is", e, NVFS_MODULES)
+    try:
+        with open(NVFS_MODULES) as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def run_command(argv: Sequence[str], timeout: float = 10.0) -> CommandResult | None:
@@ -264,6 +290,7 @@ class Live:
 
     nvml: Callable[[], NvmlReport] | None = None
     load_cufile: Callable[[], tuple[bool, str]] | None = None
+    nvfs_modules: Callable[[], str | None] | None = None
     run: Callable[[Sequence[str], float], CommandResult | None] | None = None
     uname: Callable[[], tuple[str, str]] | None = None
     connect: Callable[[str, float], tuple[bool, str]] | None = None
@@ -271,7 +298,8 @@ class Live:
 
     @classmethod
     def default(cls) -> "Live":
-        return cls(nvml=nvml_query, load_cufile=load_cufile, run=run_command, uname=uname,
+        return cls(nvml=nvml_query, load_cufile=load_cufile, nvfs_modules=nvfs_modules,
+                   run=run_command, uname=uname,
                    connect=connect, python=python_query)
 
     @classmethod

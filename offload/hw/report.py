@@ -19,7 +19,7 @@ from offload.hw.decide import Decision, PathRejectedError, first_failure, gds_ch
 from offload.hw.drive_set import DriveSet
 from offload.hw.facts import SCHEMA_VERSION, Facts
 
-COMPAT_CHECKS = {"cache_fs", "cufile_json"}
+COMPAT_CHECKS = {"cache_fs", "cufile_json", "nvfs_modules"}
 
 
 def gds_status(facts: Facts) -> tuple[str, str]:
@@ -27,11 +27,18 @@ def gds_status(facts: Facts) -> tuple[str, str]:
     bad = first_failure(checks)
     if bad is None:
         return "available", "; ".join(c.detail for c in checks if c.name in ("nvidia_fs",
-                                                                           "cache_fs"))
+                                                                           "cache_fs",
+                                                                           "nvfs_modules"))
     failed = [c for c in checks if c.ok is False]
     if all(c.name in COMPAT_CHECKS for c in failed):
         return "compat only", f"{bad.name}: {bad.detail}"
     return "unavailable", f"{bad.name}: {bad.detail}"
+
+
+def _modules(modules: tuple[str, ...] | None) -> str:
+    if modules is None:
+        return "- (no /proc/driver/nvidia-fs/modules)"
+    return ", ".join(modules) or "none"
 
 
 def _size(n: int | None) -> str:
@@ -161,7 +168,8 @@ def render_text(facts: Facts, decision: Decision | None,
                 f"({gdr.reason})",
             f"GPUDirect Storage: {gstat} ({gwhy})",
             f"  nvidia_fs {_v(facts.gds.nvidia_fs)}; libcufile {facts.gds.libcufile}; "
-            f"cufile.json {_v(facts.gds.cufile_json)}",
+            f"cufile.json {_v(facts.gds.cufile_json)}; storage drivers registered: "
+            f"{_modules(facts.gds.modules)}",
             f"DOCA: {facts.doca.reason}",
             f"Agent: {facts.agent.reason}"]
     py = facts.python

@@ -9,6 +9,7 @@ a row injects its own live probes (then the Python side is `not checked`).
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import importlib.util
 import json
@@ -74,6 +75,13 @@ CASES = [
     ("h100-gds-overlay", {}, "/data/kv", None, "host", "gds", True, {"cpu": "preference:"}),
     ("bf3-arm", {}, "/var/lib/sglang-offload", None, "agent", "cpu", False,
      {"dpu": "platform:", "gds": "platform:"}),
+    # GDS's silent compat mode: nvidia-fs must list the driver under the cache directory
+    ("h100-gds-nvme-listed", {}, "/data/kv", None, "host", "gds", True, {"cpu": "preference:"}),
+    ("h100-gds-nvme-unlisted", {}, "/data/kv", None, "host", "cpu", False,
+     {"gds": "nvfs_modules: nvidia-fs does not list nvme, the driver of cache directory "
+             "/data/kv (/proc/driver/nvidia-fs/modules lists nvme_rdma)"}),
+    ("h100-gds-no-modules", {}, "/data/kv", None, "host", "cpu", False,
+     {"gds": "nvfs_modules: nvidia_fs is loaded but /proc/driver/nvidia-fs/modules is missing"}),
 ]
 
 
@@ -132,6 +140,8 @@ def test_h100x8_topology_and_raid() -> None:
     ("cpu-box", {"transfer": {"path": "gds"}}, None, "gpu:"),
     ("h100-bf3-nic", {"transfer": {"path": "dpu"}, **AGENT}, None, "dpu_mode:"),
     ("h100-gds-overlay", {"transfer": {"path": "gds"}}, "/var/cache/kv", "cache_fs:"),
+    ("h100-gds-nvme-unlisted", {"transfer": {"path": "gds"}}, "/data/kv", "nvfs_modules:"),
+    ("h100-gds-no-modules", {"transfer": {"path": "gds"}}, "/data/kv", "nvfs_modules:"),
 ])
 def test_explicit_path_that_cannot_work_is_an_error(machine: str, cfg: dict, cache: str | None,
                                                     check: str) -> None:
@@ -245,3 +255,61 @@ def test_fixture_links_are_relative_and_stay_inside() -> None:
 def test_relative_cache_dir_with_a_fixture_root_is_bad_input(capsys) -> None:
     rc = main(["detect", "--root", str(HOSTS / "cpu-box"), "--cache-dir", "kv"])
     assert rc == 2 and "absolute path inside the root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("machine,why", [
+    ("h100-gds-nvme-unlisted", "nvidia-fs does not list nvme, the driver of cache directory "
+                               "/data/sglang-offload"),
+    ("h100-gds-no-modules", "/proc/driver/nvidia-fs/modules is missing"),
+])
+def test_gds_compat_mode_reason_in_detect_and_launch_dry_run(machine: str, why: str, capsys,
+                                                             tmp_path: Path) -> None:
+    """The rejected GDS path names nvidia-fs's registered drivers in `detect` (text and JSON)
+    and in `launch --dry-run`'s decision; the cpu path serves."""
+    from tests.launch.helpers import run_cli
+
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text("sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n  page-size: 64\n"
+                   "offload:\n  store:\n    path: /data/sglang-offload\n  transfer:\n"
+                   "    path: auto\n")
+    root = str(HOSTS / machine)
+    rc, out, _ = run_cli(capsys, "detect", "--root", root, "--config", str(cfg),
+                         "--python", ALL_CU13)
+    assert rc == 0 and "path: cpu" in out
+    assert "GPUDirect Storage: compat only (nvfs_modules: " in out and why in out
+    assert "- gds: nvfs_modules: " in out
+    rc, out, _ = run_cli(capsys, "detect", "--root", root, "--config", str(cfg), "--json",
+                         "--python", ALL_CU13)
+    data = json.loads(out)
+    gds = next(r for r in data["decision"]["rejected"] if r["path"] == "gds")
+    assert why in gds["check"] and "nvidia-fs" in gds["fix"]
+    assert data["facts"]["gds"]["modules"] == (None if "no-modules" in machine else ["nvme_rdma"])
+    rc, out, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", root,
+                           "--python", ALL_CU13)
+    assert rc == 0, err
+    assert "gds: nvfs_modules: " in out and why in out
+
+
+def test_the_driver_nvidia_fs_must_list_follows_the_block_device() -> None:
+    """md over PCIe and NVMe-oF drives needs both drivers; a distributed file system its client."""
+    from offload.hw.facts import CacheDir, Gds, Nvme
+    from offload.hw.gds import nvfs_driver_support, parse_modules, required_drivers
+
+    def nvme(name: str, transport: str) -> Nvme:
+        return Nvme(name, None, None, None, transport, None, "live", None, 0, (), "fixture", "")
+
+    def cache(fs: str, ctrls: tuple[str, ...]) -> CacheDir:
+        return CacheDir("/kv", True, "/kv", fs, "/dev/md0", "rw", "9:0", "md0",
+                        tuple(f"{c}n1" for c in ctrls), ctrls, None, "fixture", "")
+
+    drives = [nvme("nvme0", "pcie"), nvme("nvme1", "rdma")]
+    md = cache("xfs", ("nvme0", "nvme1"))
+    assert required_drivers(md, drives) == [("nvme",), ("nvme_rdma",)]
+    assert required_drivers(cache("lustre", ()), drives) == [("lnet", "lustre")]
+    assert parse_modules("nvme: v1\n\nnvme_rdma: v1\nnvme: v1\n") == ("nvme", "nvme_rdma")
+    g = Gds("2.29.4", None, None, 4, None, None, None, None, None, "loads", True, "fixture", "",
+            modules=("nvme",))
+    ok, why = nvfs_driver_support(g, md, drives)
+    assert not ok and "does not list nvme_rdma" in why
+    assert nvfs_driver_support(dataclasses.replace(g, modules=("nvme_rdma", "nvme")), md,
+                               drives)[0]
