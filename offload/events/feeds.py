@@ -7,7 +7,8 @@ anyone (this replica too), at most `PER_POLL`, each checked by the caller agains
 
 - `RedisFeed(redis_store, digest)`: a capped Redis stream
   `<key_prefix><format>kvev:<namespace digest>` (fields `k` block key, `h` hash, `p` parent;
-  about `STREAM_MAX` entries kept), read from its start by every replica.
+  about `STREAM_MAX` entries kept), read from its start by every replica, on its own
+  connection, each entry under a bound (`ENTRY_BYTES`); what fails a check is skipped.
 - `AgentFeed(agent_store, digest)`: the agent's feed (ANNOUNCE / FEED, `offload.agent.feed`),
   kept per namespace by the agent (at most 100,000 pages per host key), read from its start; a
   restarted agent (a new epoch) is read again from its start.
@@ -16,14 +17,19 @@ anyone (this replica too), at most `PER_POLL`, each checked by the caller agains
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+import time
+from typing import Any, Callable, Protocol, Sequence
 
 from offload.events.chain import Row
+from offload.keys import KEY_BYTES
 
 log = logging.getLogger(__name__)
 
 STREAM_MAX = 100_000           # entries kept on a Redis announcement stream (approximate cap)
 PER_POLL = 2_000               # feed entries read per poll
+ENTRY_BYTES = 1_024            # the most one Redis stream entry read may hold (ours: under 100)
+ENTRY_FIELDS = 3               # fields of an entry (k, h, p)
+LOG_EVERY_S = 60.0             # skipped entries are logged at most this often, per feed
 
 
 class Feed(Protocol):
@@ -35,15 +41,65 @@ class Feed(Protocol):
         """The next announced rows (anyone's), at most `PER_POLL`."""
         ...
 
+    def close(self) -> None:
+        ...
+
+
+# Reads the stream after entry id ARGV[1] (inclusive range, then that id dropped: any Redis
+# with streams), at most ARGV[2] entries; an entry whose fields and values hold more than
+# ARGV[3] bytes or more than ARGV[4] strings comes back as its id alone (skipped by the reader),
+# so no entry another writer put there is ever sent whole.
+_READ = """
+local got = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', tonumber(ARGV[2]) + 1)
+local count, bound, strings = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+for _, e in ipairs(got) do
+  if e[1] ~= ARGV[1] and #out < count then
+    local f, n = e[2], 0
+    if #f > strings then n = bound + 1 else for j = 1, #f do n = n + #f[j] end end
+    if n > bound then out[#out + 1] = {e[1]} else out[#out + 1] = e end
+  end
+end
+return out
+"""
+_INT64 = 1 << 63
+
+
+def _int64(v: bytes) -> int:
+    """A signed 64-bit decimal (a block hash), or ValueError."""
+    if len(v) > 20:
+        raise ValueError("too long")
+    x = int(v)
+    if not -_INT64 <= x < _INT64:
+        raise ValueError("out of range")
+    return x
+
 
 class RedisFeed:
-    def __init__(self, redis_store: Any, digest: bytes):
-        self.store = redis_store
-        self.stream = bytes(redis_store.prefix) + b"kvev:" + digest.hex().encode()
-        self._last = b"0-0"
+    """The announcement stream of one namespace on the Redis tier.
 
-    def _run(self, fn: Any, what: str) -> Any:
-        return self.store.link.run(fn, what)
+    What another writer can put on the stream is read under bounds, on the feed's own
+    connection and breaker (`RedisLink`: a failure here backs off the feed, never the data
+    path): at most `PER_POLL` entries a read, each entry at most `ENTRY_BYTES` in at most
+    `ENTRY_FIELDS` fields (checked in Redis by `_READ`: a larger entry is never sent), and a
+    reply of at most that many bytes (the link's allowance). An entry that fails any check (too
+    large, malformed, a key outside this namespace) is skipped, counted in `skipped`, and logged
+    at most once per `LOG_EVERY_S`; the reader moves past it.
+    """
+
+    def __init__(self, redis_store: Any, digest: bytes, link: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        from offload.store.redis.link import RedisLink
+
+        self.store, self.digest = redis_store, bytes(digest)
+        self.stream = bytes(redis_store.events_prefix) + digest.hex().encode()
+        self.link = link or RedisLink(redis_store.cfg)    # its own connection and breaker
+        self.skipped = 0
+        self._last = b"0-0"
+        self._script: Any = None
+        self._clock = clock
+        self._unlogged = 0
+        self._logged_at = -LOG_EVERY_S
 
     def publish(self, rows: Sequence[Row]) -> list[bool]:
         def add(c: Any) -> Any:
@@ -52,25 +108,69 @@ class RedisFeed:
                 p.xadd(self.stream, {b"k": r.key, b"h": str(r.hash),
                                      b"p": "" if r.parent is None else str(r.parent)},
                        maxlen=STREAM_MAX, approximate=True)
-            return p.execute()
-        self._run(add, "kv events announce")
-        return [True] * len(rows)
+            return p.execute(raise_on_error=False)
+
+        if not rows:
+            return []
+        with self.link.call(0, len(rows)):
+            got = self.link.run(add, "kv events announce")
+        if not isinstance(got, list) or len(got) != len(rows):
+            return [False] * len(rows)
+        return [isinstance(g, bytes) for g in got]
 
     def read(self) -> list[Row]:
-        got = self._run(lambda c: c.xread({self.stream: self._last}, count=PER_POLL),
-                        "kv events read")
+        def xrange(c: Any) -> Any:
+            if self._script is None:
+                self._script = c.register_script(_READ)
+            return self._script(keys=[self.stream], client=c,
+                                args=[self._last, PER_POLL, ENTRY_BYTES, 2 * ENTRY_FIELDS])
+
+        with self.link.call(PER_POLL * ENTRY_BYTES, PER_POLL):
+            got = self.link.run(xrange, "kv events read")
         rows: list[Row] = []
-        for _name, entries in got or []:
-            for entry_id, fields in entries:
-                self._last = entry_id
-                try:
-                    p = fields.get(b"p", b"")
-                    rows.append(Row(bytes(fields[b"k"]), int(fields[b"h"]),
-                                    int(p) if p else None))
-                except (KeyError, ValueError):
-                    log.warning("offload events: a malformed entry %r on %r: skipped", entry_id,
-                                self.stream)
+        bad = 0
+        for entry in got if isinstance(got, list) else []:
+            if not (isinstance(entry, list) and entry and isinstance(entry[0], bytes)):
+                bad += 1          # not an entry: a reply out of step; read again next poll
+                break
+            self._last = entry[0]
+            row = self._row(entry)
+            if row is None:
+                bad += 1
+            else:
+                rows.append(row)
+        if bad:
+            self._skip(bad)
         return rows
+
+    def _row(self, entry: list[Any]) -> Row | None:
+        """The row of one entry [id, [field, value, ...]], or None when it is not a well-formed
+        announcement of a block of this namespace."""
+        if len(entry) != 2 or not isinstance(entry[1], list) or len(entry[1]) % 2:
+            return None
+        fields = dict(zip(entry[1][::2], entry[1][1::2]))
+        key, h, p = fields.get(b"k"), fields.get(b"h"), fields.get(b"p", b"")
+        if not (isinstance(key, bytes) and len(key) == KEY_BYTES and key.startswith(self.digest)
+                and isinstance(h, bytes) and isinstance(p, bytes)):
+            return None
+        try:
+            return Row(key, _int64(h), _int64(p) if p else None)
+        except ValueError:
+            return None
+
+    def _skip(self, n: int) -> None:
+        self.skipped += n
+        self._unlogged += n
+        now = self._clock()
+        if now - self._logged_at >= LOG_EVERY_S:
+            log.warning("offload events: skipped %d entr%s of %r (larger than %d bytes, "
+                        "malformed, or not of this namespace: written by someone else)",
+                        self._unlogged, "y" if self._unlogged == 1 else "ies",
+                        self.stream.decode(errors="replace"), ENTRY_BYTES)
+            self._unlogged, self._logged_at = 0, now
+
+    def close(self) -> None:
+        self.link.close()
 
 
 class AgentFeed:
@@ -94,3 +194,6 @@ class AgentFeed:
         self._after = max(self._after, page.next)
         return [Row(bytes(k), h, p) for k, h, p in page.pages
                 if bytes(k)[:len(self.digest)] == self.digest]
+
+    def close(self) -> None:
+        pass

@@ -139,6 +139,9 @@ class SharedSource(SweepSource):
         self._announce_uploaded()
         return self._read_feed() + self._sweep()
 
+    def close(self) -> None:
+        self.feed.close()
+
 
 class DiskSource(Source):
     """The local directory: the index's change log, named through the ledger."""

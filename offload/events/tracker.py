@@ -31,6 +31,7 @@ from offload.events.sources import Source
 log = logging.getLogger(__name__)
 
 SNAPSHOT_SLICE = 4096
+LOG_EVERY_S = 60.0             # a failing source is logged at most this often
 SNAPSHOT_ENV = "SGLANG_OFFLOAD_KV_EVENTS_SNAPSHOT_S"
 
 
@@ -62,6 +63,7 @@ class L3Events:
         self._thread: threading.Thread | None = None
         self._snap: list[tuple[str, Row]] = []
         self._next_snapshot = float("inf")
+        self._logged: dict[str, float] = {}
 
     # ---- data path (SGLang's storage threads) ---------------------------------------------------
 
@@ -123,7 +125,11 @@ class L3Events:
                     s.wrote(rows)
                 out += [(s.medium, op, r) for op, r in s.poll()]
             except Exception as e:   # a tier down or busy: its events wait for the next poll
-                log.warning("offload events: %s source: %s", s.medium, e)
+                now = time.monotonic()
+                if now - self._logged.get(s.medium, -LOG_EVERY_S) >= LOG_EVERY_S:
+                    self._logged[s.medium] = now
+                    log.warning("offload events: %s source: %s (logged at most every %g s)",
+                                s.medium, e, LOG_EVERY_S)
         if time.monotonic() >= self._next_snapshot:
             self._next_snapshot = time.monotonic() + self.snapshot_every_s
             self.snapshot()

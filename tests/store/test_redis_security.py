@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from offload.config import ConfigError, Size, StoreConfig, load_offload
+from offload.events.chain import Row
+from offload.events.feeds import RedisFeed
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis.store import RedisStore
@@ -203,6 +205,10 @@ def test_acl_recipe_confines_each_tenant(redis_factory, tmp_path: Path) -> None:
         s.register_namespace(NS)
         s.ping()                              # ECHO, which every pipeline ends with
         assert s.stats().blocks == 5 and s.link.failures == 0, s.link.last_error
+        feed = RedisFeed(s, NS.digest())      # KV events: XADD, and XRANGE in a script
+        row = Row(ks[1], 7, None)
+        assert feed.publish([row]) == [True] and feed.read() == [row], feed.link.last_error
+        feed.close()
     a_keys = admin.keys(b"sglo:tenant-a:*")
     # Tenant B's credentials cannot read, overwrite or delete tenant A's keys ...
     rb = redis.Redis(host="127.0.0.1", port=server.port, username="tenant-b",

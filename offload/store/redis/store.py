@@ -91,6 +91,7 @@ class RedisStore:
                        "blocks", self.link.target.display(), cfg.key_prefix)
         self.prefix = cfg.key_prefix.encode() + FORMAT
         self.ns_prefix = self.prefix + b"ns:"
+        self.events_prefix = self.prefix + b"kvev:"    # KV-event streams (`offload.events.feeds`)
         # Budget index: one hash tag, so the three keys live on one node of a cluster.
         self.idx_prefix = self.prefix + b"{idx}:"
         self.idx_keys = [self.idx_prefix + k for k in (b"lru", b"size", b"bytes")]
@@ -295,7 +296,8 @@ class RedisStore:
             if page is None:
                 break
             cursor, names = page
-            found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix))]
+            found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix,
+                                                            self.events_prefix))]
             if not cursor:
                 break
         n = 0

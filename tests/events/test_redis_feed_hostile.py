@@ -1,0 +1,138 @@
+"""What another writer can put on the Redis KV-events stream never takes the Redis tier down.
+
+Issue 36 item 8: a 66 MiB XADD on the announcement stream made every replica's events reader
+re-read the entry forever through the data path's connection, each failure tripping the whole
+tier's breaker for `backoff_s`: block hits fell from 100 % to 4-9 %. The promise
+(docs/security/redis.md): a reader of anything another writer can put in Redis reads with a
+per-entry bound, skips what fails (advancing past it), logs it rate-limited, and never trips the
+data path's breaker. Real redis-server, real RedisStore, the real `SharedSource` / `RedisFeed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from offload.config import RedisConfig
+from offload.events import feeds
+from offload.events.chain import STORED, Row, page_rows
+from offload.events.feeds import RedisFeed
+from offload.events.sources import SharedSource
+from offload.keys import Namespace
+
+NS = Namespace(model="m", dtype="bfloat16", layout="page_first", page_size=64, tp_rank=0,
+               tp_size=1, pp_rank=0, pp_size=1, mla=False, salt="", extra="")
+BLOCK = 16 << 10
+
+
+def rows_for(n: int, seed: str) -> list[Row]:
+    keys = [hashlib.sha256(f"{seed}{i}".encode()).hexdigest() for i in range(n)]
+    return page_rows(keys, [NS.key(k) for k in keys], [True] * n, None)
+
+
+@pytest.fixture
+def redis_proc(tmp_path: Path) -> Iterator[Any]:
+    from tests.store.redis_fixtures import RedisProc
+
+    proc = RedisProc(tmp_path / "redis", []).start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def _store(url: str) -> Any:
+    from offload.store.redis.store import RedisStore
+
+    # A 5 s back-off after a failure, as deployed; a generous deadline for a loaded box.
+    return RedisStore(RedisConfig(url=url, timeout_s=2.0, backoff_s=5.0))
+
+
+def _hit_rate(store: Any, rows: list[Row]) -> float:
+    dests = [[bytearray(BLOCK)] for _ in rows]
+    got = store.get_many([r.key for r in rows], dests)
+    return sum(got) / len(rows)
+
+
+def test_an_oversized_stream_entry_is_skipped_and_never_trips_the_data_path(
+        redis_proc: Any, caplog: pytest.LogCaptureFixture) -> None:
+    store = _store(redis_proc.url)
+    rows = rows_for(8, "held")
+    assert all(store.put_many([r.key for r in rows], [[b"v" * BLOCK] for _ in rows]))
+    src = SharedSource(store, RedisFeed(store, NS.digest()))
+    src.wrote(rows)
+    assert sorted(src.poll()) == sorted((STORED, r) for r in rows)   # announced, read back
+    assert _hit_rate(store, rows) == 1.0
+
+    # Another writer of the Redis: one 66 MiB entry on our stream, then a good announcement.
+    attacker = redis_proc.client()
+    stream = src.feed.stream                                           # type: ignore[attr-defined]
+    attacker.xadd(stream, {b"k": b"\0" * (66 << 20)})
+    later = rows_for(2, "later")
+    assert all(store.put_many([r.key for r in later], [[b"w" * BLOCK] for _ in later]))
+    for r in later:
+        attacker.xadd(stream, {b"k": r.key, b"h": str(r.hash), b"p": ""})
+    caplog.set_level(logging.WARNING)
+
+    seen: list[tuple[str, Row]] = []
+    for _ in range(6):                 # each poll, then the data path: every block still a hit
+        seen += src.poll()
+        assert _hit_rate(store, rows) == 1.0
+        assert store.link.available() and store.link.failures == 0
+    assert sorted(seen) == sorted((STORED, r._replace(parent=None)) for r in later)  # past it
+    skipped = [m for m in caplog.messages if "skipped" in m and "kvev:" in m]
+    assert len(skipped) == 1, caplog.messages                         # logged, once
+    assert src.feed.skipped == 1                                       # type: ignore[attr-defined]
+    src.close()
+    store.close()
+
+
+@pytest.mark.parametrize("fields", [
+    {b"k": b"x" * 40, b"h": b"1", b"p": b""},                          # not a block key
+    {b"k": None, b"h": b"9" * 4000, b"p": b""},                        # a hash past int64
+    {b"k": None, b"h": b"1", b"p": b"-" + b"9" * 30},                  # a parent past int64
+    {b"k": None, b"h": b"1", **{b"f%d" % i: b"" for i in range(64)}},  # too many fields
+    {b"k": b"other-namespace", b"h": b"1", b"p": b""},                 # another namespace's key
+], ids=["short-key", "huge-hash", "huge-parent", "many-fields", "foreign-key"])
+def test_every_malformed_entry_is_skipped_and_the_reader_moves_on(
+        redis_proc: Any, fields: dict[bytes, Any]) -> None:
+    store = _store(redis_proc.url)
+    feed = RedisFeed(store, NS.digest())
+    good = rows_for(1, "good")[0]
+    assert all(store.put_many([good.key], [[b"g" * BLOCK]]))
+    other = Namespace(**{**NS.__dict__, "model": "other"}).key("ab" * 32)
+    bad = {k: (good.key if v is None else other if v == b"other-namespace" else v)
+           for k, v in fields.items()}
+    attacker = redis_proc.client()
+    attacker.xadd(feed.stream, bad)
+    attacker.xadd(feed.stream, {b"k": good.key, b"h": str(good.hash), b"p": ""})
+    assert feed.read() == [good._replace(parent=None)]
+    assert feed.skipped == 1 and feed.read() == []
+    assert store.link.failures == 0
+    feed.close()
+    store.close()
+
+
+def test_a_stream_that_is_not_a_stream_fails_the_feed_alone(redis_proc: Any) -> None:
+    """Our stream's key replaced by a string (WRONGTYPE on every read and announcement): the
+    feed backs off on its own link; the data path is untouched."""
+    store = _store(redis_proc.url)
+    feed = RedisFeed(store, NS.digest())
+    rows = rows_for(2, "typed")
+    assert all(store.put_many([r.key for r in rows], [[b"t" * BLOCK] for _ in rows]))
+    redis_proc.client().set(feed.stream, b"not a stream")
+    assert feed.read() == [] and feed.publish(rows) == [False, False]
+    assert _hit_rate(store, rows) == 1.0 and store.link.failures == 0
+    feed.close()
+    store.close()
+
+
+def test_the_read_bound_holds_every_legitimate_entry() -> None:
+    """The per-entry bound is above what `publish` writes for any row (a 32-byte key, two
+    20-digit signed hashes)."""
+    worst = 3 + 32 + 1 + 20 + 1 + 20
+    assert worst <= feeds.ENTRY_BYTES and feeds.ENTRY_FIELDS >= 3
