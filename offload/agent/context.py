@@ -38,7 +38,8 @@ class AgentContext:
     feeds: "Feeds"                                  # the announcement feed (ANNOUNCE / FEED)
     challenges: "Challenges"
     count: Callable[..., None]                      # count(name, n=1)
-    warn: Callable[..., None]                       # warn(kind, msg, *args): rate-limited log
+    warn: Callable[..., None]                       # warn(kind, tenant, msg, *args): the
+                                                    # log, rate-limited per kind and host key
     counters: Callable[[], "dict[str, int]"]
     admit: Callable[[str], "str | None"]            # an authenticated host: None, or why not
     release: Callable[["str | None"], None]         # a connection ended

@@ -42,13 +42,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Direct:
     """What the zero-copy moves need, handed in by the server: the store's slot API, its arena
-    registered with NIXL, the NIXL agent, its quarantine, and the server's counter."""
+    registered with NIXL, the NIXL agent, its quarantine, and the server's counter and log
+    (`warn(kind, tenant, msg, *args)`, rate-limited per kind and host key)."""
     store: SlotStore
     arena: Arena
     agent: Any
     quarantine: Quarantine
     count: Callable[[str, int], None]
     pool: Executor | None = None    # where the store's checksums run (`_later`)
+    warn: Callable[..., None] | None = None
 
 
 def _descs(arena: Arena, req: "Blocks", i: int, s: "Slot | None"
@@ -194,7 +196,7 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
             chunks.add(i, s, *descs)      # type: ignore[arg-type]
     if unused:
         store.abort_slots(unused)
-    commits = [(idx, done, _later(d, _check_commit, d, req, idx, done))
+    commits = [(idx, done, _later(d, _check_commit, d, req, idx, done, owner))
                for idx, done in chunks.wait(store.abort_slots, AHEAD)]
     for idx, done, fut in commits:
         for i, f in zip(idx, fut.result()):
@@ -204,7 +206,8 @@ def direct_put(d: Direct | None, peer: str | None, req: "Blocks", todo: list[int
     return rest
 
 
-def _check_commit(d: Direct, req: "Blocks", idx: list[int], slots: list["Slot"]) -> list[bool]:
+def _check_commit(d: Direct, req: "Blocks", idx: list[int], slots: list["Slot"], owner: str
+                  ) -> list[bool]:
     """Commit the slots a READ filled whose bytes have the checksum the host sent with the PUT
     (`offload.agent.sums`); the others are aborted (a miss, counted). On the checksum pool."""
     if req.sums is None:
@@ -214,8 +217,9 @@ def _check_commit(d: Direct, req: "Blocks", idx: list[int], slots: list["Slot"])
     if bad:
         d.store.abort_slots(bad)
         d.count("checksum_mismatch_in", len(bad))
-        log.warning("%d block(s) read from the host do not have the checksum it sent: not stored",
-                    len(bad))
+        if d.warn is not None:
+            d.warn("checksum-in", owner, "%d block(s) read from host key %s do not have the "
+                   "checksum it sent: not stored", len(bad), owner)
     flags = iter(d.store.commit_slots([s for s, g in zip(slots, good) if g]))
     return [g and next(flags) for g in good]
 

@@ -1,11 +1,12 @@
 """The agent's byte mover: one NIXL agent (UCX) for all hosts, and per-connection staging memory.
 
 Primitives:
-- `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host)` loads a host's metadata
+- `Mover(name)`: the agent-side NIXL agent. `add_peer(md, conn, host, tenant)` loads a host's metadata
   (its registered host KV pool) and returns its NIXL name, which must be `host` or start with
   `host/` (read from the metadata *before* loading it); metadata not loaded before is first
   checked and loaded by a child process (`offload.agent.vet`), so that what makes UCX abort
-  kills the child, not the agent; several connections of one host share a
+  kills the child, not the agent (the child's time charged to `tenant`, the host key);
+  several connections of one host share a
   peer; `update_peer(old, md, conn, host)` loads newer metadata and releases the old peer;
   `drop_peer(name, conn)` forgets a peer when its last connection closes (once none of its
   transfers runs: `Quarantine.drop_peer`). A loaded peer is not
@@ -78,9 +79,10 @@ class Mover:
         # when the last one closes.
         self._peers: dict[str, _Peer] = {}
 
-    def add_peer(self, metadata: bytes, owner: int, host: str) -> str:
-        """Load the metadata of connection `owner` of `host` (once per distinct metadata).
-        Newer metadata under a known name is unproven until `prove`d again."""
+    def add_peer(self, metadata: bytes, owner: int, host: str, tenant: str = "") -> str:
+        """Load the metadata of connection `owner` of `host` (once per distinct metadata; its
+        check in the child charged to host key `tenant`). Newer metadata under a known name is
+        unproven until `prove`d again."""
         md = bytes(metadata)
         name = nixl_util.metadata_name(md)
         if name is None:
@@ -91,7 +93,7 @@ class Mover:
             known = self._peers.get(name)
             fresh = known is None or known.md != md
         if fresh:           # loaded by a child first: UCX may abort on what it cannot unpack
-            why = self.vetter.vet(md)
+            why = self.vetter.vet(md, tenant)
             if why is not None:
                 raise PeerError(why)
         with self._lock:
@@ -116,9 +118,10 @@ class Mover:
             self.quarantine.revive(name)     # a dropped name in use again: not forgotten
             return name
 
-    def update_peer(self, old: str, metadata: bytes, owner: int, host: str) -> str:
+    def update_peer(self, old: str, metadata: bytes, owner: int, host: str, tenant: str = ""
+                    ) -> str:
         """New metadata of connection `owner`; the peer it replaces is released."""
-        name = self.add_peer(metadata, owner, host)
+        name = self.add_peer(metadata, owner, host, tenant)
         if name != old:
             self.drop_peer(old, owner)
         return name

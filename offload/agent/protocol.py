@@ -339,7 +339,8 @@ class Channel:
         return h.digest()
 
     def send(self, op: int, req_id: int, meta: Msg, payload: list[memoryview] | None = None,
-             flags: int = 0, deadline: float | None = None) -> None:
+             flags: int = 0, deadline: float | None = None) -> int:
+        """Send one frame; returns its body's length once all of it is written."""
         encoded = _ENCODER.encode(meta)
         parts: list[bytes | memoryview] = [META_LEN.pack(len(encoded)), encoded]
         parts += payload or []
@@ -351,6 +352,7 @@ class Channel:
         mac = self._mac(self._out_dir, header, *parts)
         send_parts(self.sock, [header, *parts, mac],
                    deadline if deadline is not None else time.monotonic() + self.io_timeout)
+        return body_len
 
     def recv(self, idle_timeout: float | None = None, deadline: float | None = None) -> Frame:
         """The next frame. Waits `idle_timeout` (default `io_timeout`) for it to start, then
@@ -383,6 +385,35 @@ class Channel:
             raise ProtocolError(f"meta of {meta_len} bytes exceeds the limit {MAX_META_BYTES}")
         meta = view[META_LEN.size:META_LEN.size + meta_len]
         return Frame(op, flags, req_id, meta, view[META_LEN.size + meta_len:body_len])
+
+
+MAX_ERROR_CHARS = 4096             # of an ERROR reply's message (the agent cuts it there)
+_REPLY_BASE = 256                  # a reply's header, META_LEN and msgpack framing, at most
+_STATS_BOUND = 64 << 10            # a STATS reply (counters; no keys)
+_PAGE_BOUND = 64                   # one FEED page: a 32-byte key and two i64, msgpack'd
+
+
+ERROR_REPLY_BOUND = _REPLY_BASE + 4 * MAX_ERROR_CHARS   # an ErrorReply's body, at most
+
+
+def reply_bound(op: int, msg: Msg) -> int:
+    """The most bytes the body of the reply to request `msg` (of `op`) can take, an ERROR
+    reply included: what the agent charges to the sender's key before serving it (an inline
+    GET's payload: the sum of its sizes)."""
+    bound = 4 * MAX_ERROR_CHARS                            # an ErrorReply (UTF-8), a HelloReply
+    if isinstance(msg, Blocks):
+        bound = max(bound, 10 * len(msg.keys))             # a bool and a u64 checksum per key
+        if op == GET and msg.descs is None:
+            bound += sum(msg.sizes)
+    elif isinstance(msg, (KeyList, Durable)):
+        bound = max(bound, len(msg.keys))
+    elif isinstance(msg, Announce):
+        bound = max(bound, len(msg.pages))
+    elif isinstance(msg, FeedRead):
+        bound = max(bound, _PAGE_BOUND * msg.limit + 64)
+    elif isinstance(msg, Empty) and op == STATS:
+        bound = max(bound, _STATS_BOUND)
+    return _REPLY_BASE + bound
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:

@@ -84,12 +84,13 @@ class AgentServer:
         self._pending = 0            # accepted, not yet admitted (authenticated ones: access)
         self._next_id = 0
         self._arena: "Arena | bool | None" = None    # the store's registered arena; False: none
-        self._logged: dict[str, tuple[float, int]] = {}
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}
         self.acks = Acks(store, self.count)
         self.challenges = Challenges()     # NIXL challenges per key and per (key, endpoint)
         self.describer = Describer(store, lim.max_namespaces, self.count)
-        self.feeds = Feeds()               # announced pages, per namespace (ANNOUNCE / FEED)
-        self.memory = Memory(lim.max_memory, lim.max_memory_per_key)    # frames and staging
+        # Every byte held for a host key: frames, replies, staging, feed books (budget.py).
+        self.memory = Memory(lim.max_memory, lim.max_memory_per_key)
+        self.feeds = Feeds(memory=self.memory)   # announced pages, per namespace (ANNOUNCE / FEED)
         # What each connection may use of the agent (never the server itself).
         self.ctx = AgentContext(
             name=self.name, store=store, access=self.access, acks=self.acks, limits=lim,
@@ -106,15 +107,18 @@ class AgentServer:
         with self._lock:
             return dict(self._counters)
 
-    def warn(self, kind: str, msg: str, *args: object) -> None:
-        """Log a warning, at most once per LOG_EVERY_S per kind (a flood must not flood the log)."""
+    def warn(self, kind: str, tenant: str, msg: str, *args: object) -> None:
+        """Log a warning, at most once per LOG_EVERY_S per kind and host key (`tenant`; "" for
+        connections not yet authenticated): the one place every refusal is logged, so that one
+        tenant's flood neither floods the log nor silences another tenant's lines. Kinds are
+        fixed strings and host keys those of the keys file: the table is bounded."""
         now = time.monotonic()
         with self._lock:
-            last, skipped = self._logged.get(kind, (0.0, 0))
+            last, skipped = self._logged.get((tenant, kind), (-LOG_EVERY_S, 0))
             if now - last < LOG_EVERY_S:
-                self._logged[kind] = (last, skipped + 1)
+                self._logged[(tenant, kind)] = (last, skipped + 1)
                 return
-            self._logged[kind] = (now, 0)
+            self._logged[(tenant, kind)] = (now, 0)
         log.warning(msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
 
     def arena(self) -> "Arena | None":
@@ -136,7 +140,7 @@ class AgentServer:
         if arena is None or self.mover is None or not isinstance(self.store, SlotStore):
             return None
         return Direct(self.store, arena, self.mover.agent, self.mover.quarantine, self.count,
-                      self.mover.pool)
+                      self.mover.pool, self.warn)
 
     # ---------------------------------------------------------------- connections
     def admit(self, host: str) -> str | None:
@@ -183,7 +187,7 @@ class AgentServer:
                 if self.stopping:
                     break
                 self.count("accept_errors")
-                self.warn("accept", "accept failed (%s); retrying in %.1fs", e.strerror or e,
+                self.warn("accept", "", "accept failed (%s); retrying in %.1fs", e.strerror or e,
                           ACCEPT_BACKOFF_S)
                 time.sleep(ACCEPT_BACKOFF_S)
                 continue
@@ -199,7 +203,7 @@ class AgentServer:
             conn_id = self._next_id
         if full:
             self.count("rejected_pending")
-            self.warn("pending", "rejected %s: %d connections still authenticating", peer,
+            self.warn("pending", "", "rejected %s: %d connections still authenticating", peer,
                       self.max_pending)
             conn.close()
             return
@@ -213,7 +217,7 @@ class AgentServer:
         except (OSError, RuntimeError) as e:     # no thread or socket left: drop this one
             self.release(None)
             self.count("accept_errors")
-            self.warn("spawn", "cannot serve %s: %s", peer, e)
+            self.warn("spawn", "", "cannot serve %s: %s", peer, e)
             conn.close()
 
     def stop(self) -> None:

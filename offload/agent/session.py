@@ -58,7 +58,8 @@ class Session:
         self._challenge: tuple[str, bytes, bytes] | None = None    # (peer, nonce, metadata)
         self._described: set[bytes] = set()    # namespaces described to the store
         self.staged = StagedPath(ctx, conn_id)
-        self._frame_bytes = 0                  # of the request being served (ctx.memory)
+        self._frame_bytes = 0                  # charged for the request being served and its
+                                               # reply (ctx.memory), given back once it is sent
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -70,12 +71,17 @@ class Session:
             why = srv.admit(hello.host)
             if why is not None:
                 srv.count("rejected_full")
-                srv.warn("full", "rejected %s (host %s): %s (--max-clients)", self.peer,
-                         hello.host, why)
+                srv.warn("full", srv.access.tenant(hello.host),
+                         "rejected %s (host %s): %s (--max-clients)", self.peer, hello.host, why)
                 return
             self.admitted = True
             self.ch = ch
-            self._hello(ch, hello, frame.req_id)
+            self.staged.owner = srv.access.tenant(hello.host)
+            self._take(protocol.ERROR_REPLY_BOUND)           # the HelloReply (or a close)
+            try:
+                self._hello(ch, hello, frame.req_id)
+            finally:
+                self._release_frame()
             ch.admit = self._admit_frame
             while not srv.stopping():
                 try:
@@ -88,14 +94,14 @@ class Session:
                     self._release_frame()
         except protocol.AuthError as e:
             srv.count("rejected_auth")
-            srv.warn("auth", "rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
+            srv.warn("auth", "", "rejected %s (host %s): unauthenticated: %s", self.peer, self.host, e)
         except protocol.ProtocolError as e:
             srv.count("rejected_frame")
-            srv.warn("frame" if self.admitted else "frame-pre-auth",
+            srv.warn("frame", self.staged.owner if self.admitted else "",
                      "rejected %s (host %s): bad frame: %s", self.peer, self.host, e)
         except TimeoutError:
             srv.count("timeouts")
-            srv.warn("timeout" if self.admitted else "timeout-pre-auth",
+            srv.warn("timeout", self.staged.owner if self.admitted else "",
                      "closed %s (host %s): timed out", self.peer, self.host)
         except (EOFError, OSError) as e:
             if not self.admitted and isinstance(e, (EOFError, ConnectionResetError,
@@ -112,12 +118,20 @@ class Session:
             srv.release(self.host if self.admitted else None)
 
     def _admit_frame(self, n: int) -> None:
-        """A request frame's body is allocated only within the agent's memory bound."""
+        """A request frame's body is allocated only within the agent's memory bound, with room
+        for an ERROR reply (the rest of its reply is charged once it is decoded: `_dispatch`)."""
+        self._take(n + protocol.ERROR_REPLY_BOUND)
+
+    def _take(self, n: int) -> None:
+        """Charge `n` more bytes of this request to the host key (before they are allocated);
+        given back by `_release_frame` once its reply is written. Raises ProtocolError past it."""
         why = self.ctx.memory.take(self.staged.owner, n)
         if why is not None:
             self.ctx.count("rejected_memory")
-            raise protocol.ProtocolError(f"frame of {n} bytes refused: {why}")
-        self._frame_bytes = n
+            self.ctx.warn("memory", self.staged.owner, "host %s (%s): %d bytes refused: %s",
+                          self.host, self.peer, n, why)
+            raise protocol.ProtocolError(f"{n} bytes refused: {why}")
+        self._frame_bytes += n
 
     def _release_frame(self) -> None:
         n, self._frame_bytes = self._frame_bytes, 0
@@ -141,20 +155,28 @@ class Session:
     # ---------------------------------------------------------------- requests
     def _hello(self, ch: protocol.Channel, hello: protocol.Hello, req_id: int) -> None:
         self.host = hello.host          # a safe name: protocol.HOST_PATTERN
-        self.staged.owner = self.ctx.access.tenant(self.host)
         nixl_ok = False
         if hello.transport == "ucx" and hello.nixl_md and self.ctx.mover is not None:
             try:
                 self._load(hello.nixl_md)
                 nixl_ok = True
             except Exception as e:  # noqa: BLE001 - falls back to bytes on the connection
-                log.warning("host %s (%s): NIXL metadata unusable, bytes will travel on the "
-                            "control connection: %s", self.host, self.peer, e)
+                self.ctx.warn("hello-metadata", self.staged.owner,
+                              "host %s (%s): NIXL metadata unusable, bytes will travel on the "
+                              "control connection: %s", self.host, self.peer, e)
         log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
                  hello.transport, nixl_ok)
-        ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
+        self._sent(ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
             agent=self.ctx.name, max_body=self.ctx.limits.max_body, max_keys=protocol.MAX_KEYS,
-            max_block=self.ctx.limits.max_block, nixl=nixl_ok, proof_tag=self.proof_tag))
+            max_block=self.ctx.limits.max_block, nixl=nixl_ok, proof_tag=self.proof_tag)))
+
+    def _sent(self, n: int) -> None:
+        """A reply of `n` bytes was written: counted if more than its charge (the invariant:
+        every byte held for a key is charged first; `tests/agent/test_memory_charge.py`)."""
+        if n > self._frame_bytes:
+            self.ctx.count("uncharged_bytes", n - self._frame_bytes)
+            self.ctx.warn("uncharged", self.staged.owner, "host %s: a reply of %d bytes "
+                          "exceeded its charge of %d", self.host, n, self._frame_bytes)
 
     def _load(self, md: bytes) -> None:
         """Load this connection's NIXL metadata and challenge its endpoint (unproven until the
@@ -166,10 +188,11 @@ class Session:
         if why is not None:           # nothing loaded, nothing sent: the flood costs its sender
             self.ctx.count("rejected_challenges")
             raise RequestError(why)
+        owner = self.staged.owner
         if self.nixl_peer is None:
-            self.nixl_peer = mover.add_peer(md, self.conn_id, self.host)
+            self.nixl_peer = mover.add_peer(md, self.conn_id, self.host, owner)
         else:
-            self.nixl_peer = mover.update_peer(self.nixl_peer, md, self.conn_id, self.host)
+            self.nixl_peer = mover.update_peer(self.nixl_peer, md, self.conn_id, self.host, owner)
         nonce, loaded = mover.challenge(self.nixl_peer, self.proof_tag)
         self._challenge = (self.nixl_peer, nonce, loaded)
 
@@ -209,6 +232,14 @@ class Session:
         msg = frame.decode(typ)
         access = self.ctx.access
         try:
+            # The reply's bytes (an inline GET's blocks) are the key's before they are allocated.
+            extra = protocol.reply_bound(op, msg) - protocol.ERROR_REPLY_BOUND
+            if extra > 0:
+                why = self.ctx.memory.take(self.staged.owner, extra)
+                if why is not None:
+                    self.ctx.count("rejected_memory")
+                    raise RequestError(f"a reply of up to {extra} bytes refused: {why}")
+                self._frame_bytes += extra
             busy = access.begin(self.host)
             if busy is not None:
                 self.ctx.count("rejected_busy")
@@ -219,12 +250,14 @@ class Session:
                 access.end(self.host)
         except RequestError as e:
             self.ctx.count("bad_requests")
-            log.warning("host %s (%s): %s request refused: %s", self.host, self.peer,
-                        protocol.OP_NAMES[op], e)
-            ch.send(protocol.ERROR | protocol.REPLY, frame.req_id, protocol.ErrorReply(str(e)))
+            self.ctx.warn(f"refused-{protocol.OP_NAMES[op]}", self.staged.owner,
+                          "host %s (%s): %s request refused: %s", self.host, self.peer,
+                          protocol.OP_NAMES[op], e)
+            self._sent(ch.send(protocol.ERROR | protocol.REPLY, frame.req_id,
+                               protocol.ErrorReply(str(e)[:protocol.MAX_ERROR_CHARS])))
             return
         self.ctx.count(protocol.OP_NAMES[op])
-        ch.send(op | protocol.REPLY, frame.req_id, reply, payload)
+        self._sent(ch.send(op | protocol.REPLY, frame.req_id, reply, payload))
 
     def _serve(self, op: int, msg: protocol.Msg, data: memoryview
                ) -> tuple[protocol.Msg, list[memoryview]]:
@@ -293,9 +326,9 @@ class Session:
         if why is not None:
             raise RequestError(why)
         ok = self._durable_now(keys)
-        feeds.announce(access.tenant(self.host),
-                       [Page(*p) for p, f in zip(msg.pages, ok) if f])
-        return protocol.Flags(ok)
+        kept = iter(feeds.announce(access.tenant(self.host),
+                                   [Page(*p) for p, f in zip(msg.pages, ok) if f]))
+        return protocol.Flags([f and next(kept) for f in ok])
 
     def _describe(self, keys: Sequence[bytes]) -> None:
         """Describe a namespace to the store once this connection stored a block of it (a
@@ -319,11 +352,15 @@ class Session:
         out.update({f"agent_{k}": v for k, v in self.ctx.counters().items()})
         out.update({f"agent_quota_{k}": v for k, v in self.ctx.access.usage().items()})
         out["agent_feed_pages"] = self.ctx.feeds.size()
+        out["agent_feed_pages_key"] = self.ctx.feeds.held(self.staged.owner)
+        out["agent_memory_held"] = self.ctx.memory.held()
+        out["agent_memory_held_key"] = self.ctx.memory.held(self.staged.owner)
         if self.ctx.mover is not None:
             out["agent_nixl_peers"] = self.ctx.mover.peers()
             out["agent_quarantined_now"] = self.ctx.mover.quarantine.held()
             out["agent_quarantined_bytes_now"] = self.ctx.mover.quarantine.held_bytes()
             out["agent_metadata_crashes"] = self.ctx.mover.vetter.crashes
+            out["agent_checker_seconds_key"] = self.ctx.mover.vetter.left(self.staged.owner)
         return out
 
     def _check(self, req: protocol.Blocks) -> str | None:

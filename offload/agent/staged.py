@@ -74,7 +74,7 @@ class StagedPath:
             why = self.ctx.memory.take(self.owner, size)
             if why is not None:
                 self.ctx.count("rejected_memory")
-                self.ctx.warn("memory", "no staging for host key %s: %s", self.owner, why)
+                self.ctx.warn("staging-memory", self.owner, "no staging for host key %s: %s", self.owner, why)
                 raise NoMemory(why)
             try:
                 staging = Staging(self._mover(), size)
@@ -189,8 +189,8 @@ class StagedPath:
         if all(good):
             return group, blocks
         self.ctx.count("checksum_mismatch_in", good.count(False))
-        log.warning("%d block(s) read from the host do not have the checksum it sent: not "
-                    "stored", good.count(False))
+        self.ctx.warn("checksum-in", self.owner, "%d block(s) read from host key %s do not have "
+                      "the checksum it sent: not stored", good.count(False), self.owner)
         return ([i for i, g in zip(group, good) if g], [b for b, g in zip(blocks, good) if g])
 
     def _store_put(self, keys: list[bytes], blocks: list) -> list[bool]:

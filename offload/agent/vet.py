@@ -10,10 +10,16 @@ only UCX can check is tried by a child process that loads the metadata into its 
 (`Vetter`): if UCX aborts there, the child dies, the metadata is refused and the child is
 started again; the agent never loads what the child could not.
 
-Primitives: `check_metadata(md)` -> None or why not; `Vetter(timeout_s)`; `.vet(md)` -> None or
-why not (never raises; metadata vetted before is not sent again: `CACHE` digests); `.close()`.
+Primitives: `check_metadata(md)` -> None or why not; `Vetter(timeout_s, children=, budget_s=,
+rate_s=)`; `.vet(md, owner)` -> None or why not (never raises; metadata vetted before is not sent
+again: `CACHE` digests); `.left(owner)` -> checker seconds the key may spend now; `.close()`.
+Checker time is the key's (`owner`, a host key): `budget_s` at once then `rate_s` per second,
+`timeout_s` taken before a check starts and the unused part given back; one check per key at a
+time, in a pool of at most `children` children (no lock is held across another key's check).
 The child is `python -m offload.agent.vet`: frames on its stdin (u32 length, the metadata), one
-reply each on its stdout (a status byte, u32 length, the message); no pickling.
+reply each on its reply descriptor (a status byte, u32 length, the message; the pipe that was
+its stdout, which it points at /dev/null before loading NIXL, so nothing UCX prints can land in
+a reply); no pickling.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,10 @@ MAX_METADATA = 1 << 20          # bytes of one metadata blob (the HELLO's frame 
 CACHE = 1024                    # digests of metadata vetted good, kept
 VET_TIMEOUT_S = 10.0            # the child's answer for one metadata (UCX may try to connect)
 START_TIMEOUT_S = 60.0          # the child's start (imports NIXL, creates its agent)
+CHILDREN = 4                    # checkers at most (one per host key at a time)
+KEY_BUDGET_S = 30.0             # checker seconds one host key may spend at once
+KEY_RATE_S = 1.0                # ... and per second after that (a check costs ~1 ms)
+MAX_REPLY = 4096                # bytes of a checker's message
 UCP_ADDRESS_VERSIONS = (0, 1)   # UCP_OBJECT_VERSION_V1, _V2: the low 4 bits of an address's
                                 # first byte, which UCX asserts on when it unpacks it
 _LEN = struct.Struct("<I")
@@ -76,40 +87,85 @@ def worker_address(md: bytes) -> bytes | None:
     return md[start:start + n]
 
 
-class Vetter:
-    """Loads metadata in a child NIXL agent first; serialised, restarted when a load kills it."""
+class _Checker:
+    """One child process (`python -m offload.agent.vet`) and whether it said it is ready."""
 
-    def __init__(self, timeout_s: float = VET_TIMEOUT_S):
+    def __init__(self, child: subprocess.Popen):
+        self.child = child
+        self.ready = False
+
+    def alive(self) -> bool:
+        return self.child.poll() is None
+
+
+class Vetter:
+    """Loads metadata in a child NIXL agent first; a pool of children, each key's time charged.
+
+    Each host key (`owner`) has its own checker time: `budget_s` seconds at once, then `rate_s`
+    per second; a check takes `timeout_s` of it before it starts and gives back what it did not
+    use, so a key whose metadata keeps the checker waiting is refused (its own requests), never
+    another key. One key has at most one check running (its next waits for it: its own wait);
+    checks of different keys run in different children (at most `children`; a key waits for a
+    free one only while every child checks another key's metadata, each for at most
+    `timeout_s`)."""
+
+    def __init__(self, timeout_s: float = VET_TIMEOUT_S, children: int = CHILDREN,
+                 budget_s: float = KEY_BUDGET_S, rate_s: float = KEY_RATE_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.timeout_s = timeout_s
+        self.children, self.budget_s, self.rate_s = children, budget_s, rate_s
+        self._clock = clock
         self.crashes = 0                  # children a metadata load killed
-        self._lock = threading.Lock()
-        self._child: subprocess.Popen | None = None
+        self._lock = threading.Condition()
+        self._idle: list[_Checker] = []   # children not checking anything now
+        self._count = 0                   # children started or starting, idle or busy
+        self._busy: set[str] = set()      # keys with a check running
+        self._time: dict[str, tuple[float, float]] = {}   # key -> (checker seconds left, at)
         self._good: OrderedDict[bytes, None] = OrderedDict()
         self._closed = False
 
     def start(self) -> None:
-        """Start the child now (it imports NIXL meanwhile); `vet` starts it otherwise."""
+        """Start one child now (it imports NIXL meanwhile); more start when keys need them."""
         with self._lock:
-            self._spawn()
+            if self._count == 0:
+                checker = self._spawn()
+                if checker is not None:
+                    self._idle.append(checker)
 
-    def _spawn(self) -> subprocess.Popen | None:
-        if self._child is not None and self._child.poll() is None:
-            return self._child
+    def _spawn(self) -> _Checker | None:
+        """A new child, counted (lock held); None if it cannot start."""
         if self._closed:
             return None
         try:
-            self._child = subprocess.Popen(
+            child = subprocess.Popen(
                 [sys.executable, "-m", "offload.agent.vet"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ),
                 close_fds=True)
         except OSError as e:
             log.warning("cannot start the NIXL metadata checker: %s", e)
-            self._child = None
             return None
-        self._ready = False
-        return self._child
+        self._count += 1
+        return _Checker(child)
 
-    def vet(self, md: bytes) -> str | None:
+    def left(self, owner: str) -> float:
+        """Checker seconds `owner` may spend now."""
+        with self._lock:
+            return self._refill(owner)
+
+    def _refill(self, owner: str) -> float:
+        now = self._clock()
+        left, at = self._time.get(owner, (self.budget_s, now))
+        left = min(self.budget_s, left + (now - at) * self.rate_s)
+        self._time[owner] = (left, now)
+        return left
+
+    def _charge(self, owner: str, seconds: float) -> None:
+        left, at = self._time[owner]
+        self._time[owner] = (min(self.budget_s, left - seconds), at)
+        if self._time[owner][0] >= self.budget_s and owner not in self._busy:
+            del self._time[owner]            # full again: nothing to remember
+
+    def vet(self, md: bytes, owner: str = "") -> str | None:
         """None if `md` loads in a NIXL agent without harm, else why not. Never raises."""
         why = check_metadata(md)
         if why is not None:
@@ -119,54 +175,107 @@ class Vetter:
             if digest in self._good:
                 self._good.move_to_end(digest)
                 return None
-            why = self._ask(md)
-            if why is None:
-                self._good[digest] = None
-                while len(self._good) > CACHE:
-                    self._good.popitem(last=False)
-            return why
-
-    def _ask(self, md: bytes) -> str | None:
-        child = self._spawn()
-        if child is None or child.stdin is None or child.stdout is None:
-            return "the NIXL metadata checker is not running"
+            # The key's own earlier check first (its own wait), then its time, then a child.
+            end = self._clock() + 2 * self.timeout_s + START_TIMEOUT_S
+            while owner in self._busy:
+                if not self._lock.wait(max(0.0, end - self._clock())):
+                    return "a check of this host key's NIXL metadata is still running"
+            if self._refill(owner) < self.timeout_s:
+                return (f"this host key spent its NIXL metadata checker time (at most "
+                        f"{self.budget_s:g}s, then {self.rate_s:g}s per second); retry later")
+            self._busy.add(owner)
+            self._charge(owner, self.timeout_s)
+            checker = None
+            while checker is None and not self._closed:
+                if self._idle:
+                    checker = self._idle.pop()
+                    if not self._idle and self._count < self.children:
+                        spare = self._spawn()        # warm for the next key meanwhile
+                        if spare is not None:
+                            self._idle.append(spare)
+                elif self._count < self.children:
+                    checker = self._spawn()
+                    if checker is None:
+                        break
+                elif not self._lock.wait(max(0.0, end - self._clock())):
+                    break
+        used, verdict = 0.0, "not checked"
         try:
-            if not self._ready:
+            if checker is None:
+                return "the NIXL metadata checker is not running"
+            answer, used = self._ask(checker, md)
+            verdict = answer or ""
+            return answer
+        finally:
+            dead = None
+            with self._lock:
+                self._charge(owner, used - self.timeout_s)      # what it did not use, back
+                self._busy.discard(owner)
+                if checker is not None:
+                    if checker.alive() and not self._closed:
+                        self._idle.append(checker)
+                    else:
+                        self._count -= 1
+                        dead = checker
+                if verdict == "":
+                    self._good[digest] = None
+                    while len(self._good) > CACHE:
+                        self._good.popitem(last=False)
+                self._lock.notify_all()
+            if dead is not None:
+                self._kill(dead)
+
+    def _ask(self, checker: _Checker, md: bytes) -> tuple[str | None, float]:
+        """Why the child could not load `md` (None: it could), and the seconds it took."""
+        child = checker.child
+        if child.stdin is None or child.stdout is None:
+            return "the NIXL metadata checker is not running", 0.0
+        t0 = time.monotonic()
+        try:
+            if not checker.ready:
                 if _read(child, 1, time.monotonic() + START_TIMEOUT_S) != READY:
                     raise EOFError("the checker did not start")
-                self._ready = True
+                checker.ready = True
+            t0 = time.monotonic()
             child.stdin.write(_LEN.pack(len(md)) + md)
             child.stdin.flush()
-            end = time.monotonic() + self.timeout_s
+            end = t0 + self.timeout_s
             status = _read(child, 1, end)
             n = _LEN.unpack(_read(child, _LEN.size, end))[0]
-            msg = _read(child, min(n, 4096), end).decode(errors="replace")
+            if status not in (b"0", b"1") or n > MAX_REPLY:
+                raise EOFError("the checker's reply is garbled")
+            msg = _read(child, n, end).decode(errors="replace")
         except TimeoutError:
-            self._kill(child)
-            return f"NIXL metadata not loaded within {self.timeout_s:g}s by the checker"
+            self._kill(checker)
+            return (f"NIXL metadata not loaded within {self.timeout_s:g}s by the checker",
+                    time.monotonic() - t0)
         except (EOFError, OSError) as e:
-            self._kill(child)
+            self._kill(checker)
             code = child.returncode
-            if code is not None and code < 0:
+            used = time.monotonic() - t0
+            if code is not None and code < 0 and "garbled" not in str(e):
                 self.crashes += 1
-                return f"NIXL metadata that crashes UCX (the checker died of signal {-code})"
-            return f"NIXL metadata not checked ({e or type(e).__name__})"
-        return None if status == b"1" else f"NIXL metadata rejected: {msg}"
+                return f"NIXL metadata that crashes UCX (the checker died of signal {-code})", used
+            return f"NIXL metadata not checked ({e or type(e).__name__})", used
+        return (None if status == b"1" else f"NIXL metadata rejected: {msg}"), time.monotonic() - t0
 
-    def _kill(self, child: subprocess.Popen) -> None:
+    @staticmethod
+    def _kill(checker: _Checker) -> None:
+        child = checker.child
         if child.poll() is None:
             child.kill()
         try:
             child.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        self._child = None
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if self._child is not None:
-                self._kill(self._child)
+            idle, self._idle = self._idle, []
+            self._lock.notify_all()
+        for checker in idle:
+            self._kill(checker)
 
 
 def _read(child: subprocess.Popen, n: int, deadline: float) -> bytes:
@@ -193,10 +302,16 @@ def _read(child: subprocess.Popen, n: int, deadline: float) -> bytes:
 
 def _child_main() -> int:
     """The checker: load each metadata into a NIXL agent of its own, then forget it."""
+    # Replies go on a descriptor of their own; what UCX or NIXL print on stdout (UCX writes
+    # "connect failed" for a peer that has gone) goes nowhere, never into a reply.
+    out = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
     from offload.agent import nixl_util
 
     agent = nixl_util.make_agent(f"sglang-offload-vet-{os.getpid()}")
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    inp = sys.stdin.buffer
     out.write(READY)
     out.flush()
     while True:
