@@ -9,61 +9,45 @@ keys file (`docs/deploy/agent.md#per-host-credentials`):
     namespaces = ["*"]                 # every namespace, or 32-hex-digit namespace digests
     salts = ["tenant-a-salt"]          # and/or: namespaces made with one of these tenant salts
 
-Every file must be private to its owner (no group/other permissions): a secret readable by
-everyone is no secret, so such a file is refused. Secrets are stripped of surrounding whitespace
-and need at least 16 bytes; two hosts may not share a secret (either could act as the other).
+Both files are read by the one loader of secret files (`offload.store.secret`: owned by the
+service user, not a symbolic link, private, a regular file, bounded in size; each refusal one
+line naming the file and why). Secrets are stripped of surrounding whitespace and need at least
+16 bytes; two hosts may not share a secret (either could act as the other).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from offload.errors import ConfigError
+from offload.store.secret import MAX_KEYS_FILE_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
 
 SECRET_ENV = "SGLANG_OFFLOAD_SECRET"   # the shared secret itself (when no secret file is named)
-MIN_SECRET_BYTES = 16
 
 
 def load_secret(path: str | None = None, *, env: Mapping[str, str] | None = None) -> bytes:
     """The secret from `path` (if given) else from $SGLANG_OFFLOAD_SECRET.
 
     Raises:
-        ConfigError: no secret, unreadable or world/group-readable file, or shorter than 16 bytes.
+        ConfigError: no secret, a file the loader refuses (`offload.store.secret`), or shorter
+            than 16 bytes.
     """
     env = os.environ if env is None else env
     if path:
-        secret = _read_private(path, "agent secret file").strip()
-        source = path
-    else:
-        value = env.get(SECRET_ENV, "")
-        if not value:
-            raise ConfigError([f"no agent secret: name a file (--secret-file / "
-                               f"offload.agent.secret_file) or set ${SECRET_ENV}"])
-        secret = value.strip().encode()
-        source = f"${SECRET_ENV}"
+        return read_secret_file(path, "agent secret file")
+    value = env.get(SECRET_ENV, "")
+    if not value:
+        raise ConfigError([f"no agent secret: name a file (--secret-file / "
+                           f"offload.agent.secret_file) or set ${SECRET_ENV}"])
+    secret = value.strip().encode()
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError([f"agent secret from {source} is {len(secret)} bytes; use at least "
+        raise ConfigError([f"agent secret from ${SECRET_ENV} is {len(secret)} bytes; use at least "
                            f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"])
     return secret
-
-
-def _read_private(path: str, what: str) -> bytes:
-    """A file's bytes, refused when group or others may read or write it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError([f"{what} {path}: cannot read it: {e.strerror or e}"]) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError([f"{what} {path}: mode {stat.S_IMODE(st.st_mode):o} lets others "
-                               "read it; chmod 600 it"])
-        return f.read()
 
 
 HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$")   # = protocol.HOST_PATTERN
@@ -81,7 +65,7 @@ class HostKey:
 
 def load_keys(path: str) -> dict[str, HostKey]:
     """The agent's keys file (TOML, mode 600). Raises ConfigError naming each problem."""
-    raw = _read_private(path, "agent keys file")
+    raw = read_private_file(path, "agent keys file", MAX_KEYS_FILE_BYTES)
     try:
         doc = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:

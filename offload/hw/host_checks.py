@@ -10,8 +10,9 @@ Primitives:
   `store.paths`, or `path`, or `--cache-dir`) naming something that is not a directory, or on a
   pseudo file system (proc, sysfs, ...); and, on the
   live machine only (a fixture root's files are not this machine's), a secret file
-  (`redis.password_file`, `redis.secret_file`, `agent.secret_file`) that is missing,
-  unreadable, not private to its owner or too short, and TLS files that cannot be read.
+  (`redis.password_file`, `redis.secret_file`, `agent.secret_file`, `redis.tls_key_file`)
+  the one loader refuses (`offload.store.secret`: missing, a link, another user's, not
+  private, too long or too short), and TLS files that cannot be read.
   Warnings (only when `connect` is given, i.e. `detect` on the live machine): a Redis node of
   `redis.url` that does not accept a TCP connection, named by HOST:PORT (never the password).
 Reads go through `Root`; secret contents are read (to check them) and never returned.
@@ -73,7 +74,7 @@ def _cache_dir(root: Root, path: str, key: str) -> list[str]:
 
 
 def _secret_files(cfg: OffloadConfig) -> list[str]:
-    from offload.store.secret import MIN_SECRET_BYTES, read_secret_file
+    from offload.store.secret import MAX_SECRET_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
 
     out: list[str] = []
     for setting, path, min_bytes in (
@@ -86,9 +87,14 @@ def _secret_files(cfg: OffloadConfig) -> list[str]:
             read_secret_file(path, setting, min_bytes=min_bytes)
         except ConfigError as e:
             out += e.problems
+    if cfg.redis.tls_key_file:          # a key file: the loader's checks (owner, mode, size)
+        try:
+            read_private_file(cfg.redis.tls_key_file, "offload.redis.tls_key_file",
+                              MAX_SECRET_BYTES)
+        except ConfigError as e:
+            out += e.problems
     for setting, path in (("offload.redis.tls_ca_file", cfg.redis.tls_ca_file),
-                          ("offload.redis.tls_cert_file", cfg.redis.tls_cert_file),
-                          ("offload.redis.tls_key_file", cfg.redis.tls_key_file)):
+                          ("offload.redis.tls_cert_file", cfg.redis.tls_cert_file)):
         if path and not os.access(path, os.R_OK):
             out.append(f"{setting}: cannot read {path}; fix the path or its permissions")
     return out

@@ -168,8 +168,8 @@ def tls_certs(tmp_path: Path) -> dict[str, str]:
             "-keyout", f"{name}.key", "-out", f"{name}.csr")
         ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
             "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{name}.crt")
-    for f in d.iterdir():
-        f.chmod(0o644)
+    for f in d.iterdir():        # keys private: the tier refuses a key others can read
+        f.chmod(0o600 if f.suffix == ".key" else 0o644)
     return {k: str(d / f"{k.replace('_', '.')}") for k in
             ("ca_crt", "server_crt", "server_key", "client_crt", "client_key")}
 

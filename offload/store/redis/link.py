@@ -12,7 +12,9 @@ Primitives:
   commands)` bounds the calls made inside it (a deadline of `timeout_s` + nbytes / 128 MiB/s, a
   reply allowance); a `run` outside one is bounded by itself (`timeout_s`, 64 MiB of reply).
   A `ProtocolError` from `fn` (a reply stream out of step) is a failure like any other: the
-  connection is dropped, so the next call starts in step.
+  connection is dropped, so the next call starts in step. Its secret files (`password_file`,
+  `tls_key_file`) are read at construction by the one loader (`offload.store.secret`); OpenSSL
+  is handed the checked copy of the TLS key, never the configured path.
 
 redis-py is imported inside the functions that need it, never at import of `offload`.
 """
@@ -38,7 +40,7 @@ from offload.store.redis.call import (
     ReplyTooLong,
     call_seconds,
 )
-from offload.store.secret import read_secret_file
+from offload.store.secret import PrivateCopy, read_secret_file
 
 log = logging.getLogger("offload.store.redis.store")
 T = TypeVar("T")
@@ -121,6 +123,8 @@ class RedisLink:
         self.target = parse_url(cfg.url)
         self._password = (read_password_file(cfg.password_file) if cfg.password_file
                           else self.target.password)
+        self._tls_key = (PrivateCopy(cfg.tls_key_file, "offload.redis.tls_key_file")
+                         if cfg.tls_key_file else None)
         self._clock = clock
         self._lock = threading.Lock()
         self.bounds = CallBounds()
@@ -145,7 +149,8 @@ class RedisLink:
             retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.target.tls, self.bounds))
         if self.target.tls:
             kw.update(ssl_ca_certs=self.cfg.tls_ca_file, ssl_certfile=self.cfg.tls_cert_file,
-                      ssl_keyfile=self.cfg.tls_key_file, ssl_cert_reqs="required",
+                      ssl_keyfile=self._tls_key.path if self._tls_key else None,
+                      ssl_cert_reqs="required",
                       ssl_check_hostname=True)
         return kw
 
