@@ -15,12 +15,11 @@ from offload.plan.model import (
     kv_bytes_per_token,
     kv_heads_per_rank,
     make_plan,
-    parse_count,
-    parse_tokens,
     prefill_flops_per_token,
     prefix_times,
     worth_loading,
 )
+from offload.plan.parse import parse_count, parse_tokens
 from offload.plan.presets import (
     GPUS,
     MODELS,
@@ -55,15 +54,31 @@ def test_fp8_halves_it() -> None:
     assert kv_bytes_per_token(L70, DTYPE_BYTES["fp8"]) * 131072 == 20 * GiB
 
 
-def test_about_6_users_without_offload_and_12_to_15_with_fp8_and_offload() -> None:
+def test_about_6_users_without_offload_and_12_with_fp8() -> None:
     bf16 = make_plan(article("bf16")).users[0]
     assert bf16.kv_bytes_per_user == 40 * GiB and bf16.kv_bytes_per_user_per_rank == 20 * GiB
-    assert 5 <= bf16.resident <= 7
+    assert bf16.resident == 6
     fp8 = make_plan(article("fp8")).users[0]
-    assert fp8.kv_dtype == "fp8" and fp8.resident == 2 * bf16.resident
-    assert 12 <= fp8.with_offload <= 15
+    assert fp8.kv_dtype == "fp8" and fp8.resident == 2 * bf16.resident == 12
     # the BF16 plan shows the FP8 row for comparison, with the same numbers
     assert make_plan(article("bf16")).users[1] == fp8
+
+
+def test_the_offload_gain_is_computed_from_think_time_and_reload_time() -> None:
+    # 2 x B200, TP 2, FP8 KV: 12 contexts in HBM; at 28 GB/s (4 drives) a context comes back from
+    # the L3 in 0.77 s + 0.21 s from the L2: 12 x (20 + 0.98 + 60) / (20 + 0.98) = 46 carried
+    fp8 = make_plan(article("fp8", read_gbps=28.0)).users[0]
+    l2, l3 = fp8.conversations
+    assert (l2.tier, l2.carried, l2.limit) == ("L2", 24, "L2 room")   # 12 more in the L2
+    assert l3.reload_s == pytest.approx(20 * GiB / 28e9 + 10 * GiB / 50e9)
+    assert (l3.by_slots, l3.carried, l3.limit) == (46, 46, "HBM slots")
+    assert l3.ttft_s <= 2.0 and fp8.with_offload == 46
+    # one drive (7 GB/s): 3.28 s to reload, past the 2 s TTFT target: the L3 adds nothing
+    slow = make_plan(article("fp8")).users[0].conversations[1]
+    assert slow.carried == 12 and "past the TTFT target 2 s" in slow.limit
+    # users who think longer are carried in larger numbers; no think time, no gain
+    assert make_plan(article("fp8", read_gbps=28.0, think_s=120.0)).users[0].with_offload > 46
+    assert make_plan(article("fp8", read_gbps=28.0, think_s=0.0)).users[0].with_offload == 12
 
 
 def test_one_b200_alone_cannot_hold_6_bf16_users_of_70b() -> None:
@@ -71,14 +86,21 @@ def test_one_b200_alone_cannot_hold_6_bf16_users_of_70b() -> None:
     assert 6 * 40 * GiB > B200.memory_bytes
     plan = make_plan(article("bf16", tp=1, gpus=1))
     assert [u.resident for u in plan.users] == [2, 4]
+    # the article's 12-15 on one B200 needs FP8 KV and an L3 that reloads within the TTFT: at
+    # 28 GB/s 4 contexts in HBM carry 15 conversations (think 60 s, 20 s turns, TTFT 2 s)
+    one = make_plan(article("fp8", tp=1, gpus=1, read_gbps=28.0)).users[0]
+    assert (one.resident, one.with_offload) == (4, 15)
+    assert make_plan(article("fp8", tp=1, gpus=1)).users[0].with_offload == 8   # the L2 alone
 
 
 def test_offload_users_capped_by_tier_capacity() -> None:
-    free = make_plan(article("fp8")).users[0]
-    capped = make_plan(article("fp8", tier_capacity=13 * 20 * GiB)).users[0]
-    assert free.with_offload == 15 and capped.with_offload == 13
-    tiny = make_plan(article("fp8", tier_capacity=GiB)).users[0]
-    assert tiny.with_offload == tiny.resident          # resident users need no tier
+    free = make_plan(article("fp8", read_gbps=28.0)).users[0]
+    capped = make_plan(article("fp8", read_gbps=28.0, tier_capacity=30 * 20 * GiB)).users[0]
+    assert free.with_offload == 46 and capped.with_offload == 30
+    assert capped.conversations[1].limit == "L3 room"
+    tiny = make_plan(article("fp8", read_gbps=28.0, tier_capacity=GiB)).users[0]
+    assert tiny.conversations[1].carried == tiny.resident  # resident users need no tier
+    assert tiny.with_offload == 24                          # the L2 still carries its own
 
 
 def test_tier_needed_for_target_users_and_hit_rate() -> None:
@@ -90,6 +112,10 @@ def test_weights_that_do_not_fit_leave_no_users() -> None:
     plan = make_plan(PlanInputs(arch=preset_architecture("Llama-3.1-405B"), gpu=GPUS["H100-80G"]))
     assert plan.kv_budget_per_gpu < 0 and plan.users[0].resident == 0
     assert plan.users[0].with_offload == 0
+    assert not plan.runnable and plan.min_tp == 16
+    assert plan.problems == [
+        "the weights do not fit: 755.96 GiB per GPU at TP 1, more than the 71.68 GiB for weights "
+        "+ KV (mem fraction 0.9); the least TP that holds them and one 131072-token context is 16"]
 
 
 # --- load vs prefill -----------------------------------------------------------------------------
@@ -197,7 +223,7 @@ def test_cli_table_states_the_assumptions(capsys) -> None:
     assert main(["plan", "--tp", "2", "--gpus", "2", "--weight-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "40.00 GiB" in out and "20.00 GiB" in out
-    assert "mem fraction 0.9" in out and "active fraction 0.8" in out
+    assert "mem fraction 0.9" in out and "within a 2 s TTFT, 60 s think time, 20 s turns" in out
     assert "tokens/s per GPU" in out and "worth loading" in out
 
 
@@ -207,8 +233,9 @@ def test_cli_json_is_one_object(capsys) -> None:
                  "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["users"][0]["kv_bytes_per_user"] == 20 * GiB
-    assert 12 <= data["users"][0]["with_offload"] <= 15
+    assert data["users"][0]["with_offload"] == 24
     assert data["inputs"]["context"] == 131072 and isinstance(data["worth_loading"], bool)
+    assert data["runnable"] is True and data["problems"] == []
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -219,12 +246,20 @@ def test_cli_json_is_one_object(capsys) -> None:
     (["--gpu-mem", "much"], "--gpu-mem 'much'"),
     (["--tp", "2", "--gpus", "3"], "--gpus 3 must be a positive multiple of --tp 2"),
     (["--tp", "3"], "--tp 3 must divide"),
-    (["--active-fraction", "0"], "--active-fraction 0"),
+    (["--ttft", "0"], "argument --ttft: '0': must be"),
+    (["--think-s", "-1"], "--think-s -1.0: must be a finite number of seconds"),
     (["--model", "/nonexistent/config.json"], "no such config.json"),
+    (["--model", "meta-llama/Llama-9-1T-Instruct"], "nor the HuggingFace id of a preset"),
+    (["--users", "0"], "argument --users: '0': must be at least 1"),
+    (["--context", "200K"], "--context 204800: past Llama-3.1-70B's 131,072-token context window"),
+    (["--model", "Qwen2.5-72B", "--context", "64K"], "Qwen2.5-72B's 32,768-token context"),
+    (["--json", "--comment"], "not allowed with argument"),
 ])
 def test_bad_input_exits_2_naming_it(capsys, argv: list[str], needle: str) -> None:
     assert main(["plan", *argv]) == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
 
 
 def test_parsers_and_lookup() -> None:
@@ -236,8 +271,8 @@ def test_parsers_and_lookup() -> None:
 
 def test_article_case_holds_at_sglangs_derived_mem_fraction() -> None:
     # SGLang 0.5.23 derives ~0.857 on a B200 at TP 1 (26 GiB reserve of 179 GiB)
-    bf16, fp8 = make_plan(article("bf16", mem_fraction=0.857)).users
-    assert (bf16.resident, fp8.resident, fp8.with_offload) == (6, 12, 15)
+    bf16, fp8 = make_plan(article("bf16", mem_fraction=0.857, read_gbps=28.0)).users
+    assert (bf16.resident, fp8.resident, fp8.with_offload) == (6, 12, 46)
 
 
 def test_multimodal_text_config_and_counts() -> None:
@@ -251,24 +286,18 @@ def test_multimodal_text_config_and_counts() -> None:
 
 
 def test_tier_capacity_line_and_tier_needed_count_the_same_users(capsys) -> None:
-    # 100 GiB holds 5 FP8 users, fewer than the 12 in HBM: the column, the note and the tier
-    # needed all say 12 (the old output said "with offload 12; tier holds 5" then "for 15 users")
-    argv = ["plan", "--tp", "2", "--gpus", "2", "--weight-dtype", "fp8", "--kv-dtype", "fp8"]
+    # 100 GiB holds 5 FP8 users, fewer than the 12 in HBM: the L3 adds none; the L2 carries 24,
+    # and the tier needed is sized for those 24
+    argv = ["plan", "--tp", "2", "--gpus", "2", "--weight-dtype", "fp8", "--kv-dtype", "fp8",
+            "--drives", "4"]
     assert main([*argv, "--tier-capacity", "100GiB"]) == 0
     out = capsys.readouterr().out
-    assert "the tier holds 5 users, fewer than the 12 in HBM: offload adds none (uncapped: 15)" \
-        in out
-    assert "for 12 users" in out
+    assert "the tier holds 5 users, fewer than the 12 in HBM: the L3 adds none" in out
+    assert "for 24 users" in out
     assert "; more than --tier-capacity 100.00 GiB, which holds 5" in out
-    # as many users as HBM holds: not "fewer than" (Llama-3.1-8B on an H200: 6 and 6)
-    assert main(["plan", "--gpu", "H200", "--model", "Llama-3.1-8B", "--tier-capacity", "100GiB"]) == 0
-    out = capsys.readouterr().out
-    assert "the tier holds 6 users, no more than the 6 in HBM: offload adds none" in out
-    assert main([*argv, "--tier-capacity", "260GiB"]) == 0
-    out = capsys.readouterr().out
-    assert "caps those served with offload at 13 (uncapped: 15)" in out and "for 13 users" in out
     assert main([*argv, "--tier-capacity", "10TiB"]) == 0
-    assert "the tier holds 512 users: not a limit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the tier holds 512 users)" in out and "for 46 users" in out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -277,7 +306,7 @@ def test_tier_capacity_line_and_tier_needed_count_the_same_users(capsys) -> None
     (["--prefix-tokens", "999999999999"], "--prefix-tokens '999999999999': more than"),
     (["--context", "8K", "--prefix-tokens", "16K"], "--prefix-tokens 16384: longer than a user's"),
     (["--tp", "0"], "argument --tp: '0': must be at least 1"),
-    (["--users", "-3"], "argument --users: '-3': cannot be negative"),
+    (["--users", "-3"], "argument --users: '-3': must be at least 1"),
 ])
 def test_values_that_made_nonsense_figures_are_refused(capsys, argv: list[str],
                                                        needle: str) -> None:
@@ -287,17 +316,18 @@ def test_values_that_made_nonsense_figures_are_refused(capsys, argv: list[str],
 
 
 def test_a_slow_prefill_rate_is_not_printed_as_zero(capsys) -> None:
-    assert main(["plan", "--context", "16M", "--prefill-tps", "0.25"]) == 0
+    assert main(["plan", "--tp", "2", "--weight-dtype", "fp8", "--prefill-tps", "0.25"]) == 0
     assert "prefill rate     0.25 tokens/s per GPU" in capsys.readouterr().out
 
 
 def test_several_drives_add_their_bandwidth(capsys, tmp_path) -> None:
-    assert main(["plan", "--drives", "4"]) == 0
+    assert main(["plan", "--tp", "2", "--weight-dtype", "fp8", "--drives", "4"]) == 0
     out = capsys.readouterr().out
     assert "load 1.53 s at 28 GB/s (4 drives combined)" in out
     assert "at 28 GB/s aggregate per replica (4 drives x 7 GB/s)" in out
     cfg = tmp_path / "deploy.yaml"
-    cfg.write_text("offload:\n  store:\n    paths: [/data1/kv, /data4/kv, /mnt/kv4/kv]\n")
+    cfg.write_text("sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n"
+                   "offload:\n  store:\n    paths: [/data1/kv, /data4/kv, /mnt/kv4/kv]\n")
     hosts = Path(__file__).resolve().parent / "fixtures" / "hosts"
     assert main(["plan", "--config", str(cfg), "--root", str(hosts / "dgx-8nvme"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -305,5 +335,8 @@ def test_several_drives_add_their_bandwidth(capsys, tmp_path) -> None:
     assert data["inputs"]["read_gbps"] == pytest.approx(2 * 7.88)
     assert data["inputs"]["read_drives"] == 2
     assert "2 drives (nvme1n1, nvme4n1), ~15.8 GB/s combined" in data["inputs"]["read_source"]
-    assert main(["plan", "--config", str(cfg), "--drives", "2"]) == 2
-    assert "not both" in capsys.readouterr().err
+    # an option given wins over the file (and detection)
+    assert main(["plan", "--config", str(cfg), "--root", str(hosts / "dgx-8nvme"), "--drives", "2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inputs"]["read_gbps"] == 14.0 and data["inputs"]["read_drives"] == 2

@@ -1,9 +1,16 @@
 """`sglang-offload plan`: KV-cache sizing (the model is `offload.plan.model`).
 
-The tier's read bandwidth is `--drives` x `--read-gbps` (one Gen4 NVMe by default), or with
-`--config` the combined bandwidth of the distinct drives under `offload.store.paths` (or `path`),
-detected under `--root` (`offload.hw.drive_set.read_bandwidth`: the sum of their PCIe links;
-directories sharing a device count once). Detection here runs no live probe (no NVML, no tools).
+With `--config FILE` the deployment file gives every input it sets (`offload.plan.deployment`:
+the model, tp-size, dp-size, context-length, kv-cache-dtype, mem-fraction-static, page-size,
+hicache-size / hicache-ratio, store.capacity) and the GPU comes from detection under `--root`;
+an option given on the command line wins over the file. The tier's read bandwidth is `--drives` x
+`--read-gbps` (one Gen4 NVMe by default), or with `--config` and neither given, the combined
+bandwidth of the distinct drives under `offload.store.paths` (or `path`), detected under `--root`
+(`offload.hw.drive_set.read_bandwidth`: the sum of their PCIe links; directories sharing a device
+count once). Detection here runs no live probe (no NVML, no tools).
+A deployment that cannot run (the weights or one context do not fit, the L2 pools past
+`--host-mem`) is an `error:` line per reason and exit 1, after the table or the JSON (whose
+`runnable` is false and `problems` says why).
 """
 
 from __future__ import annotations
@@ -11,54 +18,96 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from typing import Any
 
-from offload.commands.argtypes import arg, count, natural, positive
+from offload.commands.argtypes import arg, count, positive
 from offload.config import Size
-from offload.errors import ConfigError
+from offload.errors import ConfigError, RunError
+from offload.plan.deployment import Deployment, from_config
 from offload.plan.model import (
-    DEFAULT_ACTIVE_FRACTION,
+    DEFAULT_L2_GBPS,
     DEFAULT_MEM_FRACTION,
     DEFAULT_MFU,
     DEFAULT_READ_GBPS,
-    KV_DTYPES,
-    WEIGHT_DTYPES,
+    DEFAULT_THINK_S,
+    DEFAULT_TTFT_S,
+    DEFAULT_TURN_S,
     PlanInputs,
-    format_table,
     make_plan,
+)
+from offload.plan.parse import (
+    KV_DTYPES,
+    MAX_TOKENS,
+    WEIGHT_DTYPES,
     parse_count,
     parse_dtype,
     parse_tokens,
 )
-from offload.plan.presets import GPUS, MODELS, find_gpu, load_architecture
+from offload.plan.presets import (
+    GPUS,
+    MODELS,
+    GpuPreset,
+    find_gpu,
+    gpu_from_device_name,
+    load_architecture,
+)
+from offload.plan.table import format_comment, format_table
+
+DEFAULT_MODEL, DEFAULT_GPU, DEFAULT_CONTEXT = "Llama-3.1-70B", "B200", "128K"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = ("KV-cache sizing: bytes per token and per user, users that fit in HBM after "
-                     "the weights, users served with an offload tier, and whether loading a cached "
-                     "prefix beats recomputing it.")
-    p.add_argument("--model", default="Llama-3.1-70B",
-                   help=f"preset ({', '.join(MODELS)}) or path of a HuggingFace config.json "
-                   "(default: %(default)s)")
+    p.description = ("KV-cache sizing: bytes per token and per user, contexts that fit in HBM "
+                     "after the weights, the L2 host pool, conversations carried within a TTFT "
+                     "target with the L2 and the L3 behind HBM, and whether loading a cached "
+                     "prefix beats recomputing it. Exits 1 when the deployment cannot run.")
+    p.add_argument("--config", metavar="FILE",
+                   help="deployment YAML: the model, tp-size, dp-size, context-length, "
+                   "kv-cache-dtype, mem-fraction-static, page-size, hicache-size/-ratio, "
+                   "store.capacity and the drives' combined bandwidth come from it (an option "
+                   "given here wins)")
+    p.add_argument("--root", default="/", metavar="DIR",
+                   help="with --config: detect the GPUs and drives under DIR (a fixture tree); "
+                   "default /")
+    p.add_argument("--model", help=f"preset ({', '.join(MODELS)}), its HuggingFace id "
+                   "(meta-llama/Llama-3.1-70B-Instruct) or path of a config.json (default: "
+                   f"sglang.model-path, else {DEFAULT_MODEL})")
     p.add_argument("--params", help="parameter count (70.6B, 70553706496); default: the preset's, "
                    "or estimated from config.json")
-    p.add_argument("--gpu", default="B200", help=f"GPU preset ({', '.join(GPUS)}; default B200)")
+    p.add_argument("--gpu", help=f"GPU preset ({', '.join(GPUS)}); default: with --config the "
+                   f"GPUs detected, else {DEFAULT_GPU}")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per GPU, overriding the preset (96GiB, 80GB)")
-    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
-                   help="share of GPU memory for weights + KV (SGLang --mem-fraction-static; "
-                   "default %(default)s)")
-    p.add_argument("--kv-dtype", default="bf16", help="bf16, fp16 or fp8 (default %(default)s)")
-    p.add_argument("--weight-dtype", default="bf16",
-                   help="bf16, fp16, fp8, int8 or int4 (default %(default)s)")
-    p.add_argument("--context", default="128K", metavar="TOKENS",
-                   help="tokens per user: 131072 or 128K (x1024) (default %(default)s)")
-    p.add_argument("--tp", type=arg(count), default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--gpus", type=arg(count), help="number of GPUs (default: --tp, one replica)")
-    p.add_argument("--active-fraction", type=float, default=DEFAULT_ACTIVE_FRACTION,
-                   help="share of users whose KV must be resident at once (default %(default)s)")
-    p.add_argument("--tier-capacity", metavar="SIZE", help="NVMe / Redis capacity for the whole deployment "
-                   "(e.g. 3.84TB); caps the users served with offload")
-    p.add_argument("--users", type=arg(natural), help="target users for sizing the tier "
-                   "(default: the users served with offload)")
+    p.add_argument("--mem-fraction", type=float, help="share of GPU memory for weights + KV "
+                   f"(SGLang --mem-fraction-static; default {DEFAULT_MEM_FRACTION})")
+    p.add_argument("--kv-dtype", help="bf16, fp16 or fp8 (default bf16)")
+    p.add_argument("--weight-dtype", help="bf16, fp16, fp8, int8 or int4 (default bf16)")
+    p.add_argument("--context", metavar="TOKENS", help="tokens per user: 131072 or 128K (x1024) "
+                   f"(default {DEFAULT_CONTEXT} or the model's window when shorter)")
+    p.add_argument("--tp", type=arg(count), help="tensor-parallel size (default 1)")
+    p.add_argument("--gpus", type=arg(count), help="number of GPUs (default: --tp x dp-size)")
+    p.add_argument("--page-size", type=arg(count), metavar="TOKENS",
+                   help="tokens per page = per stored block: shows the block's bytes")
+    p.add_argument("--hicache-size", type=arg(positive), metavar="GB",
+                   help="L2 host KV pool per GPU in GB (SGLang --hicache-size)")
+    p.add_argument("--hicache-ratio", type=arg(positive),
+                   help="L2 host KV pool / HBM KV pool (SGLang --hicache-ratio; its default 2)")
+    p.add_argument("--host-mem", metavar="SIZE",
+                   help="host memory the L2 pools of all GPUs share: refuses pools past it")
+    p.add_argument("--l2-gbps", type=arg(positive), default=DEFAULT_L2_GBPS,
+                   help="host -> GPU bandwidth per GPU, GB/s (default %(default)g: PCIe Gen5 x16)")
+    p.add_argument("--think-s", type=float, default=DEFAULT_THINK_S,
+                   help="seconds a user thinks between turns, KV parked (default %(default)g)")
+    p.add_argument("--turn-s", type=arg(positive), default=DEFAULT_TURN_S,
+                   help="seconds a turn keeps its KV in HBM: prefill and reply (default "
+                   "%(default)g)")
+    p.add_argument("--ttft", type=arg(positive), default=DEFAULT_TTFT_S, metavar="S",
+                   help="time to first token a returning user accepts: the reload plus its wait "
+                   "for the tier (default %(default)g s)")
+    p.add_argument("--tier-capacity", metavar="SIZE", help="NVMe / Redis capacity for the whole "
+                   "deployment (e.g. 3.84TB; default: store.capacity with --config); caps the "
+                   "conversations carried")
+    p.add_argument("--users", type=arg(count), help="target users for sizing the tier "
+                   "(default: the conversations carried)")
     p.add_argument("--hit-rate", type=float, default=1.0,
                    help="share of returning users whose KV must be kept (default 1.0)")
     p.add_argument("--prefix-tokens", metavar="TOKENS", help="cached prefix length for load vs prefill "
@@ -68,45 +117,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Gen4 NVMe); the tier reads --drives times that per replica")
     p.add_argument("--drives", type=arg(count), default=None,
                    help="distinct drives the tier reads from (default 1); their bandwidth adds up")
-    p.add_argument("--config", metavar="FILE",
-                   help="deployment YAML: the tier's bandwidth is the combined bandwidth of the "
-                   "drives under offload.store.paths (or path), detected (instead of --read-gbps "
-                   "and --drives)")
-    p.add_argument("--root", default="/", metavar="DIR",
-                   help="with --config: detect the drives under DIR (a fixture tree); default /")
     p.add_argument("--prefill-tps", type=arg(positive), help="prefill tokens/s per GPU (default: derived "
                    f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU * 100:.0f}%% utilisation)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--comment", action="store_true",
+                     help="print the figures as a deployment file's sizing comment block")
 
 
-def read_bandwidth(args: argparse.Namespace) -> tuple[float, int, str]:
-    """(the tier's read GB/s per replica, distinct drives, how it was found): --config's drives,
-    detected, or --drives x --read-gbps."""
-    if args.config is None:
-        per, n = args.read_gbps or DEFAULT_READ_GBPS, args.drives or 1
-        return per * n, n, (f"{n} drives x {per:g} GB/s" if n > 1 else "")
-    if args.read_gbps is not None or args.drives is not None:
-        raise ConfigError(["--config takes the bandwidth from the configured drives; give it "
-                           "or --read-gbps/--drives, not both"])
+def _detected(args: argparse.Namespace) -> tuple[float | None, int, str, GpuPreset | None, int]:
+    """With --config: (the drives' GB/s or None, drives, how, the GPU preset or None, GPUs),
+    detected under --root."""
     from offload.config import load_file
     from offload.hw.detect import detect
     from offload.hw.drive_set import read_bandwidth as combined
     from offload.hw.live import Live
 
-    cfg = load_file(args.config).offload
-    facts = detect(cfg, root=args.root, live=Live(), env={})
+    facts = detect(load_file(args.config).offload, root=args.root, live=Live(), env={})
     bw = combined(facts, list(facts.directories))
-    if bw.gbps is None:
-        return DEFAULT_READ_GBPS, 1, (f"{DEFAULT_READ_GBPS:g} GB/s assumed: offload.store is "
-                                      f"{bw.text}")
-    return bw.gbps, bw.drives, f"offload.store: {bw.text}"
+    gpu = next((p for g in facts.gpus if (p := gpu_from_device_name(g.name)) is not None), None)
+    how = f"offload.store: {bw.text}" if bw.gbps is not None else (
+        f"{DEFAULT_READ_GBPS:g} GB/s assumed: offload.store is {bw.text}")
+    return bw.gbps, bw.drives, how, gpu, len(facts.gpus)
+
+
+def _gpu(args: argparse.Namespace, detected: GpuPreset | None) -> GpuPreset:
+    if args.gpu is not None:
+        gpu = find_gpu(args.gpu)
+        if gpu is None:
+            raise ConfigError([f"unknown GPU preset '{args.gpu}'; presets: {', '.join(GPUS)} "
+                               "(--gpu-mem overrides a preset's memory)"])
+        return gpu
+    if args.config is None:
+        return GPUS["B200-192G"]
+    if detected is None:
+        raise ConfigError([f"--gpu: no GPU with a preset found under {args.root}; name the "
+                           f"deployment's GPU ({', '.join(GPUS)})"])
+    return detected
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    gpu = find_gpu(args.gpu)
-    if gpu is None:
-        raise ConfigError([f"unknown GPU preset '{args.gpu}'; presets: {', '.join(GPUS)} "
-                           "(--gpu-mem overrides a preset's memory)"])
+    dep = Deployment()
+    bw, drives, how, found = None, 1, "", None
+    if args.config is not None:
+        from offload.config import load_file
+
+        dep = from_config(load_file(args.config))
+        if args.read_gbps is None and args.drives is None or args.gpu is None:
+            bw, drives, how, found, _ = _detected(args)
+    if args.read_gbps is not None or args.drives is not None or bw is None:
+        per, drives = args.read_gbps or DEFAULT_READ_GBPS, args.drives or 1
+        bw = per * drives
+        how = (f"{drives} drives x {per:g} GB/s" if drives > 1 else how
+               if args.config is not None and args.read_gbps is None else "")
+    gpu = _gpu(args, found)
 
     def size(flag: str, text: str | None) -> int | None:
         try:
@@ -114,22 +178,50 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         except ValueError as e:
             raise ConfigError([f"{flag} '{text}': {e}"]) from e
 
+    def pick(flag_value: Any, file_value: Any, default: Any) -> Any:
+        return flag_value if flag_value is not None else (
+            file_value if file_value is not None else default)
+
     params = None if args.params is None else parse_count(args.params, "--params")
-    arch, source = load_architecture(args.model, params)
-    read, drives, how = read_bandwidth(args)
+    model = pick(args.model, dep.model, DEFAULT_MODEL)
+    where = "--model" if args.model is not None or dep.model is None else "sglang.model-path"
+    try:
+        arch, source = load_architecture(model, params)
+    except ConfigError as e:
+        raise ConfigError([e.problems[0].replace("--model", where, 1)] + e.problems[1:]) from None
+    tp = pick(args.tp, dep.tp, 1)
+    if args.context is not None:
+        context = parse_tokens(args.context, "--context")
+    elif dep.context is not None:
+        context = dep.context
+        if arch.max_context and context > arch.max_context:
+            raise ConfigError([f"sglang.context-length: {context} is past {arch.name}'s "
+                               f"{arch.max_context:,}-token context window "
+                               "(max_position_embeddings); SGLang refuses it"])
+    else:                                         # 128K, or the model's window when shorter
+        context = min(parse_tokens(DEFAULT_CONTEXT), arch.max_context or MAX_TOKENS)
+    l2_size = None if args.hicache_size is None else int(args.hicache_size * 1e9)
+    l2_ratio = args.hicache_ratio
+    if l2_size is None and l2_ratio is None:      # the file's pair, as SGLang reads it
+        l2_size, l2_ratio = dep.l2_size, dep.l2_ratio
     return PlanInputs(
-        arch=arch, gpu=gpu, context=parse_tokens(args.context, "--context"),
-        kv_dtype=parse_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype"),
-        weight_dtype=parse_dtype(args.weight_dtype, WEIGHT_DTYPES, "--weight-dtype"),
-        tp=args.tp, gpus=args.gpus if args.gpus is not None else args.tp,
-        gpu_mem=size("--gpu-mem", args.gpu_mem), mem_fraction=args.mem_fraction,
-        active_fraction=args.active_fraction, tier_capacity=size("--tier-capacity",
-                                                                 args.tier_capacity),
+        arch=arch, gpu=gpu, context=context,
+        kv_dtype=(parse_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype") if args.kv_dtype
+                  else dep.kv_dtype or "bf16"),
+        weight_dtype=(parse_dtype(args.weight_dtype, WEIGHT_DTYPES, "--weight-dtype")
+                      if args.weight_dtype else dep.weight_dtype or "bf16"),
+        tp=tp, gpus=pick(args.gpus, None, tp * (dep.dp or 1)),
+        gpu_mem=size("--gpu-mem", args.gpu_mem),
+        mem_fraction=pick(args.mem_fraction, dep.mem_fraction, DEFAULT_MEM_FRACTION),
+        tier_capacity=pick(size("--tier-capacity", args.tier_capacity), dep.tier_capacity, None),
         target_users=args.users, hit_rate=args.hit_rate,
         prefix_tokens=(None if args.prefix_tokens is None
                        else parse_tokens(args.prefix_tokens, "--prefix-tokens")),
-        read_gbps=read, prefill_tps=args.prefill_tps, model_source=source, read_drives=drives,
-        read_source=how)
+        read_gbps=bw, prefill_tps=args.prefill_tps, model_source=source, read_drives=drives,
+        read_source=how, page_size=pick(args.page_size, dep.page_size, None),
+        l2_size=l2_size, l2_ratio=l2_ratio, l2_gbps=args.l2_gbps, think_s=args.think_s,
+        turn_s=args.turn_s, ttft_s=args.ttft, host_mem=size("--host-mem", args.host_mem),
+        tier_name=dep.tier_name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(inp)
     if args.json:
         print(json.dumps(asdict(plan), indent=2))
+    elif args.comment:
+        print(format_comment(plan))
     else:
         print(format_table(plan, inp.arch))
+    if plan.problems:
+        raise RunError("\n".join(f"{inp.arch.name} on {inp.gpus} x {inp.gpu.name} (TP {inp.tp}) "
+                                 f"cannot run: {p}" for p in plan.problems))
     return 0

@@ -5,33 +5,36 @@ preset or a HuggingFace config.json):
 - `kv_bytes_per_token(arch, kv_bytes, tp)`: 2 x layers x KV heads x head dim x bytes, per rank
   (KV heads split across TP ranks, replicated when tp > KV heads); MLA: (kv_lora_rank +
   qk_rope_head_dim) x layers x bytes, one copy, replicated on every rank.
-- `make_plan(inputs) -> Plan`: per-user KV, users that fit in HBM after weights, users served with
-  an offload tier (resident slots / active fraction, capped by the tier), tier capacity needed,
-  prefix load time vs prefill time.
+- `make_plan(inputs) -> Plan`: per-user KV, contexts that fit in HBM after the weights, the L2
+  host pool (hicache-size / hicache-ratio) and what an L3 hit needs of it, conversations carried
+  within a TTFT target with the L2 and the L3 behind HBM (`offload.plan.reload`), tier capacity
+  needed, prefix load time vs prefill time, and `problems`: why the deployment cannot run (the
+  weights or one context do not fit: the least TP that fits), empty when it can.
 - `prefix_times` / `worth_loading`: the load-or-recompute rule, reusable by the backend.
+`offload.plan.table` prints a Plan; `offload.plan.deployment` reads one from a deployment file.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from offload.errors import ConfigError
-from offload.plan.dtypes import DTYPE_BYTES, canonical
+from offload.plan.dtypes import DTYPE_BYTES
 from offload.plan.presets import Architecture, GpuPreset
+from offload.plan.reload import Carried, TierSpec, carried
 
 GiB = 1 << 30
-KV_DTYPES = ("bf16", "fp16", "fp8")
-WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 DEFAULT_MFU = 0.4               # share of dense BF16 peak a long prefill sustains (assumed)
 DEFAULT_READ_GBPS = 7.0         # one PCIe Gen4 NVMe drive, sequential read
-DEFAULT_ACTIVE_FRACTION = 0.8   # share of users whose KV must be in HBM at the same time
 DEFAULT_MEM_FRACTION = 0.9      # SGLang --mem-fraction-static: (weights + KV pool) / HBM
-MAX_TOKENS = 1 << 24            # 16M tokens: above any model's context window
-
-
+DEFAULT_L2_GBPS = 50.0          # host -> GPU, pinned memory over one PCIe Gen5 x16 link (assumed)
+DEFAULT_L2_RATIO = 2.0          # SGLang's --hicache-ratio when neither it nor hicache-size is set
+DEFAULT_THINK_S = 60.0          # a user reads and types between turns (assumed)
+DEFAULT_TURN_S = 20.0           # a turn's KV in HBM: its prefill and reply (~1000 tokens, assumed)
+DEFAULT_TTFT_S = 2.0            # time to first token a returning user accepts (assumed)
+HICACHE_GB = 1e9                # SGLang's --hicache-size unit (GB per GPU)
 def kv_heads_per_rank(arch: Architecture, tp: int) -> int:
     """KV heads each TP rank holds: split when tp <= KV heads, one replicated head otherwise."""
     if arch.mla:
@@ -74,38 +77,6 @@ def worth_loading(prefix_tokens: int, bytes_per_token: float, read_gbps: float,
     return load_s < prefill_s
 
 
-def parse_tokens(text: str, what: str = "token count") -> int:
-    """`131072`, `128K` / `128k` (x1024), `1M` (x2**20). `what` names the option in errors."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
-    if not m:
-        raise ConfigError([f"{what} '{text}': expected a token count: an integer or e.g. 128K, "
-                           "1M"])
-    n = float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
-    if n < 1 or n != int(n):
-        raise ConfigError([f"{what} '{text}': must be a whole number of at least 1"])
-    if n > MAX_TOKENS:
-        raise ConfigError([f"{what} '{text}': more than {MAX_TOKENS:,} (16M) tokens, longer "
-                           "than any model's context window"])
-    return int(n)
-
-
-def parse_count(text: str, what: str) -> int:
-    """`70553706496`, `70.6B`, `8e9`."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBtT]?)\s*", str(text))
-    if not m:
-        raise ConfigError([f"{what} '{text}': expected a count such as 70.6B or 70553706496"])
-    mult = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
-    n = int(float(m.group(1)) * mult)
-    if n < 1:
-        raise ConfigError([f"{what} '{text}': must be at least 1"])
-    return n
-
-
-def parse_dtype(text: str, allowed: tuple[str, ...], flag: str) -> str:
-    d = canonical(text)
-    if d not in allowed:
-        raise ConfigError([f"{flag} '{text}': one of {', '.join(allowed)}"])
-    return d
 
 
 @dataclass(frozen=True)
@@ -119,9 +90,8 @@ class PlanInputs:
     gpus: int = 1
     gpu_mem: int | None = None           # bytes; None = the GPU preset's memory
     mem_fraction: float = DEFAULT_MEM_FRACTION
-    active_fraction: float = DEFAULT_ACTIVE_FRACTION
     tier_capacity: int | None = None     # bytes of NVMe / Redis for the whole deployment
-    target_users: int | None = None      # for tier sizing; None = the users served with offload
+    target_users: int | None = None      # for tier sizing; None = the conversations carried
     hit_rate: float = 1.0
     prefix_tokens: int | None = None     # None = context
     read_gbps: float = DEFAULT_READ_GBPS  # the tier's read bandwidth per replica (all drives)
@@ -129,6 +99,15 @@ class PlanInputs:
     model_source: str = ""
     read_drives: int = 1                 # distinct drives behind read_gbps
     read_source: str = ""                # how read_gbps was found ("4 drives x 7 GB/s")
+    page_size: int | None = None         # tokens per page = per stored block; None: not shown
+    l2_size: int | None = None           # bytes of host KV pool per GPU (hicache-size)
+    l2_ratio: float | None = None        # host pool / HBM KV pool (hicache-ratio)
+    l2_gbps: float = DEFAULT_L2_GBPS     # host -> GPU per GPU
+    think_s: float = DEFAULT_THINK_S
+    turn_s: float = DEFAULT_TURN_S
+    ttft_s: float = DEFAULT_TTFT_S
+    host_mem: int | None = None          # bytes of host memory the L2 pools of all GPUs share
+    tier_name: str = "L3"                # "L3 NVMe", "L3 DPU agent", "L3 Redis"
 
 
 @dataclass(frozen=True)
@@ -136,10 +115,11 @@ class Users:
     kv_dtype: str
     kv_bytes_per_user: int               # whole model, all ranks (no replication)
     kv_bytes_per_user_per_rank: int
-    resident_per_replica: int            # users whose 128K KV fits in HBM at once
+    resident_per_replica: int            # full contexts that fit in HBM at once
     resident: int                        # all replicas
-    with_offload: int                    # resident / active fraction, capped by the tier
-    with_offload_uncapped: int
+    l2_contexts_per_replica: int         # full contexts the L2 pool holds beyond HBM's copies
+    conversations: list[Carried]         # per replica: with the L2, with the L3 behind it
+    with_offload: int                    # conversations carried within the TTFT, all replicas
     tier_bytes_per_user: int             # one copy per rank (MLA: one copy)
 
 
@@ -154,6 +134,12 @@ class Plan:
     static_bytes_per_gpu: int            # gpu_mem x mem_fraction
     weight_bytes_per_gpu: int
     kv_budget_per_gpu: int               # static - weights (negative: the weights do not fit)
+    block_bytes_per_gpu: int | None      # one page (K and V, every layer) on one GPU
+    l2_bytes_per_gpu: int                # the host KV pool of one GPU
+    l2_source: str
+    l2_for_l3_hit_bytes_per_gpu: int     # the least host pool that takes one whole L3 hit
+    l2_to_carry_bytes_per_gpu: int       # the host pool that keeps every carried context
+    pinned_host_bytes: int               # L2 pools of all GPUs
     users: list[Users]                   # the chosen KV dtype first, then FP8 for comparison
     target_users: int
     tier_bytes_needed: int
@@ -165,33 +151,89 @@ class Plan:
     prefix_load_s: float
     prefix_prefill_s: float
     worth_loading: bool
+    min_tp: int | None                   # the least TP that holds the weights and one context
+    problems: list[str]                  # why the deployment cannot run; empty: it can
+    warnings: list[str]                  # it runs, but loses something
     assumptions: list[str]
+    runnable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runnable", not self.problems)
 
 
 def _check(inp: PlanInputs) -> None:
     problems = []
     if inp.tp < 1 or inp.gpus < 1 or inp.gpus % inp.tp:
         problems.append(f"--gpus {inp.gpus} must be a positive multiple of --tp {inp.tp}")
-    for flag, v in (("--mem-fraction", inp.mem_fraction),
-                    ("--active-fraction", inp.active_fraction), ("--hit-rate", inp.hit_rate)):
+    for flag, v in (("--mem-fraction", inp.mem_fraction), ("--hit-rate", inp.hit_rate)):
         if not 0 < v <= 1:
             problems.append(f"{flag} {v}: must be in (0, 1]")
-    if inp.read_gbps <= 0 or (inp.prefill_tps is not None and inp.prefill_tps <= 0):
-        problems.append("--read-gbps and --prefill-tps must be positive")
-    if inp.target_users is not None and inp.target_users < 0:
-        problems.append(f"--users {inp.target_users}: cannot be negative")
+    rates: tuple[tuple[str, float | None], ...] = (
+        ("--read-gbps", inp.read_gbps), ("--l2-gbps", inp.l2_gbps), ("--turn-s", inp.turn_s),
+        ("--ttft", inp.ttft_s), ("--prefill-tps", inp.prefill_tps),
+        ("--hicache-ratio", inp.l2_ratio))
+    for flag, rate in rates:
+        if rate is not None and not rate > 0:
+            problems.append(f"{flag} {rate}: must be more than 0")
+    if not 0 <= inp.think_s < math.inf:
+        problems.append(f"--think-s {inp.think_s}: must be a finite number of seconds, 0 or "
+                        "more (0: users return at once)")
+    if inp.target_users is not None and inp.target_users < 1:
+        problems.append(f"--users {inp.target_users}: must be at least 1 (the users the tier is "
+                        "sized for)")
+    if inp.arch.max_context and inp.context > inp.arch.max_context:
+        problems.append(f"--context {inp.context}: past {inp.arch.name}'s {inp.arch.max_context:,}"
+                        "-token context window (max_position_embeddings); SGLang refuses it")
     if inp.prefix_tokens is not None and inp.prefix_tokens > inp.context:
         problems.append(f"--prefix-tokens {inp.prefix_tokens}: longer than a user's context "
                         f"(--context {inp.context}); a cached prefix is part of that context")
-    for flag, size in (("--gpu-mem", inp.gpu_mem), ("--tier-capacity", inp.tier_capacity)):
+    for flag, size in (("--gpu-mem", inp.gpu_mem), ("--tier-capacity", inp.tier_capacity),
+                       ("--hicache-size", inp.l2_size), ("--host-mem", inp.host_mem)):
         if size is not None and size <= 0:
             problems.append(f"{flag} {size}: must be more than 0 bytes")
+    if inp.page_size is not None and inp.page_size < 1:
+        problems.append(f"--page-size {inp.page_size}: must be at least 1 token")
     if problems:
         raise ConfigError(problems)
 
 
 def _floor(x: float) -> int:
     return math.floor(x + 1e-9)          # 12 / 0.8 is 15, not 14.999999999999998
+
+
+def _fits(inp: PlanInputs, static: int, tp: int) -> bool:
+    """The weights and one full context fit on each GPU of a TP-`tp` replica."""
+    try:
+        per_rank = kv_bytes_per_token(inp.arch, DTYPE_BYTES[inp.kv_dtype], tp) * inp.context
+    except ConfigError:
+        return False
+    return static - inp.arch.params * DTYPE_BYTES[inp.weight_dtype] / tp >= per_rank
+
+
+def min_tp(inp: PlanInputs, static: int) -> int | None:
+    """The least TP (dividing the heads as SGLang needs) whose GPUs hold the weights and one full
+    context, or None up to the attention heads."""
+    return next((tp for tp in range(1, inp.arch.attention_heads + 1)
+                 if inp.arch.attention_heads % tp == 0 and _fits(inp, static, tp)), None)
+
+
+def _tiers(inp: PlanInputs, budget: int, slots: int, per_rank: int, tier_user: int,
+           l2_bytes: int) -> tuple[int, list[Carried]]:
+    """(contexts the L2 holds beyond HBM's copies, [carried with the L2, with the L3 behind])."""
+    replicas = inp.gpus // inp.tp
+    # Write-through keeps a host copy of what HBM holds: the L2's own room is what is left.
+    l2_free = _floor(max(0, l2_bytes - max(budget, 0)) / per_rank)
+    l2_reload = per_rank / (inp.l2_gbps * 1e9)
+    l2 = carried(slots, TierSpec("L2", l2_reload, slots + l2_free),
+                 inp.think_s, inp.turn_s, inp.ttft_s)
+    room = None if inp.tier_capacity is None else inp.tier_capacity // tier_user // replicas
+    l3_reload = tier_user / (inp.read_gbps * 1e9) + l2_reload   # to host memory, then to HBM
+    spec = TierSpec(inp.tier_name, l3_reload, room)
+    l3 = carried(slots, spec, inp.think_s, inp.turn_s, inp.ttft_s)
+    if l2_free < 1 and l3.carried > slots:       # an L3 hit is trimmed to the L2 room
+        l3 = Carried(spec.name, l3_reload, l3.ttft_s, l3.by_slots, l3.by_bandwidth, room, slots,
+                     "the L2 pool has no room for one context: an L3 hit is trimmed to it")
+    return l2_free, [l2, l3]
 
 
 def make_plan(inp: PlanInputs) -> Plan:
@@ -203,20 +245,25 @@ def make_plan(inp: PlanInputs) -> Plan:
     static = int(gpu_mem * inp.mem_fraction)
     weights = int(arch.params * DTYPE_BYTES[inp.weight_dtype] / tp)
     budget = static - weights
-    cap_bytes = inp.tier_capacity
+    if inp.l2_size is not None:
+        l2_bytes, l2_source = inp.l2_size, f"hicache-size {inp.l2_size / HICACHE_GB:g} GB per GPU"
+    else:
+        ratio = inp.l2_ratio or DEFAULT_L2_RATIO
+        l2_bytes = int(max(budget, 0) * ratio)
+        l2_source = (f"hicache-ratio {ratio:g} x the HBM KV pool" if inp.l2_ratio else
+                     f"SGLang's default hicache-ratio {ratio:g} x the HBM KV pool (less when host "
+                     "memory is short)")
     rows: list[Users] = []
     for dtype in dict.fromkeys((inp.kv_dtype, "fp8")):
         per_rank = kv_bytes_per_token(arch, DTYPE_BYTES[dtype], tp) * inp.context
         tier_user = per_rank * (1 if arch.mla else tp)
         resident = _floor(budget / per_rank) if budget > 0 else 0
-        uncapped = _floor(resident / inp.active_fraction) * replicas
-        served = uncapped if cap_bytes is None else min(uncapped, max(resident * replicas,
-                                                                      cap_bytes // tier_user))
+        l2_free, conv = _tiers(inp, budget, resident, per_rank, tier_user, l2_bytes)
+        best = max(c.carried for c in conv)
         rows.append(Users(dtype, kv_bytes_per_token(arch, DTYPE_BYTES[dtype]) * inp.context,
-                          per_rank, resident, resident * replicas, served, uncapped, tier_user))
+                          per_rank, resident, resident * replicas, l2_free, conv,
+                          best * replicas, tier_user))
     chosen = rows[0]
-    # The users the tier is sized for: those served with offload (capped by --tier-capacity, as
-    # the table's column shows), unless --users names a target.
     target = chosen.with_offload if inp.target_users is None else inp.target_users
     tier_needed = math.ceil(target * inp.hit_rate) * chosen.tier_bytes_per_user
     prefix = inp.prefix_tokens or inp.context
@@ -230,18 +277,66 @@ def make_plan(inp: PlanInputs) -> Plan:
                       f"per token (2 x {arch.active_params / 1e9:.1f}B active params + attention "
                       f"over {prefix} tokens)")
     load_s, prefill_s = prefix_times(prefix, bpt_rank * tp, inp.read_gbps, tps * tp)
+    ctx = chosen.kv_bytes_per_user_per_rank
+    for_hit = max(budget, 0) + ctx
+    l2 = chosen.conversations[0]        # what the L2 would carry were its room no limit
+    to_carry = max(budget, 0) + ctx * max(0, min(l2.by_slots, l2.by_bandwidth)
+                                          - chosen.resident_per_replica)
+    fit_tp = min_tp(inp, static)
+    problems = _problems(inp, budget, weights, static, chosen, fit_tp, l2_bytes)
     inputs = {k: v for k, v in asdict(inp).items() if k not in ("arch", "gpu")}
     inputs.update(model=arch.name, gpu=inp.gpu.name)
     return Plan(
         inputs=inputs, kv_bytes_per_token=kv_bytes_per_token(arch, DTYPE_BYTES[inp.kv_dtype]),
         kv_bytes_per_token_per_rank=bpt_rank, kv_heads_per_rank=kv_heads_per_rank(arch, tp),
         replicas=replicas, gpu_mem=gpu_mem, static_bytes_per_gpu=static,
-        weight_bytes_per_gpu=weights, kv_budget_per_gpu=budget, users=rows, target_users=target,
-        tier_bytes_needed=tier_needed,
-        tier_users_capacity=None if cap_bytes is None else cap_bytes // chosen.tier_bytes_per_user,
+        weight_bytes_per_gpu=weights, kv_budget_per_gpu=budget,
+        block_bytes_per_gpu=None if inp.page_size is None else bpt_rank * inp.page_size,
+        l2_bytes_per_gpu=l2_bytes, l2_source=l2_source, l2_for_l3_hit_bytes_per_gpu=for_hit,
+        l2_to_carry_bytes_per_gpu=to_carry, pinned_host_bytes=l2_bytes * inp.gpus,
+        users=rows, target_users=target, tier_bytes_needed=tier_needed,
+        tier_users_capacity=(None if inp.tier_capacity is None
+                             else inp.tier_capacity // chosen.tier_bytes_per_user),
         prefix_tokens=prefix, prefix_load_bytes=bpt_rank * tp * prefix, prefill_tps_per_gpu=tps,
         prefill_tps_source=tps_source, prefix_load_s=load_s, prefix_prefill_s=prefill_s,
-        worth_loading=load_s < prefill_s, assumptions=_assumptions(inp, arch))
+        worth_loading=load_s < prefill_s, min_tp=fit_tp, problems=problems,
+        warnings=_warnings(inp, chosen, budget, l2_bytes, for_hit),
+        assumptions=_assumptions(inp, arch))
+
+
+def _problems(inp: PlanInputs, budget: int, weights: int, static: int, chosen: Users,
+              fit_tp: int | None, l2_bytes: int) -> list[str]:
+    """Why the deployment cannot run (SGLang would refuse to start or serve no full context)."""
+    out = []
+    fix = (f"the least TP that holds them and one {inp.context}-token context is {fit_tp}"
+           if fit_tp else f"no TP up to {inp.arch.attention_heads} holds them and one "
+           f"{inp.context}-token context")
+    if budget <= 0:
+        out.append(f"the weights do not fit: {weights / GiB:.2f} GiB per GPU at TP {inp.tp}, "
+                   f"more than the {static / GiB:.2f} GiB for weights + KV (mem fraction "
+                   f"{inp.mem_fraction:g}); {fix}")
+    elif chosen.resident_per_replica < 1:
+        out.append(f"not one {inp.context}-token context fits: it takes "
+                   f"{chosen.kv_bytes_per_user_per_rank / GiB:.2f} GiB per GPU "
+                   f"({inp.kv_dtype} KV), {budget / GiB:.2f} GiB is left after the weights; "
+                   f"{fix}, or use a shorter --context or FP8 KV")
+    if inp.host_mem is not None and l2_bytes * inp.gpus > inp.host_mem:
+        out.append(f"the L2 pools do not fit in host memory: {inp.gpus} GPUs x "
+                   f"{l2_bytes / HICACHE_GB:.1f} GB = {l2_bytes * inp.gpus / HICACHE_GB:.1f} GB "
+                   f"pinned, more than the {inp.host_mem / HICACHE_GB:.1f} GB of --host-mem; "
+                   "lower hicache-size (SGLang refuses to start)")
+    return out
+
+
+def _warnings(inp: PlanInputs, chosen: Users, budget: int, l2_bytes: int,
+              for_hit: int) -> list[str]:
+    out = []
+    if budget > 0 and chosen.resident_per_replica and l2_bytes < for_hit:
+        out.append(f"the L2 pool ({l2_bytes / HICACHE_GB:.1f} GB per GPU) has no room beyond "
+                   "its copy of the HBM pool for one whole context: an L3 hit is trimmed to the "
+                   f"room and the rest recomputed; hicache-size {math.ceil(for_hit / HICACHE_GB)}"
+                   " or more takes one")
+    return out
 
 
 def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
@@ -260,100 +355,18 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
         f"({inp.weight_dtype}) / TP {inp.tp}",
         f"a user holds a full {inp.context}-token context; users are counted per replica "
         f"(TP group of {inp.tp} GPU(s)) and summed over {inp.gpus // inp.tp} replica(s)",
-        f"with offload: only {inp.active_fraction:g} of users need their KV in HBM at once; the "
-        "others' KV waits on the tier between turns (users = resident / active fraction, capped "
-        "by the tier capacity)",
-        "tier holds every served user's KV (HiCache write-through); NVMe and Redis need the same "
-        "bytes (Redis per-key overhead not counted)",
+        f"a conversation: a {inp.turn_s:g} s turn with its KV in HBM (--turn-s), then "
+        f"{inp.think_s:g} s of think time with it parked in a tier (--think-s); a returning user "
+        f"must have it back in HBM within {inp.ttft_s:g} s (--ttft; the turn's own prefill comes "
+        "on top); reloads queue for the tier's bandwidth (M/D/1)",
+        f"the L2 (host memory, write-through) keeps a copy of the HBM pool; what is left holds "
+        f"parked contexts, reloaded at {inp.l2_gbps:g} GB/s per GPU (--l2-gbps); an L3 hit is "
+        "read into the L2 first, so it needs one whole context of room there",
+        f"returning users come from the {inp.tier_name} once the L2 is full (they parked "
+        "longest ago: least recently used)",
+        "tier holds every carried user's KV (HiCache write-through); NVMe and Redis need the "
+        "same bytes (Redis per-key overhead not counted)",
         f"prefix load reads every rank's share{mla_read} at {inp.read_gbps:.3g} GB/s aggregate per "
         "replica" + (f" ({inp.read_source})" if inp.read_source else "") + "; "
         f"prefill scales linearly over the {inp.tp} GPU(s) of a replica",
     ]
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.2f} GiB"
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:,.2f} GiB" if abs(n) < (1 << 40) else f"{n / (1 << 40):,.2f} TiB"
-
-
-def _rate(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def _cap_note(plan: Plan) -> str:
-    """What --tier-capacity does to the 'with offload' column, in the column's own numbers."""
-    held, u = plan.tier_users_capacity, plan.users[0]
-    if held is None:
-        return "not capped (no --tier-capacity)"
-    if u.with_offload >= u.with_offload_uncapped:
-        return f"the tier holds {held} users: not a limit"
-    if u.with_offload <= u.resident:
-        than = "fewer than" if held < u.resident else "no more than"
-        return (f"the tier holds {held} users, {than} the {u.resident} in HBM: offload adds "
-                f"none (uncapped: {u.with_offload_uncapped})")
-    return (f"the tier holds {held} users: caps those served with offload at {u.with_offload} "
-            f"(uncapped: {u.with_offload_uncapped})")
-
-
-def _short_note(plan: Plan) -> str:
-    """Said when the tier needed is more than --tier-capacity (HBM users are stored too)."""
-    cap = plan.inputs.get("tier_capacity")
-    if cap is None or plan.tier_bytes_needed <= cap:
-        return ""
-    return f"; more than --tier-capacity {_size(cap)}, which holds {plan.tier_users_capacity}"
-
-
-def format_table(plan: Plan, arch: Architecture) -> str:
-    i = plan.inputs
-    tp, rep = i["tp"], plan.replicas
-    kv_desc = (f"({arch.kv_lora_rank} + {arch.qk_rope_head_dim}) x {arch.layers} layers x "
-               f"{DTYPE_BYTES[i['kv_dtype']]:g} B (MLA latent, one copy, every rank holds it)"
-               if arch.mla else f"2 x {arch.layers} layers x {arch.kv_heads} KV heads x "
-               f"{arch.head_dim} x {DTYPE_BYTES[i['kv_dtype']]:g} B")
-    lines = [
-        f"plan: {arch.name} on {i['gpus']} x {i['gpu']} (TP {tp}, {rep} replica(s)), "
-        f"{i['context']} tokens per user",
-        "",
-        f"  model            {arch.layers} layers, {arch.kv_heads} KV heads x {arch.head_dim} head "
-        f"dim, {arch.params / 1e9:.2f}B params  [{i['model_source']}]",
-        f"  KV per token     {plan.kv_bytes_per_token:,} B = {kv_desc}",
-        f"    per rank       {plan.kv_bytes_per_token_per_rank:,} B"
-        + ("" if arch.mla else f" ({plan.kv_heads_per_rank} KV head(s) per rank)"),
-        f"  GPU memory       {_gib(plan.gpu_mem)} x {i['mem_fraction']:g} = "
-        f"{_gib(plan.static_bytes_per_gpu)} for weights + KV"
-        + (" (--gpu-mem)" if i["gpu_mem"] is not None else ""),
-        f"  weights per GPU  {arch.params / 1e9:.2f}B x {DTYPE_BYTES[i['weight_dtype']]:g} B "
-        f"({i['weight_dtype']}) / TP {tp} = {_gib(plan.weight_bytes_per_gpu)}",
-        f"  KV budget / GPU  {_gib(plan.kv_budget_per_gpu)}"
-        + ("   (the weights do not fit)" if plan.kv_budget_per_gpu <= 0 else ""),
-        "",
-        f"  {'KV dtype':<9}{'KV / user':>12}{'per rank':>12}{'users in HBM':>14}"
-        f"{'with offload':>14}",
-    ]
-    for u in plan.users:
-        lines.append(f"  {u.kv_dtype:<9}{_gib(u.kv_bytes_per_user):>12}"
-                     f"{_gib(u.kv_bytes_per_user_per_rank):>12}{u.resident:>14}"
-                     f"{u.with_offload:>14}")
-    cap = _cap_note(plan)
-    verdict = "worth loading" if plan.worth_loading else "NOT worth loading (recompute instead)"
-    lines += [
-        f"  (with offload: active fraction {i['active_fraction']:g}; {cap})",
-        "",
-        f"  tier needed      {_size(plan.tier_bytes_needed)} of NVMe or Redis for "
-        f"{plan.target_users} users at hit rate {i['hit_rate']:g} "
-        f"({_gib(plan.users[0].tier_bytes_per_user)} per user)" + _short_note(plan),
-        f"  prefix           {plan.prefix_tokens} tokens = {_gib(plan.prefix_load_bytes)}: load "
-        f"{plan.prefix_load_s:.2f} s at {i['read_gbps']:.3g} GB/s"
-        + (f" ({i['read_drives']} drives combined)" if i["read_drives"] > 1 else "")
-        + " vs prefill "
-        f"{plan.prefix_prefill_s:.2f} s -> {verdict}",
-        f"  prefill rate     {_rate(plan.prefill_tps_per_gpu)} tokens/s per GPU: "
-        f"{plan.prefill_tps_source}",
-        "",
-        "assumptions:",
-    ]
-    lines += [f"  - {a}" for a in plan.assumptions]
-    return "\n".join(lines)

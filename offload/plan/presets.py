@@ -38,7 +38,7 @@ class GpuPreset:
 
 
 _LLAMA31 = {"model_type": "llama", "vocab_size": 128256, "tie_word_embeddings": False,
-            "head_dim": 128, "num_key_value_heads": 8}
+            "head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072}
 
 MODELS: dict[str, ModelPreset] = {p.name: p for p in (
     ModelPreset("Llama-3.1-8B", {**_LLAMA31, "num_hidden_layers": 32, "hidden_size": 4096,
@@ -53,13 +53,15 @@ MODELS: dict[str, ModelPreset] = {p.name: p for p in (
     ModelPreset("Qwen2.5-72B", {"model_type": "qwen2", "num_hidden_layers": 80, "hidden_size": 8192,
                                 "num_attention_heads": 64, "num_key_value_heads": 8,
                                 "intermediate_size": 29568, "vocab_size": 152064,
-                                "tie_word_embeddings": False},
+                                "tie_word_embeddings": False,
+                                "max_position_embeddings": 32768},
                 72_706_203_648, "Qwen/Qwen2.5-72B config.json; 72.7B params"),
     ModelPreset("Mixtral-8x7B", {"model_type": "mixtral", "num_hidden_layers": 32,
                                  "hidden_size": 4096, "num_attention_heads": 32,
                                  "num_key_value_heads": 8, "intermediate_size": 14336,
                                  "num_local_experts": 8, "num_experts_per_tok": 2,
-                                 "vocab_size": 32000, "tie_word_embeddings": False},
+                                 "vocab_size": 32000, "tie_word_embeddings": False,
+                                 "max_position_embeddings": 32768},
                 46_702_792_704, "mistralai/Mixtral-8x7B-v0.1 config.json; 46.7B params "
                 "(12.9B active)"),
     ModelPreset("DeepSeek-V3", {"model_type": "deepseek_v3", "num_hidden_layers": 61,
@@ -70,7 +72,8 @@ MODELS: dict[str, ModelPreset] = {p.name: p for p in (
                                 "intermediate_size": 18432, "moe_intermediate_size": 2048,
                                 "n_routed_experts": 256, "n_shared_experts": 1,
                                 "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                                "vocab_size": 129280, "tie_word_embeddings": False},
+                                "vocab_size": 129280, "tie_word_embeddings": False,
+                                "max_position_embeddings": 163840},
                 671_026_419_200, "deepseek-ai/DeepSeek-V3 config.json; 671B params (37B "
                 "active), the 14B multi-token-prediction module not counted"),
 )}
@@ -89,10 +92,28 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.\s]", "", name).lower()
 
 
+# What a HuggingFace repo id adds to a preset's name: `meta-llama/Llama-3.1-70B-Instruct`,
+# `mistralai/Mixtral-8x7B-Instruct-v0.1`, `Qwen/Qwen2.5-72B-Instruct`, `...-FP8`.
+_ID_SUFFIX = re.compile(r"(-(instruct|chat|base|fp8|v\d+(\.\d+)*|\d{4}))+$", re.IGNORECASE)
+
+
 def find_model(name: str) -> ModelPreset | None:
-    """The model preset called `name` (case and punctuation ignored), or None."""
-    want = _norm(name)
-    return next((p for n, p in MODELS.items() if _norm(n) == want), None)
+    """The model preset called `name` (case and punctuation ignored) or named by a HuggingFace
+    repo id (`meta-llama/Llama-3.1-70B-Instruct`: the organisation and the variant suffixes
+    -Instruct, -Chat, -Base, -FP8, -v0.1, -2407 dropped), or None."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    for want in dict.fromkeys((_norm(base), _norm(_ID_SUFFIX.sub("", base)))):
+        found = next((p for n, p in MODELS.items() if _norm(n) == want), None)
+        if found is not None:
+            return found
+    return None
+
+
+def gpu_from_device_name(device_name: str) -> GpuPreset | None:
+    """The preset of a GPU as the driver names it (`NVIDIA H100 80GB HBM3`), or None."""
+    low = device_name.lower()
+    return next((p for key, p in ((k, GPUS[v]) for k, v in _GPU_ALIASES.items()) if key in low),
+                None)
 
 
 def find_gpu(name: str) -> GpuPreset | None:
@@ -118,6 +139,7 @@ class Architecture:
     qk_rope_head_dim: int = 0
     attn_qk_dim: int = 0        # per-head dims for the attention FLOPs (QK^T and AV)
     attn_v_dim: int = 0
+    max_context: int = 0        # tokens the model serves (max_position_embeddings); 0 = unknown
 
     @property
     def mla(self) -> bool:
@@ -206,15 +228,34 @@ def architecture_from_config(cfg: Mapping[str, Any], name: str, params: int | No
             except ConfigError:
                 pass
     return Architecture(name, layers, heads, kv_heads, head_dim, int(params), int(active),
-                        lora, rope, qk, v)
+                        lora, rope, qk, v, max_context(cfg))
+
+
+def max_context(cfg: Mapping[str, Any]) -> int:
+    """The context window of a HF config: `max_position_embeddings`, times a YaRN factor the
+    window does not include yet (Qwen2.5's 32768 x 4); 0 when the config does not say."""
+    window = cfg.get("max_position_embeddings")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return 0
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, Mapping) and "yarn" in (scaling.get("type"), scaling.get("rope_type")):
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if isinstance(factor, (int, float)) and factor > 1 and (original is None
+                                                                or original >= window):
+            return int(window * factor)
+    return window
+
+
+def _unknown_preset(name: str) -> ConfigError:
+    return ConfigError([f"unknown model preset '{name}'; presets: {', '.join(MODELS)} "
+                        "(or give the path of a HuggingFace config.json)"])
 
 
 def preset_architecture(name: str, params: int | None = None) -> Architecture:
     """The preset's architecture; `params` overrides its published parameter count."""
     preset = find_model(name)
     if preset is None:
-        raise ConfigError([f"unknown model preset '{name}'; presets: {', '.join(MODELS)} "
-                           "(or give the path of a HuggingFace config.json)"])
+        raise _unknown_preset(name)
     return architecture_from_config(preset.config, preset.name, params or preset.params,
                                     preset.name)
 
@@ -233,8 +274,11 @@ def load_architecture(model: str, params: int | None = None) -> tuple[Architectu
             raise ConfigError([f"{path}: expected a JSON object"])
         name = cfg.get("_name_or_path") or path.parent.name or str(path)
         return architecture_from_config(cfg, str(name), params, str(path)), f"{path}"
-    if "/" in model or model.endswith(".json"):
-        raise ConfigError([f"--model {model}: no such config.json (presets: {', '.join(MODELS)})"])
-    arch = preset_architecture(model, params)
     preset = find_model(model)
-    return arch, f"preset: {preset.source if preset else model}"
+    local = model.endswith(".json") or model.startswith(("/", "./", "../", "~"))
+    if preset is None or local:
+        if local or "/" in model:
+            raise ConfigError([f"--model {model}: no such config.json, nor the HuggingFace id of "
+                               f"a preset (presets: {', '.join(MODELS)})"])
+        raise _unknown_preset(model)
+    return preset_architecture(preset.name, params), f"preset: {preset.source}"
