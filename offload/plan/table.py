@@ -31,7 +31,7 @@ def _gb(n: float) -> str:
 def _bytes(n: float) -> str:
     """A block or a context, in the unit that reads best (binary units)."""
     for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult:
+        if abs(n) >= mult:
             return f"{n / mult:.3g} {unit}"
     return f"{n:g} B"
 
