@@ -136,7 +136,8 @@ class _Chunks:
                                        lambda s=slots: release(s),     # type: ignore[misc]
                                        owner=self.owner, nbytes=sum(s.length for s in slots))
                 self.d.count("blocks_quarantined", len(slots))
-            else:
+            else:            # not posted, or ended in error: these blocks are misses
+                self.d.count("blocks_nixl_failed", len(slots))
                 release(slots)
 
 

@@ -150,9 +150,12 @@ class StagedPath:
             self._drain(h)                               # the half's previous write is done
             view, base = staging.half(h)
             local, remote, off = _pairs(req, group, base)
-            if time.monotonic() > deadline or not nixl_util.run_xfer(
-                    mover.agent, "READ", local, remote, peer, deadline,
-                    on_pending=pending.append):
+            if time.monotonic() > deadline:
+                break
+            if not nixl_util.run_xfer(mover.agent, "READ", local, remote, peer, deadline,
+                                      on_pending=pending.append):
+                if not pending:      # ended in error: none of these blocks is stored
+                    self.ctx.count("blocks_nixl_failed", len(group))
                 break
             self.ctx.count("bytes_nixl_in", off)
             self.ctx.count("blocks_staged_in", len(group))
@@ -235,6 +238,8 @@ class StagedPath:
                     ok[i] = True
             elif pending:
                 break        # this half is still being read: nothing more goes through staging
+            else:            # ended in error: these blocks are misses
+                self.ctx.count("blocks_nixl_failed", len(hits))
         if reading is not None:
             try:
                 reading.result()     # never leave a read into staging running past this request
