@@ -227,7 +227,8 @@ def _tiers(inp: PlanInputs, budget: int, slots: int, per_rank: int, tier_user: i
     l2 = carried(slots, TierSpec("L2", l2_reload, slots + l2_free),
                  inp.think_s, inp.turn_s, inp.ttft_s)
     room = None if inp.tier_capacity is None else inp.tier_capacity // tier_user // replicas
-    l3_reload = tier_user / (inp.read_gbps * 1e9) + l2_reload   # to host memory, then to HBM
+    # every rank reads its share (MLA: the same latent copy each) to host memory, then to HBM
+    l3_reload = per_rank * inp.tp / (inp.read_gbps * 1e9) + l2_reload
     spec = TierSpec(inp.tier_name, l3_reload, room)
     l3 = carried(slots, spec, inp.think_s, inp.turn_s, inp.ttft_s)
     if l2_free < 1 and l3.carried > slots:       # an L3 hit is trimmed to the L2 room
