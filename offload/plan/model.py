@@ -359,7 +359,8 @@ def _assumptions(inp: PlanInputs, arch: Architecture) -> list[str]:
         f"a conversation: a {inp.turn_s:g} s turn with its KV in HBM (--turn-s), then "
         f"{inp.think_s:g} s of think time with it parked in a tier (--think-s); a returning user "
         f"must have it back in HBM within {inp.ttft_s:g} s (--ttft; the turn's own prefill comes "
-        "on top); reloads queue for the tier's bandwidth (M/D/1)",
+        "on top); once there are more conversations than HBM holds, each parks between turns; "
+        "reloads queue for the tier's bandwidth (M/D/1)",
         f"the L2 (host memory, write-through) keeps a copy of the HBM pool; what is left holds "
         f"parked contexts, reloaded at {inp.l2_gbps:g} GB/s per GPU (--l2-gbps); an L3 hit is "
         "read into the L2 first, so it needs one whole context of room there",
