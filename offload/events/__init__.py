@@ -53,7 +53,10 @@ def sources_for(store: Any, digest: bytes) -> list[Source]:
         if isinstance(part, DiskStore):
             found.append(DiskSource(part.directory, digest))
         elif isinstance(part, RedisStore):
-            found.append(SharedSource(part, RedisFeed(part, digest)))
+            # A store of its own (connection, breaker, counters): nothing the events do (the
+            # stream another writer fills, EXISTS checks, sweeps) touches the data path's.
+            own = RedisStore(part.cfg)
+            found.append(SharedSource(own, RedisFeed(own, digest, link=own.link)))
         elif isinstance(part, AgentStore):
             found.append(SharedSource(part, AgentFeed(part, digest)))
     return found

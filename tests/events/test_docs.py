@@ -20,7 +20,9 @@ def test_every_bound_in_the_events_reference_is_the_code_s() -> None:
                  _n(feeds.PER_POLL), _n(feeds.STREAM_MAX), _n(feed.PER_TENANT), _n(t.max_queued),
                  _n(sources.DiskSource.__init__.__defaults__[-1]),
                  f"{t.interval_s:g} s", f"every {tracker.snapshot_every():g} s",
-                 _n(sources.SweepSource.__init__.__defaults__[-1]), tracker.SNAPSHOT_ENV):
+                 _n(sources.SweepSource.__init__.__defaults__[-1]), tracker.SNAPSHOT_ENV,
+                 f"than {_n(feeds.ENTRY_BYTES)} bytes", f"more than {feeds.ENTRY_FIELDS} fields",
+                 f"at most once per {feeds.LOG_EVERY_S:g} s"):
         assert text in DOC, text
     from sglang.srt.disaggregation.kv_events import KVEventsConfig
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from offload.config import RedisConfig
-from offload.events import feeds
+from offload.events import feeds, sources_for
 from offload.events.chain import STORED, Row, page_rows
 from offload.events.feeds import RedisFeed
 from offload.events.sources import SharedSource
@@ -63,7 +63,8 @@ def test_an_oversized_stream_entry_is_skipped_and_never_trips_the_data_path(
     store = _store(redis_proc.url)
     rows = rows_for(8, "held")
     assert all(store.put_many([r.key for r in rows], [[b"v" * BLOCK] for _ in rows]))
-    src = SharedSource(store, RedisFeed(store, NS.digest()))
+    (src,) = sources_for(store, NS.digest())          # as the backend builds it
+    assert isinstance(src, SharedSource)
     src.wrote(rows)
     assert sorted(src.poll()) == sorted((STORED, r) for r in rows)   # announced, read back
     assert _hit_rate(store, rows) == 1.0
