@@ -334,6 +334,10 @@ def test_several_drives_add_their_bandwidth(capsys, tmp_path) -> None:
     # three directories, two drives: /data4 and /mnt/kv4 are one device, counted once
     assert data["inputs"]["read_gbps"] == pytest.approx(2 * 7.88)
     assert data["inputs"]["read_drives"] == 2
+    # the file's model and tp-size, the GPUs detected under the root
+    assert (data["inputs"]["model"], data["inputs"]["tp"], data["inputs"]["gpus"]) == \
+        ("Llama-3.1-70B", 8, 8)
+    assert data["inputs"]["gpu"] == "H100-80G"
     assert "2 drives (nvme1n1, nvme4n1), ~15.8 GB/s combined" in data["inputs"]["read_source"]
     # an option given wins over the file (and detection)
     assert main(["plan", "--config", str(cfg), "--root", str(hosts / "dgx-8nvme"), "--drives", "2",

@@ -139,3 +139,12 @@ def test_a_config_value_plan_cannot_use_is_named(capsys, tmp_path, sglang: str,
     assert main(["plan", "--config", str(cfg), "--gpu", "H100", "--read-gbps", "7"]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_a_model_path_plan_cannot_read_is_named(capsys, tmp_path) -> None:
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text(f"sglang:\n  model-path: {tmp_path}/no-such-model\n")
+    assert main(["plan", "--config", str(cfg), "--gpu", "H100", "--read-gbps", "7"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: sglang.model-path {tmp_path}/no-such-model: no such config.json" in err
+    assert err.count("error:") == 1
