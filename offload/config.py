@@ -102,7 +102,11 @@ class StoreConfig:
                                default="auto")
     io_threads: int = _doc("I/O threads per process keeping the device queue busy", default=8)
     salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier); "
-                     "a secret: printed as ***", default="")
+                     "a secret: printed as ***; a config file holding it must be mode 600",
+                     default="")
+    salt_file: str | None = _doc(
+        "file (mode 600) holding the tenant salt, instead of salt in the config (which can then "
+        "be world-readable: a ConfigMap); read where the salt is used", default=None)
 
     __repr__ = _redacted_repr("offload.store")
 
@@ -354,6 +358,13 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
         problems.append(f"offload.store.io_threads: {s.io_threads!r} is out of range; use 1..256")
     if not s.path:
         problems.append("offload.store.path: '' is empty; name the cache directory")
+    elif not s.path.startswith("/"):
+        problems.append(f"offload.store.path: {s.path!r} is not an absolute path; every process "
+                        "of the server (and `cache` commands) must name the same directory: "
+                        "name it from the root (/...)")
+    if s.salt and s.salt_file:
+        problems.append("offload.store.salt_file: set together with salt; keep one (salt_file "
+                        "keeps the salt out of the config file)")
     seen: dict[str, int] = {}
     for i, d in enumerate(s.paths):
         norm = d.rstrip("/") or "/"
@@ -467,15 +478,54 @@ def _yaml_problem(e: Exception) -> str:
     return redact.text(f"{what}{where}" + (f" ({context})" if context else ""))
 
 
+def _strict_loader() -> Any:
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise ConfigError([f"line {line}: key {key!r} is given twice (also line "
+                                   f"{seen[key]}); YAML would keep only the last: keep one"])
+            if isinstance(key, str):
+                seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return StrictLoader
+
+
+def _conflicts(data: Mapping[str, Any]) -> list[str]:
+    """Keys of the file that contradict each other (only the file says which were given)."""
+    off = data.get("offload")
+    store = off.get("store") if isinstance(off, Mapping) else None
+    if isinstance(store, Mapping) and store.get("paths") and "path" in store:
+        return ["offload.store.path: set together with paths, which replaces it (path would be "
+                "ignored); delete path, or list that directory in paths"]
+    return []
+
+
 def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
+    """Parse and validate a deployment file's text. Refused, each with its own line: YAML
+    errors, a key given twice in one mapping, a file with no settings (empty or comments only),
+    keys that contradict each other (`store.path` with `store.paths`), and every key problem."""
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_strict_loader())   # noqa: S506 - a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError([f"{source}: {e.problems[0]}"]) from None
     except yaml.YAMLError as e:
         raise ConfigError([f"{source}: not valid YAML: {_yaml_problem(e)}"]) from None
     if data is None:
-        data = {}
+        raise ConfigError([f"{source}: holds no settings (empty, or comments only); a deployment "
+                           "file has an offload: and/or a sglang: section (configs/ has examples)"])
     if not isinstance(data, Mapping):
         raise ConfigError([f"{source}: the top level must be a mapping with offload: and/or "
                            "sglang: sections"])
@@ -489,6 +539,7 @@ def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
     if not isinstance(sglang, Mapping):
         problems.append(f"sglang: expected a mapping of SGLang server arguments, got {sglang!r}")
         sglang = {}
+    problems += _conflicts(data)
     try:
         offload = load_offload(data.get("offload"))
     except ConfigError as e:
@@ -502,7 +553,37 @@ def load_text(text: str, source: str = "<config>") -> DeploymentConfig:
 MAX_CONFIG_BYTES = 4 << 20
 
 
+def inline_secrets(dep: DeploymentConfig) -> list[str]:
+    """The keys of `dep` whose values are secrets written in the file itself (not in a file of
+    their own): the tenant salt, a Redis URL with a password, SGLang's secret flags."""
+    found = ["offload.store.salt"] if dep.offload.store.salt else []
+    url = dep.offload.redis.url
+    if url and (redact.url(url) != url):
+        found.append("offload.redis.url")
+    found += [f"sglang.{k}" for k, v in dep.sglang.items()
+              if str(k).replace("-", "_") in redact.SGLANG_SECRET_KEYS and v not in (None, "")]
+    return found
+
+
+def _check_private(path: Path, dep: DeploymentConfig) -> None:
+    """A file holding a secret must be private to its owner (the secret-file rule, one loader:
+    `offload.store.secret.read_secret_file`)."""
+    secrets = inline_secrets(dep)
+    if not secrets:
+        return
+    from offload.store.secret import read_secret_file
+
+    try:
+        read_secret_file(str(path), secrets[0], min_bytes=0)
+    except ConfigError as e:
+        raise ConfigError([f"{e.problems[0]} (the file holds the secret {', '.join(secrets)}; or "
+                           "move it to a file of its own: offload.store.salt_file, "
+                           "offload.redis.password_file)"]) from None
+
+
 def load_file(path: str | Path) -> DeploymentConfig:
+    """`load_text` of a file (UTF-8, at most 4 MiB); a file whose settings hold a secret
+    (`inline_secrets`) must be private to its owner (mode 600), as a secret file must."""
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -516,7 +597,21 @@ def load_file(path: str | Path) -> DeploymentConfig:
     except UnicodeDecodeError as e:
         raise ConfigError([f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                            "save the config file as UTF-8"]) from None
-    return load_text(text, str(p))
+    dep = load_text(text, str(p))
+    _check_private(p, dep)
+    return dep
+
+
+def resolve_salt(cfg: OffloadConfig) -> OffloadConfig:
+    """`cfg` with `store.salt` read from `store.salt_file` (mode 600, by the one secret-file
+    loader) when that is set; `cfg` itself otherwise. Raises ConfigError naming the file."""
+    if not cfg.store.salt_file:
+        return cfg
+    from offload.store.secret import read_secret_file
+
+    salt = read_secret_file(cfg.store.salt_file, "offload.store.salt_file", min_bytes=1)
+    store = dataclasses.replace(cfg.store, salt=salt.decode("utf-8", "replace"), salt_file=None)
+    return dataclasses.replace(cfg, store=store)
 
 
 def apply_overrides(cfg: OffloadConfig, overrides: Mapping[str, Any]) -> OffloadConfig:

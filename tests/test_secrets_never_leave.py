@@ -65,6 +65,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
               f"  api-key: {API_KEY}\n")
     good = d / "good.yaml"
     good.write_text(sglang + offload)
+    good.chmod(0o600)        # a config holding secrets must be private (offload.config.load_file)
     bad = {
         "bad port": offload.replace(f"127.0.0.1:{redis_port}'", "127.0.0.1:99999'"),
         "query": offload.replace(f"127.0.0.1:{redis_port}'", f"127.0.0.1:1?password={PW}'"),
@@ -81,6 +82,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, body in bad.items():
         p = d / (name.replace(" ", "-") + ".yaml")
         p.write_text(body)
+        p.chmod(0o600)
         paths[name] = p
     loose = d / "loose-pw"
     loose.write_text(PW_FILE)
@@ -257,6 +259,7 @@ def test_errors_raised_inside_sglang_at_attach(planted: dict[str, Any], seen: Se
     bad_file = d / "attach-bad.yaml"
     bad_file.write_text(f"offload:\n  redis: {{url: 'redis://tenant:{PW}@127.0.0.1:0'}}\n  "
                         f"store: {{salt: {SALT}}}\n")
+    bad_file.chmod(0o600)
     extra = {k: v for k, v in hp.extra(str(d / "cache")).items() if k != "offload"}
     backend, err = _attach({**extra, "config_file": str(bad_file)})
     seen.add("attach config_file", err)

@@ -19,18 +19,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 
 from offload.config import OffloadConfig, load_file
-from offload.errors import DetectError
+from offload.errors import ConfigError, DetectError
 from offload.hw.decide import PathRejectedError, decide
 from offload.hw.detect import detect
 from offload.hw.drive_set import choose_drives, one_per_device
 from offload.hw.facts import IoProbe
 from offload.hw.fsroot import Root
-from offload.hw.host_checks import check_host
 from offload.hw.live import NOT_CHECKED, connect
 from offload.hw.report import render_text, to_json
+from offload.launch.checks import machine_findings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,23 +53,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time budget of --probe-io (write + read); default 4")
 
 
+def _python(exe: str) -> None:
+    """--python must name an interpreter that runs (else every path's Python side would read
+    as missing and detect would exit 0)."""
+    found = shutil.which(exe) if os.sep not in exe else exe
+    if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        raise ConfigError([f"--python {exe}: no such executable; name the interpreter that runs "
+                           "SGLang (e.g. /opt/venv/bin/python), or leave --python out for this "
+                           "one"])
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_file(args.config).offload if args.config else OffloadConfig()
     if args.cache_dir and not args.cache_dir.startswith("/") and args.root not in ("/", ""):
         raise DetectError(f"--cache-dir {args.cache_dir!r}: give an absolute path inside the root "
                           f"{args.root!r}")
+    _python(args.python)
     root = Root(args.root)
-    found = check_host(cfg, root, args.cache_dir, connect=connect if root.live else None)
+    facts = detect(cfg, root=args.root, cache_dir=args.cache_dir, python=args.python)
+    found = machine_findings(cfg, facts, root, args.cache_dir, connect)   # launch's list too
     if found.errors:
         for line in found.errors:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    facts = detect(cfg, root=args.root, cache_dir=args.cache_dir, python=args.python)
     warnings = list(found.warnings)
-    if facts.agent.reachable is False:
-        warnings.append(f"offload.agent.address: {facts.agent.reason}; the dpu path and the "
-                        "agent's tier are unavailable until it is (start `sglang-offload agent` "
-                        "there or fix the address)")
     if args.probe_io:
         dirs = [cd.path for cd in one_per_device(list(facts.directories))]
         if facts.live:
@@ -85,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     except PathRejectedError as e:
         error = e
     drives = choose_drives(facts, cfg)
-    warnings += drives.warnings
     if args.json:
         json.dump(to_json(facts, decision, error, drives), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -17,7 +17,7 @@ import os
 import sys
 
 from offload.errors import ConfigError, OffloadError
-from offload.launch.compose import prepare, render, summary, to_json, write
+from offload.launch.compose import all_warnings, prepare, render, summary, to_json, write
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from offload.hw import PathRejectedError
-    from offload.hw.host_checks import check_host
     from offload.launch.prebuild import check_native_hash
 
     if args.json and not args.dry_run:
@@ -49,13 +48,10 @@ def run(args: argparse.Namespace) -> int:
     except PathRejectedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for w in p.sglang.warnings:
+    if p.host_errors and not args.dry_run:          # what would fail at start
+        raise ConfigError(p.host_errors)
+    for w in all_warnings(p):      # the same list as --json's `warnings` (and detect's)
         print(f"warning: {w}", file=sys.stderr)
-    host = check_host(p.config.offload, args.root, args.cache_dir)   # what would fail at start
-    if host.errors and not args.dry_run:
-        raise ConfigError(list(host.errors))
-    for w in host.errors:
-        print(f"warning: {w} (launch refuses to start without --dry-run)", file=sys.stderr)
     if args.dry_run:
         if args.json:
             json.dump(to_json(p), sys.stdout, indent=2)

@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from offload.config import OffloadConfig, load_file, load_offload, to_dict
+from offload.config import OffloadConfig, load_file, load_offload, resolve_salt, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
 from offload.hicache.events import kv_events_for
@@ -94,7 +94,8 @@ def settings_from_extra(extra: dict | None) -> OffloadConfig:
     """The `offload:` settings from SGLang's extra config.
 
     `config_file` (a deployment YAML; its `offload:` section) is the base, and the inline
-    `offload` tree overrides keys of it. Raises ConfigError naming every bad key.
+    `offload` tree overrides keys of it; `store.salt_file` is read into `store.salt`. Raises
+    ConfigError naming every bad key (or an unreadable / non-private salt file).
     """
     extra = dict(extra or {})
     problems = []
@@ -112,7 +113,7 @@ def settings_from_extra(extra: dict | None) -> OffloadConfig:
     if problems:
         raise ConfigError(problems)
     tree: dict = to_dict(load_file(path).offload) if path else {}
-    return load_offload(_merge(tree, inline or {}))
+    return resolve_salt(load_offload(_merge(tree, inline or {})))   # store.salt_file read here
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -40,7 +40,7 @@ import yaml
 
 from offload import redact as _redact
 from offload.config import DeploymentConfig, load_file, to_dict
-from offload.errors import RunError
+from offload.errors import ConfigError, RunError
 from offload.hicache.contract import BACKEND_EXTRA
 from offload.hicache.worth_it import plan_text
 from offload.launch.device import DeviceChoice, choose
@@ -65,6 +65,9 @@ class LaunchCommand:
     settings_file: str                  # where `write` puts offload_tree (argv names it)
     device: DeviceChoice                # the device's flags (in argv) and environment
     interpreter: Interpreter            # what --python imports
+    warnings: list[str] = dataclasses.field(default_factory=list)  # sglang: + machine's + L2's
+    host_errors: list[str] = dataclasses.field(default_factory=list)   # refused without --dry-run
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def command(self) -> str:
@@ -96,26 +99,37 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str
 
 def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "/",
          cache_dir: str | None = None, python: str = sys.executable) -> LaunchCommand:
-    """Validate, detect, decide and compose.
+    """Validate, detect, decide, check against the machine (`offload.launch.checks`: the
+    warnings `detect` gives, the model path, the GPUs, the L2 host memory) and compose.
 
-    Raises ConfigError (file or flags, or an unsafe runtime directory), PathRejectedError (an
-    explicit path that cannot work), DetectError (a bad root). Writes nothing but may create the
-    (empty, private) runtime directory."""
+    Raises ConfigError (file or flags, a deployment this machine cannot run, or an unsafe
+    runtime directory), PathRejectedError (an explicit path that cannot work), DetectError (a bad
+    root). Writes nothing but may create the (empty, private) runtime directory."""
     from offload.hw import detect_and_decide
+    from offload.hw.live import connect
     from offload.launch.argspec import sglang_parser
+    from offload.launch.checks import deployment_findings, machine_findings
 
     dep = load_file(config_file)
     extra_argv = list(extra_argv or [])
     sg = check_sglang(dep.sglang, extra_argv, dep.offload)
-    _, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir, python=python)
+    facts, decision = detect_and_decide(dep.offload, root=root, cache_dir=cache_dir,
+                                        python=python)
     interp = check_interpreter(python)
     if interp.problem:
         raise RunError(interp.problem)
+    deployment = deployment_findings(sg.values, facts, root)
+    if deployment.errors:
+        raise ConfigError(list(deployment.errors))
+    machine = machine_findings(dep.offload, facts, root, cache_dir, connect)
     device = choose(sg.values, sg.set_by_user)
     settings = str(settings_path(runtime_dir()))
     tree, argv = compose(dep, sg, decision.path, settings, python, device)
     sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
-    return LaunchCommand(dep, sg, decision, tree, argv, settings, device, interp)
+    return LaunchCommand(dep, sg, decision, tree, argv, settings, device, interp,
+                         warnings=[*sg.warnings, *machine.warnings, *deployment.warnings],
+                         host_errors=list(machine.errors),
+                         notes=[*sg.notes, *deployment.notes])
 
 
 def write(p: LaunchCommand) -> None:
@@ -126,6 +140,13 @@ def write(p: LaunchCommand) -> None:
 def worth_it_text(p: LaunchCommand) -> str:
     """Which worth-it threshold the backend will apply on this device, and why."""
     return plan_text(p.config.offload.worth_it, p.device.device, p.decision.bandwidth)
+
+
+def all_warnings(p: LaunchCommand) -> list[str]:
+    """Every warning of the dry run: the sglang: section's, the machine's (what `detect`
+    says), the L2 memory's, and what would stop a real launch (`host_errors`)."""
+    return p.warnings + [f"{e} (launch refuses to start without --dry-run)"
+                         for e in p.host_errors]
 
 
 def render(p: LaunchCommand, config_file: str) -> str:
@@ -139,11 +160,11 @@ def render(p: LaunchCommand, config_file: str) -> str:
             lines += [f"    - {r.path}: {r.check}", f"        fix: {r.fix}"]
     lines += ["", f"Device: {p.device.device}"] + [f"  - {r}" for r in p.device.reasons]
     lines += ["", "Worth-it threshold", f"  - {worth_it_text(p)}"]
-    if p.sglang.warnings:
-        lines += ["", "Warnings"] + [f"  - {w}" for w in p.sglang.warnings]
+    if all_warnings(p):
+        lines += ["", "Warnings"] + [f"  - {w}" for w in all_warnings(p)]
     lines += ["", "Notes", f"  - sglang arguments: checked with {p.sglang.parser_source}",
               f"  - {p.interpreter.note}"]
-    lines += [f"  - {n}" for n in p.sglang.notes]
+    lines += [f"  - {n}" for n in p.notes]
     eff = {"sglang": _redact.tree("sglang", p.config.sglang), "offload": redact(p.offload_tree)}
     lines += ["", f"Effective config (offload.transfer.path is the decided path; secrets "
               f"{REDACTED}; launch writes the offload: section to {p.settings_file}, mode 600)",
@@ -163,7 +184,7 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
             "worth_it": worth_it_text(p),
             "interpreter": {"executable": p.interpreter.executable, "sglang": p.interpreter.sglang,
                             "offload": p.interpreter.offload},
-            "warnings": p.sglang.warnings, "notes": p.sglang.notes,
+            "warnings": all_warnings(p), "notes": p.notes,
             "sglang_parser": p.sglang.parser_source,
             "config": {"sglang": _redact.tree("sglang", p.config.sglang), "offload": redact(p.offload_tree)},
             "settings_file": p.settings_file, "argv": _redact.argv(p.argv),

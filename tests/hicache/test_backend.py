@@ -156,6 +156,7 @@ def test_config_file_with_inline_override(tmp_path):
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text(f"offload:\n  store:\n    path: {tmp_path / 'from-file'}\n"
                    "    capacity: 64MiB\n    min_free: 0\n    salt: tenant-a\n")
+    cfg.chmod(0o600)                  # it holds the salt: a loose file is refused
     extra = {"backend_name": "offload", "module_path": "offload.hicache",
              "class_name": "OffloadStorage", "interface_v1": 1, "config_file": str(cfg),
              "offload": {"store": {"capacity": "128MiB"}}}

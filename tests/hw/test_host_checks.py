@@ -19,7 +19,8 @@ from offload.hw.storage import probe_cache_dir
 from tests.store.redis_fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-SGLANG = "sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n  page-size: 64\n"
+SGLANG = ("sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n  page-size: 64\n"
+          "  device: cpu\n")   # no GPU here: launch refuses a GPU deployment
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
@@ -140,7 +141,7 @@ def test_secret_files_are_checked_before_start(capsys, tmp_path: Path) -> None:
         rc, _, err = run(capsys, *argv)
         assert (rc, err) == (2, want), argv
     rc, _, err = run(capsys, "launch", "--config", cfg, "--dry-run", "--json")
-    assert rc == 0 and [e for e in err if "_file" in e] == [
+    assert rc == 0 and [e for e in err if "_file: " in e] == [
         w.replace("error: ", "warning: ") + " (launch refuses to start without --dry-run)"
         for w in want]
     # The real launch refuses before it execs (a stand-in for SGLang's python says if it ran).
@@ -179,6 +180,7 @@ def test_unreachable_redis_and_agent_are_warnings_naming_the_address(capsys, tmp
     cfg = write(tmp_path, f"offload:\n  store: {{path: {tmp_path / 'c'}}}\n"
                 f"  redis: {{url: 'redis://u:pw@127.0.0.1:{rp}'}}\n"
                 f"  agent: {{address: '127.0.0.1:{ap}', timeout_s: 0.5}}\n")
+    os.chmod(cfg, 0o600)              # it holds a Redis password: a loose file is refused
     rc, _, err = run(capsys, "detect", "--config", cfg)
     assert rc == 0
     warns = [e for e in err if e.startswith("warning:")]

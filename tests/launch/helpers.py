@@ -13,6 +13,9 @@ from offload import cli
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 HOSTS = REPO / "tests" / "fixtures" / "hosts"
+# A fixture machine with 8 GPUs on which detection picks the cpu path: where the tests dry-run a
+# GPU deployment (this CPU box has no GPU: a dry run of tp-size 8 here is refused).
+GPU_HOST = str(HOSTS / "dgx-8nvme")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
@@ -23,16 +26,18 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, l
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], config: Path | str, *extra: str,
-            root: str = "/") -> dict[str, Any]:
+            root: str = GPU_HOST) -> dict[str, Any]:
     rc, out, err = run_cli(capsys, "launch", "--config", str(config), "--dry-run", "--json",
                            "--root", root, *extra)
     assert rc == 0, err
     return json.loads(out)
 
 
-def write(tmp_path: Path, text: str, name: str = "deploy.yaml") -> Path:
+def write(tmp_path: Path, text: str, name: str = "deploy.yaml", mode: int = 0o600) -> Path:
+    """A deployment file, private by default (one holding a secret must be: load_file)."""
     p = tmp_path / name
     p.write_text(text)
+    p.chmod(mode)
     return p
 
 

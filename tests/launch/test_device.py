@@ -44,8 +44,7 @@ def test_a_key_the_user_set_is_named_not_overridden(capsys, tmp_path: Path) -> N
 
 
 def test_gpu_device_keeps_sglang_defaults(capsys, tmp_path: Path) -> None:
-    out = dry_run(capsys, write(tmp_path, CPU.replace("device: cpu", "device: cuda")),
-                  root=str(HOSTS / "cpu-box"))
+    out = dry_run(capsys, write(tmp_path, CPU.replace("device: cpu", "device: cuda")))
     assert out["device"]["argv"] == [] and out["device"]["env"] == {}
     assert "--attention-backend" not in out["argv"] and "SGLANG_USE_CPU_ENGINE" not in out["command"]
 
@@ -109,7 +108,7 @@ def test_a_real_launch_says_its_decision_then_execs_with_the_device_env(tmp_path
                          capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout == "env=1\n"
-    err = res.stderr.splitlines()
+    err = [ln for ln in res.stderr.splitlines() if not ln.startswith("warning: ")]
     assert err[0] == f"sglang-offload launch: {cfg}"
     assert err[1].startswith("  path: cpu (requested auto): ")
     assert err[2].startswith(f"  store: {tmp_path / 'store'} (capacity ")

@@ -18,7 +18,7 @@ from offload.errors import RunError
 from offload.launch.prebuild import built_library, check_native_hash
 from tests.launch.helpers import REPO, fake_python, write
 
-BASE = "sglang:\n  model-path: /tmp/m\n  device: cpu\n"
+BASE = "sglang:\n  model-path: m\n  device: cpu\n"   # m: a HuggingFace id, not looked for
 
 
 def _bin(tmp_path: Path, *tools: str) -> str:

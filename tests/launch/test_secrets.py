@@ -16,7 +16,7 @@ import pytest
 from offload.errors import ConfigError
 from offload.hicache.backend import settings_from_extra
 from offload.launch.secrets import REDACTED, redact_url, runtime_dir
-from tests.launch.helpers import REPO, dry_run, run_cli, write
+from tests.launch.helpers import GPU_HOST, REPO, dry_run, run_cli, write
 
 SALT = "tenant-salt-7f3a9c"
 PASSWORD = "redis-pw-51e0d2"
@@ -50,7 +50,7 @@ def test_dry_run_redacts_and_argv_carries_no_secret(capsys, tmp_path, runtime) -
     extra = json.loads(out["argv"][out["argv"].index("--hicache-storage-backend-extra-config") + 1])
     assert extra["config_file"] == out["settings_file"] == str(runtime / f"launch-{os.getpid()}.yaml")
     assert not Path(out["settings_file"]).exists(), "a dry run writes no settings file"
-    rc, text, _ = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run")
+    rc, text, _ = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", GPU_HOST)
     assert rc == 0 and SALT not in text and PASSWORD not in text and REDACTED in text
 
 
@@ -63,8 +63,8 @@ def test_launch_writes_a_private_settings_file_the_backend_loads(tmp_path, runti
     fake.chmod(0o755)
     code = "import sys; from offload import cli; sys.exit(cli.main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, "launch", "--config", str(cfg),
-                          "--python", str(fake)], capture_output=True, text=True, cwd=REPO,
-                         timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO),
+                          "--python", str(fake), "--root", GPU_HOST], capture_output=True,
+                         text=True, cwd=REPO, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO),
                                                XDG_RUNTIME_DIR=str(runtime.parent)))
     assert res.returncode == 0, res.stderr
     cmdline = res.stdout.splitlines()                 # SGLang's /proc/PID/cmdline
@@ -137,7 +137,7 @@ def test_abbreviated_secret_flags_after_dashdash_are_masked(capsys, tmp_path, ru
     cfg = deployment(tmp_path)
     out = dry_run(capsys, cfg, "--", *flags)
     assert API_KEY not in json.dumps(out), f"{flags} printed in the dry-run JSON"
-    rc, text, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", "/",
+    rc, text, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", GPU_HOST,
                             "--", *flags)
     assert rc == 0 and API_KEY not in text and API_KEY not in "\n".join(err)
 
@@ -147,8 +147,8 @@ def test_a_secret_given_as_a_yaml_list_is_never_quoted_back(capsys, tmp_path, ru
                                                             key: str) -> None:
     cfg = write(tmp_path, BASE + f"  {key}: [{API_KEY}]\n")
     for argv in (["config", "validate", str(cfg)], ["config", "validate", str(cfg), "--json"],
-                 ["launch", "--config", str(cfg), "--dry-run", "--root", "/"],
-                 ["launch", "--config", str(cfg), "--dry-run", "--json", "--root", "/"]):
+                 ["launch", "--config", str(cfg), "--dry-run", "--root", GPU_HOST],
+                 ["launch", "--config", str(cfg), "--dry-run", "--json", "--root", GPU_HOST]):
         rc, text, err = run_cli(capsys, *argv)
         assert rc != 0, argv
         assert API_KEY not in text + "\n".join(err), f"{key} quoted back by {argv}"

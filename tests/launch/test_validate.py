@@ -17,7 +17,7 @@ from offload.errors import ConfigError
 from offload.hicache.contract import SGLANG_KEYS as SGLANG_EXTRA_KEYS
 from offload.launch import argspec as launch_argspec
 from offload.launch.sglang_args import check_sglang
-from tests.launch.helpers import CONFIGS, REPO, dry_run, fake_python, run_cli, write
+from tests.launch.helpers import CONFIGS, GPU_HOST, REPO, dry_run, fake_python, run_cli, write
 
 BASE = "sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n  page-size: 64\n"
 
@@ -94,7 +94,7 @@ def test_offload_backend_name_and_sglang_extra_keys_pass(capsys, tmp_path) -> No
 def test_unaligned_page_slices_warn_with_the_fix(capsys, tmp_path) -> None:
     cfg = write(tmp_path, BASE.replace("page-size: 64", "page-size: 4")
                 + "  hicache-mem-layout: layer_first\n")
-    rc, out, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run")
+    rc, out, err = run_cli(capsys, "launch", "--config", str(cfg), "--dry-run", "--root", GPU_HOST)
     assert rc == 0
     assert any("1024-byte slices in the layer_first host pool" in e and "page-size 16 aligns"
                in e for e in err), err
@@ -169,7 +169,7 @@ def test_launch_execs_sglang_in_place(tmp_path) -> None:
     code = ("import os, sys; from offload import cli; print(f'pid={os.getpid()}', flush=True); "
             "sys.exit(cli.main(sys.argv[1:]))")
     res = subprocess.run([sys.executable, "-c", code, "launch", "--config", str(cfg),
-                          "--python", str(fake), "--", "--port", "30001"],
+                          "--python", str(fake), "--root", GPU_HOST, "--", "--port", "30001"],
                          capture_output=True, text=True, cwd=REPO, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert res.returncode == 0, res.stderr
