@@ -6,6 +6,8 @@ Primitives:
 - `StoreWatch(store, metrics, interval_s)`: a daemon thread that reads `store.tier_stats()` every
   `interval_s` and turns the process-local counters of each tier (local NVMe, Redis, agent) into
   Prometheus counter increments and capacity gauges. `poll()` does one round (tests, close).
+  A tier's `extra["transfer_failures"]` (a transfer path's failed GPU-side transfers, per kind:
+  `offload.transfer.base.FAILURE_KINDS`) becomes `transfer_failures_total{path, kind}`.
   A tier's `extra["process_counters"]`, when present, names the counters that are this process's
   own (none of a shared agent's; its hits and misses through a tiered store).
 - `path_of(store)`: the transfer path it stands for (`cpu`, `gds`, `dpu`);
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 from offload.config import MetricsConfig
 from offload.store.base import Backlog, BlockStore, HasBacklog, StoreStats, never_raises
+from offload.transfer.base import FAILURE_KINDS, FAILURES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,10 @@ class TierMetrics:
                                  "its state (in, full: read not written, out: its blocks are "
                                  "misses), 0 for the others", ["drive", "state"],
                                  multiprocess_mode="mostrecent", registry=reg)
+        self.transfer_failures = Counter(PREFIX + "transfer_failures",
+                                         "pages a GPU-side transfer failed for, each a miss (a "
+                                         "load) or not stored (a store), never loaded",
+                                         ["path", "kind"], registry=reg)
         self.declined = Counter(PREFIX + "worth_it_declined_pages",
                                 "hit pages not loaded: recomputing them is faster", registry=reg)
         self.accepted = Counter(PREFIX + "worth_it_accepted_pages",
@@ -124,6 +131,8 @@ class TierMetrics:
                 self.bytes.labels(t, d)
         for p in PATHS:
             self.ttft_saved.labels(p)
+        for kind, (p, _) in FAILURE_KINDS.items():
+            self.transfer_failures.labels(p, kind)
         self.write_backlog.labels("redis")
         for d in ("read", "write"):
             self.pool_pages.labels("kv", d)
@@ -243,6 +252,14 @@ class StoreWatch:
             last[name] = now
             if delta:
                 self._counter(tier, name).inc(delta)
+        failures = s.extra.get(FAILURES_KEY)
+        if isinstance(failures, dict):   # a transfer path's failed GPU-side transfers
+            path = path_of(self.store)
+            for kind, n in failures.items():
+                delta = int(n) - last.get("failed:" + kind, 0)
+                last["failed:" + kind] = int(n)
+                if delta > 0:
+                    self.m.transfer_failures.labels(path, kind).inc(delta)
 
     def _counter(self, tier: str, name: str) -> Any:
         m = self.m

@@ -8,6 +8,10 @@ Primitives:
 - `choose_path(cfg, decision)` -> "cpu" | "gds" | "dpu": an explicit `offload.transfer.path` wins;
   `auto` follows detection (`offload.hw.detect_and_decide`), run here if no decision is passed.
   On a DPU's Arm cores (decision role "agent") there is no host path: PathUnavailableError.
+- `FailureCounts`: the pages each kind of failed GPU-side transfer cost (`FAILURE_KINDS`), each
+  page reported to SGLang as a miss (a get) or not stored (a put), never as loaded; a path shows
+  them in its stats' `extra["transfer_failures"]` (`with_failures`), which the metrics watcher
+  turns into `sglang_offload_transfer_failures_total{path, kind}`.
 - `open_path(cfg, decision=None, store=None)`: construct the chosen path. Implementations live in
   their own modules (`PATHS`) and are imported only when chosen, so NIXL / kvikio / torch load only
   where they are used. `store` is the local block store for cpu / gds (default: `DiskStore`).
@@ -15,13 +19,15 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, Protocol, Sequence
+import threading
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.keys import Namespace
-from offload.store.base import BlockStore, Buffer, durable, flush
+from offload.store.base import BlockStore, Buffer, StoreStats, durable, flush
 
 # path name -> (module, class); each class has `open(cfg, decision, store) -> TransferPath`.
 PATHS: dict[str, tuple[str, str]] = {
@@ -29,6 +35,63 @@ PATHS: dict[str, tuple[str, str]] = {
     "gds": ("offload.transfer.gds", "GdsPath"),
     "dpu": ("offload.agent.client", "AgentStore"),
 }
+
+
+# kind -> (the path whose transfer it is, what failed); each page it cost is a miss / not stored
+FAILURE_KINDS: dict[str, tuple[str, str]] = {
+    "cufile_register": ("gds", "cuFile refused a slab file (CuFile open / handle registration)"),
+    "gds_read": ("gds", "a cuFile read failed or came back short"),
+    "gds_write": ("gds", "a cuFile write failed or came back short"),
+    "copy_to_device": ("cpu", "a host-to-GPU copy out of the pinned staging buffer failed"),
+    "copy_to_host": ("cpu", "a GPU-to-host copy into the pinned staging buffer failed"),
+}
+FAILURES_KEY = "transfer_failures"
+
+
+class FailureCounts:
+    """Thread-safe per-kind page counts of failed GPU-side transfers (`FAILURE_KINDS`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pages: dict[str, int] = {}
+
+    def add(self, kind: str, pages: int = 1) -> None:
+        if pages > 0:
+            with self._lock:
+                self._pages[kind] = self._pages.get(kind, 0) + pages
+
+    def snapshot(self, *more: Mapping[str, int]) -> dict[str, int]:
+        """These counts, plus others' (a fallback path's)."""
+        with self._lock:
+            out = dict(self._pages)
+        for m in more:
+            for k, n in m.items():
+                out[k] = out.get(k, 0) + n
+        return out
+
+
+@runtime_checkable
+class CountsFailures(Protocol):
+    """A path that counts its failed GPU-side transfers."""
+
+    def failure_counts(self) -> dict[str, int]:
+        ...
+
+
+def failures_of(path: object) -> dict[str, int]:
+    """A path's failure counts, or none (a store that moves no GPU memory)."""
+    return path.failure_counts() if isinstance(path, CountsFailures) else {}
+
+
+def with_failures(tiers: dict[str, StoreStats], failures: Mapping[str, int],
+                  tier: str = "local") -> dict[str, StoreStats]:
+    """`tiers` with `failures` in the extra of `tier` (a copy of its stats)."""
+    s = tiers.get(tier)
+    if s is None or not failures:
+        return tiers
+    out = dict(tiers)
+    out[tier] = dataclasses.replace(s, extra={**s.extra, FAILURES_KEY: dict(failures)})
+    return out
 
 
 class TransferPath(BlockStore, Protocol):

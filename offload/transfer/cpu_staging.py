@@ -9,8 +9,10 @@ Primitives:
   that thread, so they inherit the pinning. The store already does O_DIRECT vectored I/O with its
   bounded pool (and a bounce buffer for unaligned memory): this layer adds no copy of its own.
 - GPU pages (torch CUDA tensors) cannot go to an O_DIRECT file without a host bounce: they are
-  staged through two pinned host buffers, double-buffered (the GPU copies chunk i+1 while the
-  store writes chunk i), see `_GpuStager`.
+  staged through two pinned host buffers per direction, double-buffered (the GPU copies chunk
+  i+1 while the store writes chunk i), see `_GpuStager`; the device calls are `DeviceOps`
+  (`CudaOps`; a CPU stand-in in tests, `device_ops=`). A failed copy is a miss / not stored for
+  exactly its pages, counted per kind (`failure_counts()`, `offload.transfer.base`).
 On a machine with one NUMA node (or an unknown node) nothing is pinned.
 """
 
@@ -21,10 +23,10 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 from offload.store.base import BlockStore, Buffer, StoreStats, never_raises, promote
-from offload.transfer.base import StoreBookkeeping
+from offload.transfer.base import FailureCounts, StoreBookkeeping, with_failures
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,11 @@ def _all_false_of_keys(_self: Any, _fn: Any, keys: Sequence[bytes], *_: Any) -> 
 class CpuStagingPath(StoreBookkeeping):
     name = "cpu"
 
-    def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/"):
+    def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/",
+                 device_ops: "DeviceOps | None" = None):
         self.store = store
+        self.failures = FailureCounts()
+        self._device_ops = device_ops
         self.numa_node = numa_node
         self.cpus = pinning_for(numa_node, root)
         init: Callable[[], None] | None = None
@@ -128,17 +133,22 @@ class CpuStagingPath(StoreBookkeeping):
     def _gpu(self) -> "_GpuStager":
         with self._lock:
             if self._stager is None:
-                self._stager = _GpuStager(self)
+                self._stager = _GpuStager(self, self._device_ops)
             return self._stager
+
+    def failure_counts(self) -> dict[str, int]:
+        """Pages its GPU staging copies failed, per kind (`offload.transfer.base`)."""
+        return self.failures.snapshot()
 
     def stats(self) -> StoreStats:
         s = self.store.stats()
         s.extra = dict(s.extra, path="cpu", numa_node=self.numa_node,
-                       pinned_cpus=len(self.cpus) if self.cpus else 0)
+                       pinned_cpus=len(self.cpus) if self.cpus else 0,
+                       transfer_failures=self.failure_counts())
         return s
 
     def tier_stats(self) -> dict[str, StoreStats]:
-        return self.store.tier_stats()
+        return with_failures(self.store.tier_stats(), self.failure_counts())
 
     def close(self) -> None:
         self._dispatch.shutdown(wait=True)
@@ -149,18 +159,96 @@ def _any_gpu(blocks: Sequence[Sequence[Any]]) -> bool:
     return any(getattr(b, "is_cuda", False) for bs in blocks for b in bs)
 
 
+class DeviceOps(Protocol):
+    """What the GPU stager asks of the device: pinned host memory, streams, events and copies.
+    `CudaOps` on a GPU; tests inject a CPU stand-in (and failures) through `CpuStagingPath`."""
+
+    def pinned(self, nbytes: int) -> Any:
+        """A pinned host uint8 tensor of `nbytes`."""
+        ...
+
+    def stream(self) -> Any:
+        ...
+
+    def on(self, stream: Any) -> ContextManager[Any]:
+        """Copies issued inside run on `stream`."""
+        ...
+
+    def event(self, stream: Any) -> Any:
+        """An event recorded on `stream` now: `.synchronize()` waits for the copies before it
+        (and raises if one of them failed)."""
+        ...
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Enqueue `dst.copy_(src)` (asynchronous; a failure may raise here or at the event)."""
+        ...
+
+
+class CudaOps:
+    """`DeviceOps` of torch.cuda."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+
+    def pinned(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def stream(self) -> Any:
+        return self.torch.cuda.Stream()
+
+    def on(self, stream: Any) -> ContextManager[Any]:
+        # after the work already queued on the current stream (the kernels that wrote the
+        # pages a put copies, or last read the pages a get overwrites)
+        stream.wait_stream(self.torch.cuda.current_stream())
+        return self.torch.cuda.stream(stream)
+
+    def event(self, stream: Any) -> Any:
+        e = self.torch.cuda.Event()
+        e.record(stream)
+        return e
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src, non_blocking=True)
+
+
+class _Staging:
+    """One direction's two pinned buffers and stream, used by one batch at a time."""
+
+    def __init__(self, ops: DeviceOps, chunk: int):
+        self.lock = threading.Lock()
+        self.bufs = [ops.pinned(chunk) for _ in range(2)]
+        self.stream = ops.stream()
+
+
 class _GpuStager:
-    """GPU pages <-> store through two pinned host buffers (double buffering)."""
+    """GPU pages <-> store through pinned host buffers (double buffering).
+
+    Puts and gets have their own pair of buffers and their own stream, each taken by one batch
+    at a time (a lock per direction): a get never waits behind a put's copies, and a batch never
+    stages into a buffer another batch is using. A page is True only once its copy completed
+    (its event synchronized without error); a failed copy makes exactly the pages it carried a
+    miss (a get) or not stored (a put), counted in `path.failures`.
+    """
 
     CHUNK = 64 << 20
 
-    def __init__(self, path: CpuStagingPath):
+    def __init__(self, path: CpuStagingPath, ops: DeviceOps | None = None):
         import torch
 
         self.torch = torch
         self.path = path
-        self.bufs = [torch.empty(self.CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.stream = torch.cuda.Stream()
+        self.ops: DeviceOps = ops if ops is not None else CudaOps()
+        self._dirs: dict[str, _Staging] = {}
+        self._lock = threading.Lock()
+
+    def _staging(self, direction: str) -> _Staging:
+        with self._lock:
+            st = self._dirs.get(direction)
+            if st is None:
+                st = self._dirs[direction] = _Staging(self.ops, self.CHUNK)
+            return st
 
     def _groups(self, sizes: list[int]) -> list[list[int]]:
         groups: list[list[int]] = [[]]
@@ -176,68 +264,115 @@ class _GpuStager:
     def _flat(self, t: Any) -> Any:
         return t.reshape(-1).view(self.torch.uint8)
 
+    def _synced(self, event: Any, what: str) -> bool:
+        try:
+            event.synchronize()
+            return True
+        except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never raised
+            log.warning("cpu path: a %s copy failed: %s", what, e)
+            return False
+
     def put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
-        torch = self.torch
+        st = self._staging("put")
+        with st.lock:
+            return self._put(st, keys, blocks)
+
+    def _put(self, st: _Staging, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]
+             ) -> list[bool]:
         sizes = [sum(b.numel() * b.element_size() for b in bs) for bs in blocks]
         ok = [False] * len(keys)
         pending = None
         for g, group in enumerate(self._groups(sizes)):
             if sizes[group[0]] > self.CHUNK:
                 continue
-            buf, off, views, event = self.bufs[g % 2], 0, [], torch.cuda.Event()
-            with torch.cuda.stream(self.stream):
+            buf, off, staged, views = st.bufs[g % 2], 0, [], []
+            with self.ops.on(st.stream):
                 for i in group:
-                    for b in blocks[i]:
-                        n = b.numel() * b.element_size()
-                        buf[off:off + n].copy_(self._flat(b), non_blocking=True)
-                        off += n
-                    views.append([memoryview(buf[off - sizes[i]:off].numpy())])  # type: ignore[arg-type]
-                event.record(self.stream)
+                    start = off
+                    try:
+                        for b in blocks[i]:
+                            n = b.numel() * b.element_size()
+                            self.ops.copy(buf[off:off + n], self._flat(b))
+                            off += n
+                    except Exception as e:  # noqa: BLE001 - this page is not stored
+                        log.warning("cpu path: a GPU-to-host copy failed: %s", e)
+                        self.path.failures.add("copy_to_host")
+                        off = start + sizes[i]
+                        continue
+                    staged.append(i)
+                    views.append([memoryview(buf[start:off].numpy())])  # type: ignore[arg-type]
+                event = self.ops.event(st.stream)
             if pending is not None:   # the store writes chunk g-1 while the GPU copies chunk g
                 self._store(pending, keys, ok)
-            pending = (group, views, event)
+            pending = (staged, views, event)
         if pending is not None:
             self._store(pending, keys, ok)
         return ok
 
     def _store(self, pending: tuple, keys: Sequence[bytes], ok: list[bool]) -> None:
-        group, views, event = pending
-        event.synchronize()
-        flags = self.path._run(self.path.store.put_many, [keys[i] for i in group], views)
-        for i, f in zip(group, flags):
+        staged, views, event = pending
+        if not self._synced(event, "GPU-to-host"):
+            self.path.failures.add("copy_to_host", len(staged))
+            return
+        if not staged:
+            return
+        flags = self.path._run(self.path.store.put_many, [keys[i] for i in staged], views)
+        for i, f in zip(staged, flags):
             ok[i] = f
 
     def get(self, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]) -> list[bool]:
-        torch = self.torch
+        st = self._staging("get")
+        with st.lock:
+            return self._get(st, keys, dests)
+
+    def _get(self, st: _Staging, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]
+             ) -> list[bool]:
         sizes = [sum(b.numel() * b.element_size() for b in bs) for bs in dests]
         ok = [False] * len(keys)
-        events: list[Any] = [None, None]
+        # per buffer: the pages whose host-to-GPU copies out of it are in flight, and their event
+        inflight: list[tuple[list[int], Any] | None] = [None, None]
         for g, group in enumerate(self._groups(sizes)):
             if sizes[group[0]] > self.CHUNK:
                 continue
-            buf = self.bufs[g % 2]
-            if events[g % 2] is not None:     # this buffer's previous upload must be done
-                events[g % 2].synchronize()
+            buf = st.bufs[g % 2]
+            self._land(inflight, g % 2, ok)     # this buffer's previous upload must be done
             views, off = [], 0
             for i in group:
                 # an ndarray has the buffer protocol (numpy's stubs do not say so)
                 views.append([memoryview(buf[off:off + sizes[i]].numpy())])  # type: ignore[arg-type]
                 off += sizes[i]
             flags = self.path._run(self.path.store.get_many, [keys[i] for i in group], views)
-            with torch.cuda.stream(self.stream):
+            copied: list[int] = []
+            with self.ops.on(st.stream):
                 off = 0
                 for i, f in zip(group, flags):
                     start = off
-                    for b in dests[i]:
-                        n = b.numel() * b.element_size()
-                        if f:
-                            self._flat(b).copy_(buf[start:start + n], non_blocking=True)
-                        start += n
                     off += sizes[i]
-                    ok[i] = f
-                events[g % 2] = torch.cuda.Event()
-                events[g % 2].record(self.stream)
-        for e in events:
-            if e is not None:
-                e.synchronize()
+                    if not f:
+                        continue
+                    try:
+                        for b in dests[i]:
+                            n = b.numel() * b.element_size()
+                            self.ops.copy(self._flat(b), buf[start:start + n])
+                            start += n
+                    except Exception as e:  # noqa: BLE001 - this page is a miss
+                        log.warning("cpu path: a host-to-GPU copy failed: %s", e)
+                        self.path.failures.add("copy_to_device")
+                        continue
+                    copied.append(i)
+                inflight[g % 2] = (copied, self.ops.event(st.stream))
+        for k in (0, 1):
+            self._land(inflight, k, ok)
         return ok
+
+    def _land(self, inflight: list[tuple[list[int], Any] | None], k: int, ok: list[bool]) -> None:
+        """Wait for buffer `k`'s uploads: their pages are loaded only if every copy completed."""
+        entry, inflight[k] = inflight[k], None
+        if entry is None:
+            return
+        pages, event = entry
+        if self._synced(event, "host-to-GPU"):
+            for i in pages:
+                ok[i] = True
+        else:
+            self.path.failures.add("copy_to_device", len(pages))

@@ -2,9 +2,11 @@
 
 Used only when detection reports GDS really available (never compat-only): `GdsPath.open` refuses
 otherwise, and kvikio runs with compat mode OFF so that a file cuFile cannot take fails loudly
-instead of silently bouncing through host memory. Such a file (`CuFile` open or a transfer
-raising) falls back, for that file only and logged once, to the cpu path (pinned, double-buffered
-staging through the store's own O_DIRECT I/O).
+instead of silently bouncing through host memory. Every failed transfer is a miss (a get) or not
+stored (a put) for exactly the page it carried, never loaded, counted per kind
+(`failure_counts()`: `cufile_register`, `gds_read`, `gds_write`); its file then moves, logged
+once, to the cpu path (pinned, double-buffered staging through the store's own O_DIRECT I/O),
+which serves that file's later pages.
 
 The store must be an `offload.store.base.SlotStore` whose slots are files (`slot_medium`
 "file": DiskStore): blocks are written into reserved slots and committed with the checksum
@@ -33,7 +35,7 @@ from offload.store.base import (
     never_raises,
     promote,
 )
-from offload.transfer.base import StoreBookkeeping
+from offload.transfer.base import FailureCounts, StoreBookkeeping, failures_of, with_failures
 
 log = logging.getLogger(__name__)
 CHECKSUM_KIND = "wsum64"
@@ -88,6 +90,7 @@ class GdsPath(StoreBookkeeping):
         self._files: dict[str, Any] = {}
         self._no_gds: set[str] = set()
         self._lock = threading.Lock()
+        self.failures = FailureCounts()
 
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None) -> "GdsPath":
@@ -109,20 +112,23 @@ class GdsPath(StoreBookkeeping):
                                        f"'.[gds-cu13]'` or `'.[gds-cu12]'` (docs/install.md) "
                                        f"({e})") from None
 
-    def _file(self, path: str) -> Any | None:
+    def _file(self, path: str) -> tuple[Any | None, bool]:
+        """(`path`'s CuFile, or None when cuFile cannot take it; whether it refused it just now:
+        the page that met the refusal is a failed transfer, later ones go to CPU staging)."""
         with self._lock:
             if path in self._no_gds:
-                return None
+                return None, False
             f = self._files.get(path)
-            if f is None:
-                try:
-                    f = self.kvikio.CuFile(path, "r+")
-                except Exception as e:  # noqa: BLE001 - per-file fallback, logged once
-                    log.warning("gds: %s cannot be used by cuFile (%s); CPU staging for it", path, e)
-                    self._no_gds.add(path)
-                    return None
-                self._files[path] = f
-            return f
+            if f is not None:
+                return f, False
+            try:
+                f = self.kvikio.CuFile(path, "r+")
+            except Exception as e:  # noqa: BLE001 - per-file fallback, logged once
+                log.warning("gds: cuFile refused %s (%s); CPU staging for it from now on", path, e)
+                self._no_gds.add(path)
+                return None, True
+            self._files[path] = f
+            return f, False
 
     def _demote(self, path: str, e: BaseException) -> None:
         with self._lock:
@@ -130,7 +136,10 @@ class GdsPath(StoreBookkeeping):
             self._no_gds.add(path)
             f = self._files.pop(path, None)
         if f is not None:
-            f.close()
+            try:
+                f.close()
+            except Exception as ce:  # noqa: BLE001 - closing a handle that failed I/O
+                log.debug("gds: closing %s: %s", path, ce)
 
     def register_region(self, buffer: Any) -> None:
         """Nothing to register: cuFile registers GPU buffers per transfer."""
@@ -149,21 +158,26 @@ class GdsPath(StoreBookkeeping):
             if slot is None:
                 ok[i] = self.store.exists_many([keys[i]])[0]
                 continue
-            f = self._file(slot.path)
+            f, refused = self._file(slot.path)
+            if f is None:
+                self.store.abort_slots([slot])
+                if refused:      # this page's transfer failed: not stored
+                    self.failures.add("cufile_register")
+                else:            # a file demoted before: the cpu path writes it
+                    rest.append(i)
+                continue
             try:
-                if f is None:
-                    raise OSError("no GDS for this file")
                 t = blocks[i][0]
                 if f.pwrite(t, slot.length, slot.offset).get() != slot.length:
                     raise OSError("short write")
-                done.append(slot)
-                done_idx.append(i)
                 sums.append(wsum64(t))
-            except Exception as e:  # noqa: BLE001
-                if f is not None:
-                    self._demote(slot.path, e)
+            except Exception as e:  # noqa: BLE001 - this page is not stored
+                self._demote(slot.path, e)
                 self.store.abort_slots([slot])
-                rest.append(i)
+                self.failures.add("gds_write")
+                continue
+            done.append(slot)
+            done_idx.append(i)
         for i, flag in zip(done_idx, self.store.commit_slots(done, sums) if done else []):
             ok[i] = flag
         if rest:
@@ -203,34 +217,45 @@ class GdsPath(StoreBookkeeping):
         return ok
 
     def _read(self, slot: Slot, t: Any, rest: list[int], i: int) -> bool:
-        """One block from its slot into tensor `t`; a file cuFile cannot take sends it to `rest`."""
+        """One block from its slot into tensor `t`. A failed transfer (cuFile refusing the file
+        now, a read failing or short) is a miss for this page and moves the file to CPU
+        staging; a file moved before sends the page to `rest` (the cpu path)."""
         if slot.length != t.numel() * t.element_size():
             return False
-        f = self._file(slot.path)
+        f, refused = self._file(slot.path)
         if f is None:
-            rest.append(i)
+            if refused:
+                self.failures.add("cufile_register")
+            else:
+                rest.append(i)
             return False
         try:
             if f.pread(t, slot.length, slot.offset).get() != slot.length:
                 raise OSError("short read")
-        except Exception as e:  # noqa: BLE001 - per-file fallback, logged once
+            good = wsum64(t) == slot.checksum
+        except Exception as e:  # noqa: BLE001 - this page is a miss
             self._demote(slot.path, e)
-            rest.append(i)
+            self.failures.add("gds_read")
             return False
-        if wsum64(t) != slot.checksum:
+        if not good:
             log.warning("gds: block %s fails its checksum; deleted, a miss", slot.key.hex()[:16])
             self.store.delete_many([slot.key])
             return False
         return True
 
+    def failure_counts(self) -> dict[str, int]:
+        """Pages a GDS transfer failed (and the CPU fallback's copies), per kind."""
+        return self.failures.snapshot(failures_of(self.fallback))
+
     def stats(self) -> StoreStats:
         s = self.store.stats()
         s.extra = dict(s.extra, path="gds", gds_files=len(self._files),
-                       gds_fallback_files=len(self._no_gds))
+                       gds_fallback_files=len(self._no_gds),
+                       transfer_failures=self.failure_counts())
         return s
 
     def tier_stats(self) -> dict[str, StoreStats]:
-        return self.store.tier_stats()
+        return with_failures(self.store.tier_stats(), self.failure_counts())
 
     def close(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from offload.store.base import SlotStore
 from offload.store.memory.store import MemoryStore
 from offload.store.tiered import TieredStore, WriteThrough
 from offload.transfer.gds import GdsPath, gds_really_available, wsum64, wsum64_numpy
+from tests.transfer.standin import OnGpu, fake_kvikio
 
 
 @dataclass
@@ -94,68 +95,15 @@ def test_gds_roundtrip_on_gpu(tmp_path) -> None:
         path.close()
 
 
-class _FakeFuture:
-    def __init__(self, n: int):
-        self.n = n
-
-    def get(self) -> int:
-        return self.n
-
-
-class _FakeCuFile:
-    """kvikio's CuFile on the CPU: pwrite / pread of a tensor's bytes at an offset."""
-
-    def __init__(self, path: str, mode: str):
-        import os
-
-        self.fd = os.open(path, os.O_RDWR)
-
-    def pwrite(self, t, n: int, off: int) -> _FakeFuture:
-        import os
-
-        return _FakeFuture(os.pwrite(self.fd, t.tensor.numpy().tobytes()[:n], off))
-
-    def pread(self, t, n: int, off: int) -> _FakeFuture:
-        import os
-
-        data = os.pread(self.fd, n, off)
-        t.tensor.view(-1).numpy()[:len(data)] = np.frombuffer(data, np.uint8)
-        return _FakeFuture(len(data))
-
-    def close(self) -> None:
-        import os
-
-        os.close(self.fd)
-
-
-class _OnGpu:
-    """A CPU uint8 tensor that the gds path takes for a CUDA one."""
-    is_cuda = True
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def __getattr__(self, name):
-        return getattr(self.tensor, name)
-
-
 @pytest.mark.parametrize("drives", [1, 3], ids=["one-dir", "three-drives"])
 def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path, monkeypatch,
                                                                        drives):
     """Through the file slots; with three drives (`offload.store.paths`), a cuFile per slab file
     of every drive."""
     torch = pytest.importorskip("torch")
-    import sys
-    import types
-
     from offload.config import Size, StoreConfig
 
-    fake = types.ModuleType("kvikio")
-    fake.CuFile = _FakeCuFile                              # type: ignore[attr-defined]
-    fake.CompatMode = types.SimpleNamespace(OFF="off")     # type: ignore[attr-defined]
-    fake.defaults = types.SimpleNamespace(set=lambda *a: None)   # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvikio", fake)
-    monkeypatch.setitem(sys.modules, "kvikio.defaults", fake.defaults)
+    fake_kvikio(monkeypatch)
     from offload.store.factory import open_disk
 
     dirs = tuple(str(tmp_path / f"nvme{i}") for i in range(drives))
@@ -163,7 +111,7 @@ def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path
                                   capacity=Size(1 << 26), min_free=Size(0)))
     path = GdsPath(store)
     n = 3 * 4096 + 11
-    src = [_OnGpu(torch.randint(0, 255, (n,), dtype=torch.uint8)) for _ in range(4)]
+    src = [OnGpu(torch.randint(0, 255, (n,), dtype=torch.uint8)) for _ in range(4)]
     keys = [i.to_bytes(32, "big") for i in range(4)]
     if drives > 1:   # keys on every drive
         keys = [bytes([i]) * 32 for i in range(4)]
@@ -172,7 +120,7 @@ def test_gds_path_moves_blocks_through_the_file_slots_with_a_cpu_cufile(tmp_path
         host = np.zeros(n, np.uint8)                      # written by "gds", read by the CPU
         assert store.get_many([keys[1]], [[host]]) == [True]
         assert np.array_equal(host, src[1].tensor.numpy())
-        dst = [_OnGpu(torch.zeros(n, dtype=torch.uint8)) for _ in range(5)]
+        dst = [OnGpu(torch.zeros(n, dtype=torch.uint8)) for _ in range(5)]
         absent = (9).to_bytes(32, "big")
         before = store.stats()
         assert path.get_many(keys + [absent], [[d] for d in dst]) == [True] * 4 + [False]
