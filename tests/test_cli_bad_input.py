@@ -297,7 +297,8 @@ class ClosedAfter(io.TextIOBase):
 def _pipe_commands(tmp: Path) -> list[list[str]]:
     cfg = tmp / "c.yaml"
     cfg.write_text(f"offload:\n  store:\n    path: {tmp / 'cache'}\n")
-    return [["plan"], ["plan", "--json"], ["cache", "stats", "--json", str(tmp / "cache")],
+    return [["plan", "--tp", "2"], ["plan", "--tp", "2", "--json"],
+            ["cache", "stats", "--json", str(tmp / "cache")],
             ["config", "validate", "--json", "--offload-only", str(cfg)],
             ["detect", "--json", "--root", str(HOSTS / "cpu-box")],
             ["bench", "plot", "--help"]]
@@ -316,7 +317,8 @@ def test_a_closed_stdout_ends_quietly(tmp: Path, data: st.DataObject) -> None:
     assert "Traceback" not in err.getvalue() and "error" not in err.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("argv", [["plan"], ["detect", "--json", "--root", str(HOSTS / "cpu-box")]])
+@pytest.mark.parametrize("argv", [["plan", "--tp", "2"],
+                                  ["detect", "--json", "--root", str(HOSTS / "cpu-box")]])
 def test_a_real_closed_pipe(argv: list[str]) -> None:
     """`sglang-offload plan | head -c 0`: the reader is gone before the first write."""
     r, w = os.pipe()
@@ -352,7 +354,7 @@ def test_v_gives_debug_lines(tmp: Path, caplog: pytest.LogCaptureFixture, argv: 
 
 def test_v_logs_ours_not_every_library_s_debug_lines() -> None:
     # matplotlib's font search alone was ~150 DEBUG lines of `-v bench ... --plot`
-    code = ("import logging, sys; from offload.cli import main; rc = main(['-v', 'plan']); "
+    code = ("import logging, sys; from offload.cli import main; rc = main(['-v', 'plan', '--tp', '2']); "
             "logging.getLogger('some.library').debug('LIBRARY DEBUG'); sys.exit(rc)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

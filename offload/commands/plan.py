@@ -168,8 +168,10 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if args.read_gbps is not None or args.drives is not None or bw is None:
         per, drives = args.read_gbps or DEFAULT_READ_GBPS, args.drives or 1
         bw = per * drives
-        how = (f"{drives} drives x {per:g} GB/s" if drives > 1 else how
-               if args.config is not None and args.read_gbps is None else "")
+        if drives > 1:
+            how = f"{drives} drives x {per:g} GB/s"
+        elif args.read_gbps is not None:
+            how = ""                   # one drive at the given rate: nothing to add
     gpu = _gpu(args, found)
 
     def size(flag: str, text: str | None) -> int | None:
