@@ -9,9 +9,10 @@ on sys.path. Run with SGLANG_USE_CPU_ENGINE=1 (SGLang reads it at import):
   and that the speculative kernel modules import;
 - `host_pool`: an MHA host pool built with SGLang's default `pin_memory=True` allocates without
   CUDA host registration and hands out a flat data page;
-- `roundtrip`: for each pool kind (MHA, MLA, Mamba: SGLang's own host pool classes on CPU
-  tensors) x layout x io backend, a backup of scattered device rows to the host pool, the bytes
-  where SGLang's own `get_data_page` says they are, then a load back into cleared device rows.
+- `roundtrip`: for each pool kind (MHA in float32 and in float8_e4m3fn, an FP8 KV cache; MLA;
+  Mamba: SGLang's own host pool classes on CPU tensors) x layout x io backend, a backup of
+  scattered device rows to the host pool, the bytes where SGLang's own `get_data_page` says they
+  are, then a load back into cleared device rows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TOKENS = 64          # device slots
 HOST_BUDGET = 1 << 30
 KINDS_LAYOUTS = {
     "mha": ("layer_first", "page_first", "page_first_direct", "page_head"),
+    "mha_fp8": ("layer_first", "page_first", "page_first_direct", "page_head"),  # float8 KV
     "mla": ("layer_first", "page_first", "page_first_direct"),
     "mamba": ("page_first", "page_first_direct"),
 }
@@ -46,6 +48,8 @@ def _run(check: Callable[[], None]) -> str:
 
 
 def _eq(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype == b.dtype == torch.float8_e4m3fn:   # torch.equal has no float8 kernel: the bytes
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
     if not torch.equal(a, b):
         raise AssertionError(f"{what}: differs")
 
@@ -97,20 +101,20 @@ def check_speculative_imports() -> None:
         importlib.import_module(f"sglang.kernels.ops.speculative.{name}")
 
 
-def _mha_pool(layout: str, pin_memory: bool = True):
+def _mha_pool(layout: str, pin_memory: bool = True, dtype: torch.dtype = torch.float32):
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     heads, dim = 2, 8
     gen = torch.Generator().manual_seed(2)
-    k = tuple(torch.randn(TOKENS, heads, dim, generator=gen) for _ in range(LAYERS))
-    v = tuple(torch.randn(TOKENS, heads, dim, generator=gen) for _ in range(LAYERS))
+    k = tuple(torch.randn(TOKENS, heads, dim, generator=gen).to(dtype) for _ in range(LAYERS))
+    v = tuple(torch.randn(TOKENS, heads, dim, generator=gen).to(dtype) for _ in range(LAYERS))
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
                           v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
                           layout=KVBufferLayout.NHD),
-        page_size=PAGE, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=torch.float32,
+        page_size=PAGE, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=dtype,
         device=torch.device("cpu"))
     with host_memory_budget_scope(HOST_BUDGET):
         pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=pin_memory,
@@ -174,7 +178,9 @@ def _mamba_pool(layout: str):
 
 
 def check_roundtrip(kind: str, layout: str, io_backend: str, order: str = "pages") -> None:
-    pool, device, page_rows = {"mha": _mha_pool, "mla": _mla_pool, "mamba": _mamba_pool}[kind](layout)
+    pool, device, page_rows = {
+        "mha": _mha_pool, "mla": _mla_pool, "mamba": _mamba_pool,
+        "mha_fp8": lambda la: _mha_pool(la, dtype=torch.float8_e4m3fn)}[kind](layout)
     page = pool.page_size
     originals = [tuple(t.clone() for t in layer) for layer in device]
     # Two scattered device pages, into two host pages the pool hands out.
