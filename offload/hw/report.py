@@ -168,8 +168,9 @@ def render_text(facts: Facts, decision: Decision | None,
                 f"({gdr.reason})",
             f"GPUDirect Storage: {gstat} ({gwhy})",
             f"  nvidia_fs {_v(facts.gds.nvidia_fs)}; libcufile {facts.gds.libcufile}; "
-            f"cufile.json {_v(facts.gds.cufile_json)}; storage drivers registered: "
-            f"{_modules(facts.gds.modules)}",
+            f"cufile.json {_v(facts.gds.cufile_json)}" + (
+                f"; storage drivers registered: {_modules(facts.gds.modules)}"
+                if facts.gds.nvidia_fs else ""),
             f"DOCA: {facts.doca.reason}",
             f"Agent: {facts.agent.reason}"]
     py = facts.python

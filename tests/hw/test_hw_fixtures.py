@@ -313,3 +313,13 @@ def test_the_driver_nvidia_fs_must_list_follows_the_block_device() -> None:
     assert not ok and "does not list nvme_rdma" in why
     assert nvfs_driver_support(dataclasses.replace(g, modules=("nvme_rdma", "nvme")), md,
                                drives)[0]
+
+
+def test_live_nvidia_fs_modules_are_read_through_the_injected_probe() -> None:
+    """On the live machine the file is read with /dev/nvidia-fs0 held open (`Live.nvfs_modules`:
+    nvidia-fs registers drivers only while a process has it open); that probe's answer is used."""
+    live = Live(nvfs_modules=lambda: "nvme: v1\n")
+    facts, d = detect_and_decide(load_offload({}), root=str(HOSTS / "h100-gds-no-modules"),
+                                 cache_dir="/data/kv", live=live, python=ALL_CU13)
+    assert facts.gds.modules == ("nvme",)
+    assert d.path == "gds" and any("nvidia-fs lists nvme" in r for r in d.reasons)
