@@ -2,21 +2,32 @@
 
 Keys (one hash tag, so one node of a cluster holds all three): KEYS[1] a sorted set of our block
 keys scored by last use (the server's microseconds), KEYS[2] a hash key -> size, KEYS[3] the byte
-counter. `ADD` (ARGV: budget, ttl in us, then key, size pairs) records new blocks, forgets those
-past the ttl and pops the oldest while the counter is over the budget: it returns the victims
-(the caller DELs them: keys we wrote). `TOUCH` (ARGV: 'touch' or 'forget', then keys) moves keys to
-now, or drops them from the index (a block found missing, expired, deleted, or not verifiable).
+counter. `ADD` (ARGV: budget, ttl in us, the block key prefix, the block key length, then key,
+size pairs) records new blocks, forgets those past the ttl and pops the oldest while the counter
+is over the budget: it returns the victims (the caller DELs them: keys we wrote; a member that
+is not a block key of ours, of our length, is forgotten but never returned, so nothing another
+writer put in the index makes the reply long or names a key we did not write). `TOUCH` (ARGV:
+'touch' or 'forget', then keys) moves keys to now, or drops them from the index (a block found
+missing, expired, deleted, or not verifiable).
+
+Another writer of our keys can break these records (a counter or a size that is not a number,
+a key of another type): a size that is not a number counts 0, a counter that is not a number of
+at most 20 digits is reset, and a key of the wrong type fails the script in Redis, which the
+store counts (`script_errors`) without failing the link.
 """
 
 ADD = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local c = redis.call('GET', KEYS[3])
+if c and (#c > 20 or not string.match(c, '^-?%d+$')) then redis.call('DEL', KEYS[3]) end
 local function forget(m)
-  local s = redis.call('HGET', KEYS[2], m)
-  if s then redis.call('HDEL', KEYS[2], m); redis.call('DECRBY', KEYS[3], s) end
+  local s = tonumber(redis.call('HGET', KEYS[2], m))
+  redis.call('HDEL', KEYS[2], m)
+  if s then redis.call('DECRBY', KEYS[3], s) end
   redis.call('ZREM', KEYS[1], m)
 end
-for i = 3, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
   end
@@ -30,11 +41,14 @@ if ttl > 0 then
 end
 local victims = {}
 local budget = tonumber(ARGV[1])
+local prefix, keylen = ARGV[3], #ARGV[3] + tonumber(ARGV[4])
 while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
   local pop = redis.call('ZRANGE', KEYS[1], 0, 0)
   if #pop == 0 then break end
   forget(pop[1])
-  victims[#victims + 1] = pop[1]
+  if #pop[1] == keylen and string.sub(pop[1], 1, #prefix) == prefix then
+    victims[#victims + 1] = pop[1]
+  end
 end
 return victims
 """
@@ -46,8 +60,9 @@ for i = 2, #ARGV do
   if ARGV[1] == 'touch' then
     redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i])
   else
-    local s = redis.call('HGET', KEYS[2], ARGV[i])
-    if s then redis.call('HDEL', KEYS[2], ARGV[i]); redis.call('DECRBY', KEYS[3], s) end
+    local s = tonumber(redis.call('HGET', KEYS[2], ARGV[i]))
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    if s then redis.call('DECRBY', KEYS[3], s) end
     redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end

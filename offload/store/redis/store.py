@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -49,6 +50,7 @@ log = logging.getLogger("offload.store.redis.store")
 
 FORMAT = b":v2:"                     # after the key prefix; bumped with the value format
 PIPELINE_BYTES = 64 << 20  # bytes in flight per pipeline round trip
+SCRIPT_LOG_EVERY_S = 60.0  # budget scripts failing in Redis are logged at most this often
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -99,6 +101,8 @@ class RedisStore:
         self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._mismatches = 0
+        self._script_errors = 0
+        self._script_logged = -SCRIPT_LOG_EVERY_S
 
     def _add(self, **counts: int) -> None:
         with self._lock:
@@ -338,16 +342,42 @@ class RedisStore:
 
     # -- budget index -----------------------------------------------------------------------
     def _script(self, name: str, src: str, args: Sequence[Any]) -> Any:
+        """A budget script's reply, or None. A script Redis refuses or fails (an index record
+        another writer of our keys broke: a key of another type; `NOPERM`) is counted in
+        `script_errors` and logged at most once per `SCRIPT_LOG_EVERY_S`; it is not a failure
+        of the link (Redis answered), so the data path's breaker does not trip."""
+        from redis.exceptions import NoScriptError, ResponseError
+
         def call(c: Any) -> Any:
             if name not in self._scripts:
                 self._scripts[name] = c.register_script(src)
-            return self._scripts[name](keys=self.idx_keys, args=list(args), client=c)
+            try:
+                return self._scripts[name](keys=self.idx_keys, args=list(args), client=c)
+            except NoScriptError:
+                raise
+            except ResponseError as e:
+                self._script_error(name, e)
+                return None
 
         return self.link.run(call, f"budget {name}")
 
+    def _script_error(self, name: str, e: Exception) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._script_errors += 1
+            quiet = now - self._script_logged < SCRIPT_LOG_EVERY_S
+            if not quiet:
+                self._script_logged = now
+        if not quiet:
+            log.warning("Redis tier %s: the budget script %s failed in Redis (%s); the max_bytes "
+                        "index under %s may have been changed by another writer (logged at most "
+                        "every %g s)", self.link.target.display(), name,
+                        str(e)[:200], self.idx_prefix.decode(errors="replace"),
+                        SCRIPT_LOG_EVERY_S)
+
     def _budget_add(self, written: list[tuple[bytes, int]]) -> list[bytes]:
         ttl_us = int(self.cfg.ttl_s or 0) * 1_000_000
-        args: list[Any] = [int(self.cfg.max_bytes or 0), ttl_us]
+        args: list[Any] = [int(self.cfg.max_bytes or 0), ttl_us, self.prefix, KEY_BYTES]
         for rk, size in written:
             args += [rk, size]
         victims = self._script("add", _ADD, args) or []
@@ -377,17 +407,22 @@ class RedisStore:
             s = StoreStats(**vars(self._stats))
             mismatches = self._mismatches
         s.extra = dict(self.link.counters(), size_mismatches=mismatches,
+                       script_errors=self._script_errors,
                        key_prefix=self.cfg.key_prefix, authenticated=self.codec.authenticated)
         if self.cfg.max_bytes is not None and self.link.available():
             def read(c: Any) -> list[Any]:
                 pipe = c.pipeline(transaction=False)
                 pipe.zcard(self.idx_keys[0])
-                pipe.get(self.idx_keys[2])
+                pipe.getrange(self.idx_keys[2], 0, 20)     # a counter: at most 21 bytes read
                 return self._execute(pipe, 2)
 
-            res = self.link.run(read, "stats")
-            if res and not any(isinstance(r, Exception) for r in res):
-                s.blocks, s.bytes_used = int(res[0]), int(res[1] or 0)
+            with self.link.call(0, 3):
+                res = self.link.run(read, "stats")
+            if res and isinstance(res[0], int) and isinstance(res[1], bytes):
+                try:
+                    s.blocks, s.bytes_used = res[0], int(res[1] or 0)
+                except ValueError:      # not a number (another writer's): unknown, left at 0
+                    pass
         return s
 
     def close(self) -> None:

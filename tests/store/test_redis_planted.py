@@ -1,0 +1,71 @@
+"""What another writer of our keys plants in the Redis tier's own records never trips the breaker.
+
+The promise of issue 36 item 8 for every reader of what another writer can put in Redis (the
+KV-events stream: tests/events/test_redis_feed_hostile.py), here for the tier's own records
+under its prefix: the `max_bytes` index (an LRU sorted set, a size hash, a byte counter), read
+by the budget scripts and by `stats()`. Planted values (a 66 MiB counter, a 66 MiB member, sizes
+that are not numbers, keys of the wrong type) are read under a per-entry bound, what fails is
+skipped, and the data path's breaker never trips: every block stays a hit, and
+`link.failures` stays 0. Real redis-server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from offload.keys import Namespace
+from tests.store.redis_fixtures import redis_factory, redis_store  # noqa: F401
+
+NS = Namespace("planted", "bf16", "layer_first", 16)
+SIZE = 16 << 10
+BIG = 66 << 20
+
+
+def _plant_counter(c: Any, store: Any) -> None:
+    c.set(store.idx_keys[2], b"9" * BIG)                       # the byte counter: 66 MiB
+
+
+def _plant_member(c: Any, store: Any) -> None:
+    member = store.prefix + b"x" * BIG                          # the oldest member: 66 MiB
+    c.zadd(store.idx_keys[0], {member: 0})
+    c.hset(store.idx_keys[1], member, 1 << 30)
+    c.incrby(store.idx_keys[2], 1 << 30)
+
+
+def _plant_sizes(c: Any, store: Any) -> None:
+    c.zadd(store.idx_keys[0], {store.prefix + b"y" * 32: 0})  # a size that is not a number
+    c.hset(store.idx_keys[1], store.prefix + b"y" * 32, b"not a number")
+    c.set(store.idx_keys[2], b"also not a number")
+
+
+def _plant_types(c: Any, store: Any) -> None:
+    for k in store.idx_keys:                                   # every index key a list
+        c.delete(k)
+        c.rpush(k, b"a list")
+
+
+PLANTS: dict[str, Callable[[Any, Any], None]] = {
+    "66 MiB counter": _plant_counter, "66 MiB member": _plant_member,
+    "sizes not numbers": _plant_sizes, "wrong types": _plant_types}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_planted_index_records_never_trip_the_data_path(redis_factory, plant: str) -> None:  # noqa: F811
+    server = redis_factory([])         # no AOF: what is measured is the reply, not the disk
+    # A generous deadline: the scripts handle a 66 MiB member in Redis on a loaded box.
+    store = redis_store(server.url, 5.0, 5.0, max_bytes="1MiB")
+    keys = [NS.key(f"page-{i}") for i in range(8)]
+    assert all(store.put_many(keys, [[bytes([i]) * SIZE] for i in range(8)]))
+    PLANTS[plant](server.client(), store)
+    more = [NS.key(f"more-{i}") for i in range(80)]            # past the budget: evictions
+    for i in range(0, 80, 8):
+        store.stats()                                          # a metrics scrape between puts
+        store.put_many(more[i:i + 8], [[b"m" * SIZE] for _ in range(8)])
+        got = store.get_many(keys[:2], [[bytearray(SIZE)] for _ in range(2)])
+        assert store.link.failures == 0, (plant, store.link.last_error)
+    held = store.get_many(more[-8:], [[bytearray(SIZE)] for _ in range(8)])
+    assert all(held), (plant, held, got)                       # the newest blocks: hits
+    assert store.link.available() and store.link.failures == 0, store.link.last_error
+    store.close()
