@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
-from offload.store.base import BlockStore, Buffer, StoreStats, never_raises, promote
+from offload.store.base import BlockStore, Buffer, StoreStats, all_false, never_raises, promote
 from offload.transfer.base import FailureCounts, StoreBookkeeping, with_failures
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,7 @@ class _GpuStager:
             log.warning("cpu path: a %s copy failed: %s", what, e)
             return False
 
+    @never_raises("cpu path: staging GPU pages to the store", all_false)
     def put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
         st = self._staging("put")
         with st.lock:
@@ -320,6 +321,7 @@ class _GpuStager:
         for i, f in zip(staged, flags):
             ok[i] = f
 
+    @never_raises("cpu path: staging store blocks to GPU pages", all_false)
     def get(self, keys: Sequence[bytes], dests: Sequence[Sequence[Any]]) -> list[bool]:
         st = self._staging("get")
         with st.lock:

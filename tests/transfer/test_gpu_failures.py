@@ -373,3 +373,17 @@ def test_a_nixl_read_ending_in_error_stores_none_of_its_pages(agent_rig) -> None
     wrong = [i for i, f in enumerate(got)
              if f and not np.array_equal(dst[i * PAGE:(i + 1) * PAGE], src[i * PAGE:(i + 1) * PAGE])]
     assert wrong == []
+
+
+def test_staging_memory_that_cannot_be_had_is_a_miss_never_an_exception(tmp_path: Path) -> None:
+    class NoPinned(CpuOps):
+        def pinned(self, nbytes: int) -> Any:
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    path = CpuStagingPath(_store(tmp_path), device_ops=NoPinned())
+    src, keys = _pages(2), _keys("o", 2)
+    try:
+        assert path.put_many(keys, [[s] for s in src]) == [False, False]
+        assert path.get_many(keys, [[d] for d in _empty(2)]) == [False, False]
+    finally:
+        path.close()
