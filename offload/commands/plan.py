@@ -92,7 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hicache-ratio", type=arg(positive),
                    help="L2 host KV pool / HBM KV pool (SGLang --hicache-ratio; its default 2)")
     p.add_argument("--host-mem", metavar="SIZE",
-                   help="host memory the L2 pools of all GPUs share: refuses pools past it")
+                   help="host memory the L2 pools of all GPUs share (default: with --config and "
+                   "the GPUs detected, MemTotal under --root): refuses pools past it less "
+                   "SGLang's 10 GiB reserve")
     p.add_argument("--l2-gbps", type=arg(positive), default=DEFAULT_L2_GBPS,
                    help="host -> GPU bandwidth per GPU, GB/s (default %(default)g: PCIe Gen5 x16)")
     p.add_argument("--think-s", type=float, default=DEFAULT_THINK_S,
@@ -202,6 +204,14 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
                                "(max_position_embeddings); SGLang refuses it"])
     else:                                         # 128K, or the model's window when shorter
         context = min(parse_tokens(DEFAULT_CONTEXT), arch.max_context or MAX_TOKENS)
+    from offload.hw.fsroot import Root
+    from offload.launch.checks import MEMINFO, SGLANG_HOST_RESERVE, meminfo
+
+    host_mem, host_source = size("--host-mem", args.host_mem), "--host-mem"
+    if host_mem is None and found is not None and args.gpu is None:
+        # planning on the deployment's host (its GPUs detected): its memory bounds the L2 pools
+        mem = meminfo(Root(args.root))
+        host_mem, host_source = (mem[0], f"{MEMINFO} MemTotal") if mem else (None, "")
     l2_size = None if args.hicache_size is None else int(args.hicache_size * 1e9)
     l2_ratio = args.hicache_ratio
     if l2_size is None and l2_ratio is None:      # the file's pair, as SGLang reads it
@@ -222,8 +232,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         read_gbps=bw, prefill_tps=args.prefill_tps, model_source=source, read_drives=drives,
         read_source=how, page_size=pick(args.page_size, dep.page_size, None),
         l2_size=l2_size, l2_ratio=l2_ratio, l2_gbps=args.l2_gbps, think_s=args.think_s,
-        turn_s=args.turn_s, ttft_s=args.ttft, host_mem=size("--host-mem", args.host_mem),
-        tier_name=dep.tier_name)
+        turn_s=args.turn_s, ttft_s=args.ttft, host_mem=host_mem, host_reserve=SGLANG_HOST_RESERVE,
+        host_mem_source=host_source, tier_name=dep.tier_name)
 
 
 def run(args: argparse.Namespace) -> int:

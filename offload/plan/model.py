@@ -107,6 +107,8 @@ class PlanInputs:
     turn_s: float = DEFAULT_TURN_S
     ttft_s: float = DEFAULT_TTFT_S
     host_mem: int | None = None          # bytes of host memory the L2 pools of all GPUs share
+    host_reserve: int = 0                # of it, what SGLang keeps free (10 GiB in 0.5.23)
+    host_mem_source: str = "--host-mem"
     tier_name: str = "L3"                # "L3 NVMe", "L3 DPU agent", "L3 Redis"
 
 
@@ -321,11 +323,15 @@ def _problems(inp: PlanInputs, budget: int, weights: int, static: int, chosen: U
                    f"{chosen.kv_bytes_per_user_per_rank / GiB:.2f} GiB per GPU "
                    f"({inp.kv_dtype} KV), {budget / GiB:.2f} GiB is left after the weights; "
                    f"{fix}, or use a shorter --context or FP8 KV")
-    if inp.host_mem is not None and l2_bytes * inp.gpus > inp.host_mem:
+    room = None if inp.host_mem is None else max(inp.host_mem - inp.host_reserve, 0)
+    if room is not None and l2_bytes * inp.gpus > room:
+        reserve = (f" less SGLang's {inp.host_reserve / GiB:g} GiB reserve" if inp.host_reserve
+                   else "")
         out.append(f"the L2 pools do not fit in host memory: {inp.gpus} GPUs x "
                    f"{l2_bytes / HICACHE_GB:.1f} GB = {l2_bytes * inp.gpus / HICACHE_GB:.1f} GB "
-                   f"pinned, more than the {inp.host_mem / HICACHE_GB:.1f} GB of --host-mem; "
-                   "lower hicache-size (SGLang refuses to start)")
+                   f"pinned, more than the {room / HICACHE_GB:.1f} GB of {inp.host_mem_source}"
+                   f"{reserve}; lower hicache-size to at most "
+                   f"{math.floor(room / inp.gpus / HICACHE_GB)} (SGLang refuses to start)")
     return out
 
 

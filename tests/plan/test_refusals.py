@@ -27,7 +27,7 @@ L70 = preset_architecture("Llama-3.1-70B")
      "the weights do not fit: 94.50 GiB per GPU at TP 8"),
     (["--tp", "2", "--weight-dtype", "fp8", "--hicache-size", "200", "--host-mem", "256GB"],
      "the L2 pools do not fit in host memory: 2 GPUs x 200.0 GB = 400.0 GB pinned, more than the "
-     "256.0 GB of --host-mem"),
+     "245.3 GB of --host-mem less SGLang's 10 GiB reserve; lower hicache-size to at most 122"),
 ])
 @pytest.mark.parametrize("fmt", [[], ["--json"], ["--comment"]])
 def test_a_deployment_that_cannot_run_exits_1_saying_why(capsys, argv: list[str], reason: str,
@@ -88,3 +88,26 @@ def test_l2_sizing_for_an_l3_hit() -> None:
     ratio = make_plan(PlanInputs(**base, l2_ratio=3.0))  # type: ignore[arg-type]
     assert ratio.l2_bytes_per_gpu == 3 * ratio.kv_budget_per_gpu
     assert ratio.users[0].l2_contexts_per_replica == 12
+
+
+def test_on_the_deployments_host_its_memory_bounds_the_l2(capsys, tmp_path) -> None:
+    # the case: 8 x 120 GB of pinned L2 on a box with 23 GB: refused, naming MemTotal
+    import shutil
+    from pathlib import Path
+
+    root = tmp_path / "host"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "dgx-8nvme", root,
+                    symlinks=True)
+    (root / "proc" / "meminfo").write_text("MemTotal:       23000000 kB\n"
+                                           "MemAvailable:   20000000 kB\n")
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n"
+                   "  hicache-size: 120\n")
+    assert main(["plan", "--config", str(cfg), "--root", str(root), "--read-gbps", "7"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    assert ("8 GPUs x 120.0 GB = 960.0 GB pinned, more than the 12.8 GB of /proc/meminfo MemTotal "
+            "less SGLang's 10 GiB reserve; lower hicache-size to at most 1") in err
+    # --gpu names the deployment's GPU: planning elsewhere, this host's memory is not the bound
+    assert main(["plan", "--config", str(cfg), "--root", str(root), "--gpu", "H100",
+                 "--read-gbps", "7"]) == 0
