@@ -12,7 +12,11 @@ the triples). Each reply's cached tokens and its greedy output (which must equal
 are recorded, and the store's blocks and bytes. A short warm-up prompt goes through each phase
 first (the first load from the store pays one-off costs: its time is reported apart,
 `first_l3_request_s`; `native_hash_at_start`: each started server's line on SGLang's page-hash
-extension, built or loaded before it answered). A restart that fails (the server does not come
+extension, built or loaded before it answered). `--kv-cache-dtype` starts the servers with that
+KV cache dtype over the deployment file's (`fp8_e4m3`: half the bytes of bf16 per page, on the CPU
+with patches/0017); the dtype the server reports and the store's bytes per block are the figure
+beside the times, so a bf16 run and an fp8 run of the same lengths compare bytes and time.
+A restart that fails (the server does not come
 back, or dies during the triples) is reported, not dropped: the rows measured before it stay,
 each length without its L3 target says `l3_failed` with the reason, and the command exits 1.
 The server: started from
@@ -55,6 +59,7 @@ from offload.launch.server import LaunchedServer, Reply, free_port, store_usage,
 PHASES = ("cold", "l1l2", "l3")
 RESTARTED = ("cold_restarted", "l1l2_restarted")   # the triples' fresh prompt and repeated hit
 WARM = 512            # tokens of the warm-up prompt, sent through each phase before any timing
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 TORCH_NATIVE_NOTE = ("this SGLang lacks patches/0008: its torch_native attention recomputes "
                      "attention over the whole prompt even when the prefix is cached "
                      "(srt/layers/attention/torch_native_backend.py _run_sdpa_forward_extend): "
@@ -84,6 +89,10 @@ OPTIONS = (
     Option(("--phases",), "which to measure", "cold,l1l2,l3", names("cold", "l1l2", "l3")),
     Option(("--seed",), "seed of the prompts' token ids; 0: a new one each run, so a server "
            "that saw earlier runs still starts cold", 0, int),
+    Option(("--kv-cache-dtype",), "the servers' KV cache dtype (SGLang's kv-cache-dtype, over the "
+           "deployment file's; with --config): fp8_e4m3 stores half the bytes of bf16 per page; "
+           "reported with the store's bytes per block", None, choices=KV_CACHE_DTYPES,
+           metavar="DTYPE"),
     JSON,
 )
 
@@ -139,6 +148,9 @@ def deployment(src: str, store: Path, port: int, sglang: dict[str, Any] | None =
 def run(args: Args) -> Outcome:
     if bool(args.config) == bool(args.url):
         raise UsageError("give one of --config FILE (start a server) or --url URL (a running one)")
+    if args.url and args.kv_cache_dtype:
+        raise UsageError("--kv-cache-dtype starts the servers with that dtype: use it with "
+                         "--config (the server at --url keeps its own)")
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     phases = set(args.phases.split(","))
     if args.url and "l3" in phases:
@@ -179,7 +191,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
         cfg, url = Path(), args.url
     else:
         port = free_port()
-        cfg = deployment(args.config, store, port)
+        kv = {"kv-cache-dtype": args.kv_cache_dtype} if args.kv_cache_dtype else None
+        cfg = deployment(args.config, store, port, kv)
         url = f"http://127.0.0.1:{port}"
         server = LaunchedServer.start(cfg, work / "server-1.log", url)
     servers = [server]
@@ -192,7 +205,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
         result["server"] = {k: info.get(k) for k in ("attention_backend", "device",
                                                      "hicache_storage_prefetch_policy",
                                                      "hicache_mem_layout", "hicache_io_backend",
-                                                     "page_size", "model_path")}
+                                                     "page_size", "model_path",
+                                                     "kv_cache_dtype")}
         ctx = info.get("context_length")
         too_long = [n for n in lengths if isinstance(ctx, int) and n + args.max_new_tokens > ctx]
         if too_long:
@@ -248,7 +262,8 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             if "l3_failed" in result and not row.get("target"):
                 row["l3_failed"] = result["l3_failed"]
         blocks, data = store_usage(store) if not args.url else (None, None)
-        result["store"] = {"blocks": blocks, "data_bytes": data}
+        result["store"] = {"blocks": blocks, "data_bytes": data,
+                           "block_bytes": data // blocks if blocks else None}
     except (RunError, OSError) as e:
         if server.proc is not None:        # the log goes with the scratch directory: show it
             print(f"--- {server.log} (last lines) ---\n{server.tail()}", file=sys.stderr)
@@ -295,7 +310,8 @@ def _fmt(d: dict[str, Any], key: str, fmt: str) -> str:
 def _print(result: dict[str, Any]) -> None:
     srv = result.get("server", {})
     print(f"bench serve: {srv.get('model_path')} on {srv.get('device')}, attention "
-          f"{srv.get('attention_backend')}, page {srv.get('page_size')} tokens")
+          f"{srv.get('attention_backend')}, page {srv.get('page_size')} tokens, KV cache "
+          f"{srv.get('kv_cache_dtype')}")
     print(f"{'tokens':>8} {'cold s':>8} {'L1/L2 s':>8} {'x':>6} {'cached':>7} "
           f"{'L3 s':>8} {'x':>6} {'cached':>7} {'same':>5}")
     for n, row in result["rows"].items():
@@ -322,7 +338,9 @@ def _print(result: dict[str, Any]) -> None:
                   "before it)")
     st = result.get("store") or {}
     if st.get("blocks") is not None:
-        print(f"store: {st['blocks']} blocks, {st['data_bytes']} bytes")
+        print(f"store: {st['blocks']} blocks, {st['data_bytes']} bytes"
+              + (f" ({st['block_bytes']} bytes per block, KV cache {srv.get('kv_cache_dtype')})"
+                 if st.get("block_bytes") else ""))
     if result.get("note"):
         print(f"note: {result['note']}")
 
