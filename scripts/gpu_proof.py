@@ -19,6 +19,12 @@ Steps (run by scripts/gpu-proof.sh after the `gpu` tests):
   write_plot()    matplotlib if present, else a minimal PNG of bars (no text; the JSON has figures)
 Every load is checked byte for byte against the prefill's pages. Writes gpu-proof.json and
 gpu-proof.png to --out.
+
+    python scripts/gpu_proof.py --fp8-summary BF16.json FP8.json --tokens 131008
+
+prints two `bench serve --json` results (gpu-proof.sh: the deployment's own KV dtype and
+`--kv-cache-dtype fp8_e4m3`) side by side at one length: the L3's bytes per block, cold and L3
+hit times to first token, and whether each L3 hit gave its own cold output.
 """
 
 from __future__ import annotations
@@ -375,7 +381,14 @@ def run(out: Path, tokens: list[int], cache_dir: str, dry_run: bool) -> dict[str
                                    "prefill_s": round(times[t], 4)}
             row["cpu_staging_s"] = round(load(cpu, pages, n, device, cache_dir), 4)
             if gds_path is not None:
-                took = load(gds_path, pages, n, device, cache_dir)
+                try:
+                    took = load(gds_path, pages, n, device, cache_dir)
+                except RuntimeError:
+                    if not gds_path._no_gds:
+                        raise
+                    # cuFile refused a file: its first page a miss (a failed transfer,
+                    # gds.failure_counts); the compat-mode figure below stands instead
+                gds["transfer_failures"] = gds_path.failure_counts()
                 if gds_path._no_gds:
                     gds["mode"] = ("compat: cuFile (compat mode OFF) refused the store's files, "
                                    "so they were read by kvikio in compat mode (POSIX reads "
@@ -407,6 +420,43 @@ def run(out: Path, tokens: list[int], cache_dir: str, dry_run: bool) -> dict[str
     return result
 
 
+def _row_figures(result: dict[str, Any], length: int) -> dict[str, Any]:
+    """One bench serve --json result at `length` tokens: its KV dtype, the store's bytes per
+    block, the cold and L3 times to first token and whether the L3 hit gave the cold output."""
+    row = result.get("rows", {}).get(str(length)) or {}
+    store = result.get("store") or {}
+    block = store.get("block_bytes")
+    if block is None and store.get("blocks"):
+        block = store["data_bytes"] // store["blocks"]
+    return {"dtype": (result.get("server") or {}).get("kv_cache_dtype"), "block_bytes": block,
+            "cold_s": (row.get("cold") or {}).get("ttft_s"),
+            "l3_s": (row.get("l3") or {}).get("ttft_s"),
+            "same": (row.get("l3") or {}).get("same_output")}
+
+
+def fp8_summary(bf16: dict[str, Any], fp8: dict[str, Any], length: int) -> list[str]:
+    """The FP8 lines of the proof: bf16's and fp8's bench serve at one length side by side (the
+    L3's bytes per block, cold vs the L3 hit), with fp8/bf16 ratios where both have a figure."""
+    b, f = _row_figures(bf16, length), _row_figures(fp8, length)
+
+    def pair(key: str, unit: str, fmt: str) -> str:
+        vals = [d[key] for d in (b, f)]
+        text = " vs ".join("-" if v is None else format(v, fmt) + unit for v in vals)
+        if all(isinstance(v, (int, float)) and v for v in vals):
+            text += f" (fp8/bf16 {vals[1] / vals[0]:.2f}x)"
+        return text
+
+    def same(d: dict[str, Any]) -> str:
+        return {True: "yes", False: "NO"}.get(d["same"], "-")
+
+    return [f"fp8 KV cache vs bf16 at {length} tokens ({f['dtype']} vs {b['dtype']}, each its "
+            "own restart):",
+            f"  L3 bytes per block {pair('block_bytes', '', 'd')}",
+            f"  cold TTFT {pair('cold_s', ' s', '.3f')}",
+            f"  L3 hit TTFT {pair('l3_s', ' s', '.3f')}",
+            f"  L3 hit gives its own cold output: bf16 {same(b)}, fp8 {same(f)}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -415,7 +465,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default="/tmp/sglang-offload-gpu-proof",
                    help="the block store's directory on local disk (removed at the end)")
     p.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, no GPU parts")
+    p.add_argument("--fp8-summary", nargs=2, metavar=("BF16_JSON", "FP8_JSON"), type=Path,
+                   help="only print bf16's and fp8's bench serve --json results side by side at "
+                   "the longest of --tokens (gpu-proof.sh: after both bench serve steps)")
     args = p.parse_args(argv)
+    if args.fp8_summary:
+        try:
+            bf16, fp8 = (json.loads(f.read_text()) for f in args.fp8_summary)
+        except (OSError, ValueError) as e:
+            print(f"gpu_proof: --fp8-summary: {e}", file=sys.stderr)
+            return 1
+        for line in fp8_summary(bf16, fp8, max(int(x) for x in args.tokens.split(","))):
+            print(f"gpu-proof: {line}")
+        return 0
     tokens = [int(x) for x in args.tokens.split(",")]
     if any(t % PAGE_TOKENS for t in tokens):
         p.error(f"--tokens: each length must be a multiple of {PAGE_TOKENS}")
