@@ -100,10 +100,9 @@ READERS: list[tuple[str, bytes, Callable[[str], object]]] = [
     ("checks: redis.password_file", b"pw", _checks_before_start("offload.redis.password_file")),
     ("checks: agent.secret_file", KEY, _checks_before_start("offload.agent.secret_file")),
     ("checks: redis.tls_key_file", KEY, _checks_before_start("offload.redis.tls_key_file")),
+    ("store.salt_file", b"tenant-salt\n",
+     lambda p: config.resolve_salt(load_offload({"store": {"salt_file": p}}))),
 ]
-if hasattr(config, "resolve_salt"):      # store.salt_file (issue 39's config work)
-    READERS.append(("store.salt_file", b"tenant-salt\n",
-                    lambda p: config.resolve_salt(load_offload({"store": {"salt_file": p}}))))
 
 
 def _nobody() -> int:
