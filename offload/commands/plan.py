@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offload.commands.argtypes import arg, count, positive
 from offload.config import Size
@@ -52,6 +52,9 @@ from offload.plan.presets import (
     load_architecture,
 )
 from offload.plan.table import format_comment, format_table
+
+if TYPE_CHECKING:
+    from offload.hw.facts import Facts
 
 DEFAULT_MODEL, DEFAULT_GPU, DEFAULT_CONTEXT = "Llama-3.1-70B", "B200", "128K"
 
@@ -119,6 +122,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Gen4 NVMe); the tier reads --drives times that per replica")
     p.add_argument("--drives", type=arg(count), default=None,
                    help="distinct drives the tier reads from (default 1); their bandwidth adds up")
+    p.add_argument("--probe-io", type=arg(positive), nargs="?", const=4.0, metavar="S",
+                   help="with --config: measure the store's read rate now (S seconds of O_DIRECT "
+                   "write then read in each directory, one per device, at once; default 4) and "
+                   "use it as the L3's bandwidth")
     p.add_argument("--prefill-tps", type=arg(positive), help="prefill tokens/s per GPU (default: derived "
                    f"from the GPU's dense BF16 FLOPS at {DEFAULT_MFU * 100:.0f}%% utilisation)")
     out = p.add_mutually_exclusive_group()
@@ -138,9 +145,27 @@ def _detected(args: argparse.Namespace) -> tuple[float | None, int, str, GpuPres
     facts = detect(load_file(args.config).offload, root=args.root, live=Live(), env={})
     bw = combined(facts, list(facts.directories))
     gpu = next((p for g in facts.gpus if (p := gpu_from_device_name(g.name)) is not None), None)
+    if args.probe_io is not None:
+        return (*_measured(args, facts), gpu, len(facts.gpus))
     how = f"offload.store: {bw.text}" if bw.gbps is not None else (
         f"{DEFAULT_READ_GBPS:g} GB/s assumed: offload.store is {bw.text}")
     return bw.gbps, bw.drives, how, gpu, len(facts.gpus)
+
+
+def _measured(args: argparse.Namespace, facts: Facts) -> tuple[float, int, str]:
+    """--probe-io: the read rate of the store's directories measured now (one per device, all
+    at once: `offload.hw.probe_io`), as `detect --probe-io` measures it."""
+    from offload.hw.drive_set import one_per_device
+    from offload.hw.probe_io import probe_io_many
+
+    if not facts.live:
+        raise ConfigError([f"--probe-io: {args.root} is a fixture tree, not this machine: "
+                           "nothing is measured there (leave out --root)"])
+    dirs = [cd.path for cd in one_per_device(list(facts.directories))]
+    io = probe_io_many(dirs, seconds=args.probe_io)
+    if not io.read_gbps:
+        raise RunError(f"--probe-io: no read rate measured: {io.reason}")
+    return io.read_gbps, len(dirs), f"measured by --probe-io: {io.reason}"
 
 
 def _gpu(args: argparse.Namespace, detected: GpuPreset | None) -> GpuPreset:
@@ -161,10 +186,15 @@ def _gpu(args: argparse.Namespace, detected: GpuPreset | None) -> GpuPreset:
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     dep = Deployment()
     bw, drives, how, found = None, 1, "", None
+    if args.probe_io is not None and args.config is None:
+        raise ConfigError(["--probe-io: measures the drives of a deployment file: give --config"])
     if args.config is not None:
         from offload.config import load_file
 
         dep = from_config(load_file(args.config))
+        if args.probe_io is not None and (args.read_gbps is not None or args.drives is not None):
+            raise ConfigError(["--probe-io measures the bandwidth --read-gbps/--drives give: "
+                               "one or the other"])
         if args.read_gbps is None and args.drives is None or args.gpu is None:
             bw, drives, how, found, _ = _detected(args)
     if args.read_gbps is not None or args.drives is not None or bw is None:

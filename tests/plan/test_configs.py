@@ -148,3 +148,35 @@ def test_a_model_path_plan_cannot_read_is_named(capsys, tmp_path) -> None:
     err = capsys.readouterr().err
     assert f"error: sglang.model-path {tmp_path}/no-such-model: no such config.json" in err
     assert err.count("error:") == 1
+
+
+def test_probe_io_measures_the_stores_read_rate(capsys, tmp_path) -> None:
+    store = tmp_path / "kv"
+    store.mkdir()
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text(f"sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n"
+                   f"offload:\n  store:\n    path: {store}\n")
+    assert main(["plan", "--config", str(cfg), "--gpu", "H100", "--probe-io", "0.2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inputs"]["read_gbps"] > 0 and data["inputs"]["read_drives"] == 1
+    assert data["inputs"]["read_source"].startswith("measured by --probe-io: ")
+    assert not list(store.iterdir())                      # the probe's file is removed
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--root", "{hosts}/dgx-8nvme"], "is a fixture tree, not this machine"),
+    (["--read-gbps", "7"], "--probe-io measures the bandwidth --read-gbps/--drives give"),
+    (["--no-config"], "--probe-io: measures the drives of a deployment file: give --config"),
+])
+def test_probe_io_refuses_what_it_cannot_measure(capsys, tmp_path, extra: list[str],
+                                                 needle: str) -> None:
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n")
+    hosts = ROOT / "tests" / "fixtures" / "hosts"
+    argv = ["plan", "--gpu", "H100", "--probe-io", "0.1"]
+    argv += [] if extra == ["--no-config"] else ["--config", str(cfg),
+                                                 *[e.format(hosts=hosts) for e in extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("error:") == 1
