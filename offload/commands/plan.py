@@ -7,7 +7,9 @@ an option given on the command line wins over the file. The tier's read bandwidt
 `--read-gbps` (one Gen4 NVMe by default), or with `--config` and neither given, the combined
 bandwidth of the distinct drives under `offload.store.paths` (or `path`), detected under `--root`
 (`offload.hw.drive_set.read_bandwidth`: the sum of their PCIe links; directories sharing a device
-count once). Detection here runs no live probe (no NVML, no tools).
+count once), or with `--probe-io` their read rate measured now (`offload.hw.probe_io`).
+Detection here runs no other live probe (no NVML, no tools). With the GPUs detected (planning on
+the deployment's host) its MemTotal bounds the L2 pools, as `launch --dry-run` checks.
 A deployment that cannot run (the weights or one context do not fit, the L2 pools past
 `--host-mem`) is an `error:` line per reason and exit 1, after the table or the JSON (whose
 `runnable` is false and `problems` says why).
