@@ -36,6 +36,13 @@ def _bytes(n: float) -> str:
     return f"{n:g} B"
 
 
+def _ratio(plan: Plan, l2_bytes: int) -> str:
+    """The hicache-ratio that gives `l2_bytes` per GPU (the L2 over the HBM KV pool)."""
+    if plan.kv_budget_per_gpu <= 0:
+        return ""
+    return f" = hicache-ratio {l2_bytes / plan.kv_budget_per_gpu:.2f}"
+
+
 def _cap_note(plan: Plan) -> str:
     """What the tier's capacity does to the 'with offload' column."""
     held, u = plan.tier_users_capacity, plan.users[0]
@@ -96,9 +103,10 @@ def format_table(plan: Plan, arch: Architecture) -> str:
         + ("   (the weights do not fit)" if plan.kv_budget_per_gpu <= 0 else ""),
         f"  L2 host pool     {_gb(plan.l2_bytes_per_gpu)} per GPU ({plan.l2_source}); "
         f"{_gb(plan.pinned_host_bytes)} pinned for {i['gpus']} GPU(s)",
-        f"    sizing         an L3 hit needs {_gb(plan.l2_for_l3_hit_bytes_per_gpu)} per GPU "
-        f"(the copy of the HBM pool + one context); every carried conversation in L2: "
-        f"{_gb(plan.l2_to_carry_bytes_per_gpu)}",
+        f"    sizing         an L3 hit needs {_gb(plan.l2_for_l3_hit_bytes_per_gpu)} per GPU"
+        f"{_ratio(plan, plan.l2_for_l3_hit_bytes_per_gpu)} (the copy of the HBM pool + one "
+        f"context); every carried conversation in L2: {_gb(plan.l2_to_carry_bytes_per_gpu)}"
+        f"{_ratio(plan, plan.l2_to_carry_bytes_per_gpu)}",
         "",
         f"  {'KV dtype':<9}{'KV / user':>12}{'per rank':>12}{'users in HBM':>14}"
         f"{'L2 holds':>10}{'with offload':>14}",
