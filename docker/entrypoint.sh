@@ -7,6 +7,7 @@
 # Environment (declared here and in docker/Dockerfile):
 #   SGLANG_OFFLOAD_CONFIG   deployment file (default /etc/sglang-offload/config.yaml)
 #   DRY_RUN=1               print the decision, the effective config and the command; do not start
+#                           (1/true/yes/on; 0/false/no/off or unset: start; anything else: exit 2)
 #   SGLANG_OFFLOAD_PYTHON   interpreter that runs SGLang (default python3)
 set -eu
 
@@ -31,9 +32,12 @@ sglang-offload detect --config "$CONFIG" || rc=$?
 [ "$rc" -le 1 ] || exit "$rc"
 
 DRY=""
-case "${DRY_RUN:-0}" in
-    0|"") ;;
-    *) DRY="--dry-run" ;;
+case "$(printf '%s' "${DRY_RUN:-0}" | tr '[:upper:]' '[:lower:]')" in
+    0|false|no|off|"") ;;
+    1|true|yes|on) DRY="--dry-run" ;;
+    *) echo "error: DRY_RUN='$DRY_RUN' is not a yes/no value; use 1/true/yes/on or" \
+            "0/false/no/off" >&2
+       exit 2 ;;
 esac
 if [ $# -gt 0 ]; then
     exec sglang-offload launch --config "$CONFIG" --python "$PYTHON" $DRY -- "$@"

@@ -23,7 +23,7 @@ import sys
 import time
 
 from offload import redact
-from offload.errors import OffloadError
+from offload.errors import ConfigError, OffloadError
 
 log = logging.getLogger("offload.cli")
 
@@ -43,9 +43,45 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXIT_PIPE = 141      # as a process killed by SIGPIPE, what a shell reports for `yes | head -1`
 
 
+def version() -> str:
+    """`sglang-offload --version`: ours, and the SGLang this interpreter has (its local version
+    names the patched build: `0.5.23+offload.N`) against the release launch composes for."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    from offload.launch.interpreter import pinned
+
+    try:
+        sglang = dist_version("sglang")
+    except PackageNotFoundError:
+        sglang = "not installed"
+    want, ours = pinned()
+    return f"sglang-offload {ours} (SGLang {sglang}; launch composes for SGLang {want})"
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it reads package metadata)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version())
+        parser.exit()
+
+
+def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Refuse arguments no parser took; for launch, say where SGLang's own flags go."""
+    if args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    flags = " ".join([*extra, *(getattr(args, "sglang_args", None) or [])])
+    raise ConfigError([f"launch: unrecognized arguments: {' '.join(extra)}; SGLang's own flags "
+                       "go after `--`, e.g. sglang-offload launch --config "
+                       f"{getattr(args, 'config', None) or 'FILE'} -- {flags}"])
+
+
 def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="sglang-offload", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the version of sglang-offload and of its SGLang, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the chosen command's module is imported.
     chosen = next((a for a in argv if a in COMMANDS), None)
@@ -53,7 +89,10 @@ def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespac
         p = sub.add_parser(name, help=help_text)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
-    return parser, parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown(parser, args, extra)
+    return parser, args
 
 
 def _errors(lines: str) -> None:

@@ -2,7 +2,8 @@
 # Installs everything this project needs on a fresh CPU machine (Debian, Python 3.11, root):
 #   - Debian packages the tests drive: redis-server/redis-tools, buildah + debootstrap (the image
 #     test), patch (the patched wheel), openssl (TLS certificates), prometheus (the dashboard's
-#     queries against a real Prometheus), and what SGLang's first
+#     queries against a real Prometheus), systemd (`systemd-analyze verify` of the agent's unit),
+#     and what SGLang's first
 #     HiCache request JIT-builds its hash extension with: g++, ninja-build, libssl-dev, python3-dev;
 #   - .venv with SGLang's own pins: torch 2.14.1 + torchvision 0.29.1;
 #   - the PATCHED SGLang 0.5.23 wheel (distro/install_patched.py: built from the pinned upstream
@@ -11,7 +12,8 @@
 #     real server start) and distro/sglang-bench-deps.txt (SGLang's own benchmark client,
 #     `python -m sglang.benchmark.serving`): a CPU box that serves (on a GPU host use `pip install -e
 #     '.[sglang,gds-cu13,dpu]'` instead: the full pinned SGLang; docs/install.md says which gds extra);
-#   - this project, editable, with its test extras.
+#   - this project, editable, with its test extras (kubernetes-validate: the Kubernetes API schemas,
+#     bundled, for docs/deploy/kubernetes.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
@@ -23,6 +25,7 @@ command -v patch >/dev/null || need+=(patch)              # distro/build_wheel.p
 command -v openssl >/dev/null || need+=(openssl)          # the Redis TLS test makes certificates
 command -v fusermount3 >/dev/null || need+=(fuse3)        # tests/powerloss: FUSE (+ libfuse3 for mfusepy)
 command -v prometheus >/dev/null || need+=(prometheus)    # tests/e2e/test_dashboard_prometheus.py
+command -v systemd-analyze >/dev/null || need+=(systemd)  # the agent's unit: systemd-analyze verify
 # SGLang JIT-builds hicache_hash_cpp (torch cpp_extension) on the first HiCache request:
 command -v g++ >/dev/null || need+=(g++)
 command -v ninja >/dev/null || need+=(ninja-build)

@@ -359,3 +359,60 @@ def test_v_logs_ours_not_every_library_s_debug_lines() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "DEBUG offload.cli: plan" in p.stderr and "LIBRARY DEBUG" not in p.stderr, p.stderr
+
+
+# --- an operator's first day (issue 39): each stumble is one `error:` line and a non-zero exit ---
+
+@pytest.mark.parametrize("argv, want", [
+    (["launch", "--config", "{tmp}/c.yaml", "--port", "30001"],
+     "error: launch: unrecognized arguments: --port; SGLang's own flags go after `--`, e.g. "
+     "sglang-offload launch --config {tmp}/c.yaml -- --port 30001"),
+    (["launch", "--config", "{tmp}/c.yaml", "--dry-run", "--tp-size=2"],
+     "error: launch: unrecognized arguments: --tp-size=2; SGLang's own flags go after `--`, e.g. "
+     "sglang-offload launch --config {tmp}/c.yaml -- --tp-size=2"),
+    (["detect", "--python", "/nonexistent"],
+     "error: --python /nonexistent: no such executable; name the interpreter that runs SGLang "
+     "(e.g. /opt/venv/bin/python), or leave --python out for this one"),
+    (AGENT + ["--memory", "--store", "{tmp}/cache"],
+     "error: agent: --memory keeps blocks in DRAM and uses no directory, but --store "
+     "{tmp}/cache was given too; drop --store (DRAM only, lost on restart) or --memory (the "
+     "disk store there)"),
+])
+def test_an_operator_s_stumble_is_one_error_line(tmp: Path, argv: list[str], want: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_OFFLOAD_SECRET", "0123456789abcdef0123456789abcdef")
+    rc, out, err = run_cli([a.format(tmp=tmp) for a in argv])
+    assert rc == 2 and out == "" and err.splitlines() == [want.format(tmp=tmp)], err
+
+
+def test_other_commands_keep_argparse_s_unrecognized_line() -> None:
+    rc, _, err = run_cli(["plan", "--bogus"])
+    assert rc == 2 and err.splitlines()[-1] == "sglang-offload: error: unrecognized arguments: --bogus"
+
+
+def test_version_names_ours_and_the_installed_sglang() -> None:
+    from importlib.metadata import version
+
+    from offload.launch.interpreter import pinned
+
+    rc, out, err = run_cli(["--version"])
+    assert rc == 0 and err == ""
+    assert out == (f"sglang-offload {version('sglang-offload')} (SGLang {version('sglang')}; "
+                   f"launch composes for SGLang {pinned()[0]})\n")
+
+
+def test_an_agent_whose_ucx_cannot_start_says_what_to_check(tmp: Path) -> None:
+    """A real NIXL whose UCX has no usable transport (UCX_TLS names none this host has): the
+    agent's last line says what to check, not `internal error ... report it`."""
+    pytest.importorskip("nixl")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "no_such_transport",
+           "SGLANG_OFFLOAD_SECRET": "0123456789abcdef0123456789abcdef"}
+    p = subprocess.run([sys.executable, "-m", "offload.cli", "agent", "--listen", "127.0.0.1:0",
+                        "--memory", "--capacity", "64MiB", "--memory-reserve", "1MiB"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1, p.stderr
+    assert last.startswith("error: agent: --transport ucx: NIXL could not create its UCX backend "
+                           "(NIXL_ERR_BACKEND;"), p.stderr
+    assert "UCX_TLS='no_such_transport'" in last and "--transport tcp" in last
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr

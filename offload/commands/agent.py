@@ -25,9 +25,10 @@ import os
 import signal
 import sys
 import tempfile
+from typing import Mapping
 
 from offload.config import AgentLimitsConfig, OffloadConfig, Size, StoreConfig, apply_overrides, load_file
-from offload.errors import ConfigError, OffloadError, StoreError
+from offload.errors import ConfigError, OffloadError, RunError, StoreError
 from offload.store.base import BlockStore
 
 
@@ -133,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def open_store(args: argparse.Namespace) -> BlockStore:
+    if args.memory and args.store:
+        raise ConfigError([f"agent: --memory keeps blocks in DRAM and uses no directory, but "
+                           f"--store {' --store '.join(args.store)} was given too; drop --store "
+                           "(DRAM only, lost on restart) or --memory (the disk store there)"])
     if args.memory:
         from offload.store.factory import open_memory
 
@@ -178,6 +183,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         store.close()
         raise OffloadError(f"agent: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except Exception as e:
+        store.close()
+        if is_nixl_backend_error(e):
+            raise RunError(ucx_advice(os.environ)) from None
+        raise
 
     def _stop(signum: int, _frame: object) -> None:
         server.stop()
@@ -195,6 +205,21 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         print("agent stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def is_nixl_backend_error(e: BaseException) -> bool:
+    """NIXL's error when it cannot create its UCX backend (nixlBackendError: NIXL_ERR_BACKEND)."""
+    return type(e).__name__ == "nixlBackendError" or "NIXL_ERR_BACKEND" in str(e)
+
+
+def ucx_advice(env: Mapping[str, str]) -> str:
+    """What to do when UCX cannot start on this host: the settings that decide it, as set now."""
+    now = ", ".join(f"{k}={env[k]!r}" for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in env)
+    return ("agent: --transport ucx: NIXL could not create its UCX backend (NIXL_ERR_BACKEND; "
+            "UCX's own lines above say why, e.g. 'no usable transports/devices'); check UCX_TLS "
+            f"and UCX_NET_DEVICES ({now or 'both unset'}): unset them or name transports and "
+            "devices this host has (`ucx_info -d` lists them), or run the agent and the hosts "
+            "with --transport tcp (offload.agent.transport: tcp)")
 
 
 def write_ready(path: str, port: int) -> None:

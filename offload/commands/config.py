@@ -5,7 +5,9 @@ offload.hw.host_checks (NUMA node, cache directory, secret files: what would fai
 `sglang:` section (when present) by SGLang's own argument parser of the pinned release plus the
 combination rules of `launch` (offload.launch.sglang_args). Prints the effective config with its
 secrets as `***` (exit 0; warnings on stderr) or every error, one `error:` line each (exit 2).
-`--offload-only` skips the sglang: checks.
+`--offload-only` skips the sglang: checks. `--offline` checks the file alone, not this machine:
+no secret, salt or TLS file is read, no NUMA node or cache directory looked at (CI, a laptop).
+The file itself is always checked, offline too: one holding a secret must be mode 600.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--json", action="store_true", help="print the effective config as JSON")
     v.add_argument("--offload-only", action="store_true",
                    help="check only the offload: section (not the sglang: one)")
+    v.add_argument("--offline", action="store_true",
+                   help="check the file alone, not this machine: no secret or TLS file is read, "
+                   "no NUMA node or cache directory looked at (CI, a laptop)")
 
 
 def run(args: argparse.Namespace) -> int:
     from offload.hw.host_checks import check_host
+    from offload.launch.checks import salt_file_errors
 
     warnings: list[str] = []
     problems: list[str] = []
@@ -47,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
                 warnings = check_sglang(dep.sglang, [], dep.offload).warnings
             except ConfigError as e:
                 problems += e.problems
-        problems += check_host(dep.offload).errors
+        if not args.offline:
+            problems += [*check_host(dep.offload).errors, *salt_file_errors(dep.offload)]
     if problems:
         for line in problems:
             print(f"error: {line}", file=sys.stderr)

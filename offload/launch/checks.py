@@ -16,9 +16,11 @@ Primitives:
   `pp-size` × `dp-size` (`dp-size` not counted with `enable-dp-attention`) ÷ `nnodes` on a GPU
   device; pinned L2 host memory (`hicache-size` GB per rank × ranks on this host) past the
   host's memory less SGLang's 10 GiB reserve (`/proc/meminfo` MemTotal). Warnings: that much
-  past what is free now (MemAvailable: SGLang checks it at start and refuses). Under a fixture
+  past what is free now (MemAvailable: SGLang checks it at start and refuses). Both are capped by
+  the cgroup's `memory.max` (a container's limit, as SGLang caps them). Under a fixture
   root the model path is not checked (fixtures hold no weights): a note says so.
-- `meminfo(root) -> (total, available) | None`: bytes, from `/proc/meminfo` under the root.
+- `meminfo(root) -> (total, available, source) | None`: bytes, from `/proc/meminfo` under the root,
+  capped by `/sys/fs/cgroup/memory.max`.
 Reads only under the root; nothing here starts or connects anything but `connect`.
 """
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from offload.hw.host_checks import Connect
 
 MEMINFO = "/proc/meminfo"
+CGROUP_MAX = "/sys/fs/cgroup/memory.max"   # cgroup v2: this container's memory limit, or "max"
 # SGLang keeps this much host memory free when it sizes a HiCache pool (pool_host/base.py
 # HICACHE_HOST_MEMORY_RESERVE_BYTES, 0.5.23) and sizes hicache-size in GB (1e9 bytes).
 SGLANG_HOST_RESERVE = 10 << 30
@@ -87,8 +90,10 @@ def machine_findings(cfg: OffloadConfig, facts: "Facts", root: str | Root = "/",
     return Findings(tuple(errors), tuple(warnings))
 
 
-def meminfo(root: Root) -> tuple[int, int] | None:
-    """(MemTotal, MemAvailable) in bytes from /proc/meminfo under `root`; None if unreadable."""
+def meminfo(root: Root) -> tuple[int, int, str] | None:
+    """(MemTotal, MemAvailable, where the total came from) in bytes from /proc/meminfo under
+    `root`, each capped by this cgroup's `memory.max` (a container's limit, which pinned pages
+    are charged to); None if /proc/meminfo is unreadable."""
     text = root.read(MEMINFO)
     if not text:
         return None
@@ -99,7 +104,11 @@ def meminfo(root: Root) -> tuple[int, int] | None:
             fields[m.group(1)] = int(m.group(2)) * 1024
     if "MemTotal" not in fields:
         return None
-    return fields["MemTotal"], fields.get("MemAvailable", fields["MemTotal"])
+    total, available = fields["MemTotal"], fields.get("MemAvailable", fields["MemTotal"])
+    limit = root.read(CGROUP_MAX)
+    if limit and limit.isdigit() and int(limit) < total:
+        return int(limit), min(available, int(limit)), CGROUP_MAX
+    return total, available, f"{MEMINFO} MemTotal"
 
 
 def ranks_per_host(values: argparse.Namespace) -> tuple[int, str]:
@@ -159,12 +168,13 @@ def _l2_memory(values: argparse.Namespace, root: Root) -> tuple[list[str], list[
             f"rank{'s' if ranks != 1 else ''} ({how}) = {want / GB:,.0f} GB")
     if mem is None:
         return [], [], [f"{what}: not checked ({MEMINFO} unreadable under the root)"]
-    total, available = mem
+    total, available, source = mem
     fit = max(total - SGLANG_HOST_RESERVE, 0) // ranks
-    fix = (f"lower hicache-size to at most {fit / GB:,.0f} GB per rank (or size L2 with "
-           "hicache-ratio); docs/deploy/launch.md#sizing-l2-host-memory")
+    fix = (f"lower hicache-size to at most {fit // GB} GB per rank (an integer, GB of 10^9 "
+           "bytes) or size L2 with hicache-ratio" if fit >= GB else
+           "run it on a host with more memory") + "; docs/deploy/launch.md#sizing-l2-host-memory"
     if want > total - SGLANG_HOST_RESERVE:
-        return [f"{what}, but this host has {total / GB:,.1f} GB ({MEMINFO} MemTotal) and SGLang "
+        return [f"{what}, but this host has {total / GB:,.1f} GB ({source}) and SGLang "
                 f"keeps 10 GiB of it free: the pools cannot be pinned; {fix}"], [], []
     if want > available - SGLANG_HOST_RESERVE:
         return [], [f"{what}, more than is free now ({available / GB:,.1f} GB MemAvailable, less "

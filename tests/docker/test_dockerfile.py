@@ -104,25 +104,55 @@ def run_entrypoint(tmp_path: Path, *args: str, **env: str) -> subprocess.Complet
                           env={**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env})
 
 
+def cpu_dev(tmp_path: Path) -> str:
+    """configs/cpu-dev.yaml with its model directory here (launch refuses a missing one)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    cfg = tmp_path / "cpu-dev.yaml"
+    cfg.write_text((REPO / "configs" / "cpu-dev.yaml").read_text().replace(
+        "/tmp/sglang-offload-demo", str(model)))
+    return str(cfg)
+
+
 def test_entrypoint_reports_then_dry_runs_launch(tmp_path: Path) -> None:
     res = run_entrypoint(tmp_path, "--port", "30001", DRY_RUN="1",
-                         SGLANG_OFFLOAD_CONFIG=str(REPO / "configs" / "cpu-dev.yaml"))
+                         SGLANG_OFFLOAD_CONFIG=cpu_dev(tmp_path))
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert out.index("sglang-offload detect: this machine") < out.index("sglang-offload launch:")
     command = out.rstrip().splitlines()[-1]
-    assert "-m sglang.launch_server --model-path /tmp/sglang-offload-demo" in command
+    assert f"-m sglang.launch_server --model-path {tmp_path / 'model'}" in command
     assert command.endswith("--port 30001")
 
 
 def test_entrypoint_execs_launch_and_other_commands(tmp_path: Path) -> None:
     fake = fake_python(tmp_path / "fake-python", 'echo "sglang started: $*"\n')
     res = run_entrypoint(tmp_path, SGLANG_OFFLOAD_PYTHON=str(fake),
-                         SGLANG_OFFLOAD_CONFIG=str(REPO / "configs" / "cpu-dev.yaml"))
+                         SGLANG_OFFLOAD_CONFIG=cpu_dev(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "sglang started: -m sglang.launch_server --model-path" in res.stdout
     res = run_entrypoint(tmp_path, "echo", "hello")
     assert (res.returncode, res.stdout) == (0, "hello\n")
+
+
+@pytest.mark.parametrize("value, dry", [("1", True), ("true", True), ("YES", True), ("on", True),
+                                        ("0", False), ("false", False), ("False", False),
+                                        ("no", False), ("off", False), ("", False)])
+def test_dry_run_reads_yes_and_no_words(tmp_path: Path, value: str, dry: bool) -> None:
+    """DRY_RUN=false starts SGLang (it was a dry run: any value but 0 was)."""
+    fake = fake_python(tmp_path / "fake-python", 'echo "sglang started: $*"\n')
+    res = run_entrypoint(tmp_path, SGLANG_OFFLOAD_PYTHON=str(fake), DRY_RUN=value,
+                         SGLANG_OFFLOAD_CONFIG=cpu_dev(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert ("sglang started:" not in res.stdout) == dry
+    assert ("(dry run)" in res.stdout) == dry
+
+
+def test_a_dry_run_value_that_is_no_yes_or_no_is_refused(tmp_path: Path) -> None:
+    res = run_entrypoint(tmp_path, DRY_RUN="maybe", SGLANG_OFFLOAD_CONFIG=cpu_dev(tmp_path))
+    assert res.returncode == 2 and "sglang started" not in res.stdout
+    assert res.stderr.splitlines()[-1] == ("error: DRY_RUN='maybe' is not a yes/no value; use "
+                                           "1/true/yes/on or 0/false/no/off")
 
 
 def test_entrypoint_without_config_says_how_to_mount_one(tmp_path: Path) -> None:

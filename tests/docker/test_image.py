@@ -111,14 +111,17 @@ def test_detect_reports_every_path_s_python_side_present(image: Buildah) -> None
         ("gds", "dpu", "redis", "metrics"), True), side["paths"]
 
 
-def test_entrypoint_detects_then_dry_runs_launch(image: Buildah) -> None:
+def test_entrypoint_detects_then_dry_runs_launch(image: Buildah, tmp_path: Path) -> None:
+    cfg = tmp_path / "cpu-dev.yaml"     # a model directory the image has (launch checks it)
+    cfg.write_text((REPO / "configs" / "cpu-dev.yaml").read_text().replace(
+        "/tmp/sglang-offload-demo", "/tmp"))
     out = run_in(image, "/usr/local/bin/sglang-offload-entrypoint", "--port", "30001",
-                 env={"DRY_RUN": "1"}, config=REPO / "configs" / "cpu-dev.yaml")
+                 env={"DRY_RUN": "1"}, config=cfg)
     assert out.index("sglang-offload detect: this machine") < out.index("sglang-offload launch:")
     assert "path: cpu" in out
     assert "checked with snapshot of SGLang 0.5.23's parser" in out
     command = out.rstrip().splitlines()[-1]
-    assert "python3 -m sglang.launch_server --model-path /tmp/sglang-offload-demo" in command
+    assert "python3 -m sglang.launch_server --model-path /tmp " in command
     assert "--hicache-storage-backend dynamic" in command and command.endswith("--port 30001")
 
 
