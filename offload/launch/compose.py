@@ -206,7 +206,7 @@ def summary(p: LaunchCommand, config_file: str) -> str:
              f"  path: {d.path} (requested {d.requested}): " + "; ".join(d.reasons),
              f"  store: {', '.join(dirs)} (capacity {store['capacity']}"
              f"{' for all' if len(dirs) > 1 else ''}, namespace salt "
-             f"{'set' if store.get('salt') else 'unset'})",
+             f"{'set' if store.get('salt') or store.get('salt_file') else 'unset'})",
              "  tiers: " + " -> ".join(tiers),
              f"  device {p.device.device}: " + "; ".join(p.device.reasons),
              f"  {worth_it_text(p)}",
