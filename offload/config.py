@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -565,20 +567,16 @@ def inline_secrets(dep: DeploymentConfig) -> list[str]:
     return found
 
 
-def _check_private(path: Path, dep: DeploymentConfig) -> None:
-    """A file holding a secret must be private to its owner (the secret-file rule, one loader:
-    `offload.store.secret.read_secret_file`)."""
+def _check_private(path: Path, mode: int, dep: DeploymentConfig) -> None:
+    """A file holding a secret must be private to its owner: the rule of the secret files
+    (`offload.store.secret.read_secret_file`, which this module stands below), applied to the
+    mode of the very file read (`fstat` of its descriptor)."""
     secrets = inline_secrets(dep)
-    if not secrets:
-        return
-    from offload.store.secret import read_secret_file
-
-    try:
-        read_secret_file(str(path), secrets[0], min_bytes=0)
-    except ConfigError as e:
-        raise ConfigError([f"{e.problems[0]} (the file holds the secret {', '.join(secrets)}; or "
-                           "move it to a file of its own: offload.store.salt_file, "
-                           "offload.redis.password_file)"]) from None
+    if secrets and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError([f"{secrets[0]}: {path} has mode {stat.S_IMODE(mode):o}, which lets "
+                           f"other users read or change it; run `chmod 600 {path}` (the file "
+                           f"holds the secret {', '.join(secrets)}; or move it to a file of its "
+                           "own: offload.store.salt_file, offload.redis.password_file)"])
 
 
 def load_file(path: str | Path) -> DeploymentConfig:
@@ -587,6 +585,7 @@ def load_file(path: str | Path) -> DeploymentConfig:
     p = Path(path)
     try:
         with p.open("rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError([f"{p}: cannot read the config file: {e.strerror or e}"]) from None
@@ -598,20 +597,8 @@ def load_file(path: str | Path) -> DeploymentConfig:
         raise ConfigError([f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                            "save the config file as UTF-8"]) from None
     dep = load_text(text, str(p))
-    _check_private(p, dep)
+    _check_private(p, mode, dep)
     return dep
-
-
-def resolve_salt(cfg: OffloadConfig) -> OffloadConfig:
-    """`cfg` with `store.salt` read from `store.salt_file` (mode 600, by the one secret-file
-    loader) when that is set; `cfg` itself otherwise. Raises ConfigError naming the file."""
-    if not cfg.store.salt_file:
-        return cfg
-    from offload.store.secret import read_secret_file
-
-    salt = read_secret_file(cfg.store.salt_file, "offload.store.salt_file", min_bytes=1)
-    store = dataclasses.replace(cfg.store, salt=salt.decode("utf-8", "replace"), salt_file=None)
-    return dataclasses.replace(cfg, store=store)
 
 
 def apply_overrides(cfg: OffloadConfig, overrides: Mapping[str, Any]) -> OffloadConfig:

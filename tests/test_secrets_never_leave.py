@@ -62,7 +62,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                f"  agent: {{address: '127.0.0.1:{agent_port}', transport: tcp, "
                f"secret_file: {files['agent.key']}, timeout_s: 0.5}}\n")
     sglang = ("sglang:\n  model-path: meta-llama/Llama-3.1-8B-Instruct\n  page-size: 64\n"
-              f"  api-key: {API_KEY}\n")
+              f"  api-key: {API_KEY}\n  device: cpu\n")     # no GPU here: launch refuses one
     good = d / "good.yaml"
     good.write_text(sglang + offload)
     good.chmod(0o600)        # a config holding secrets must be private (offload.config.load_file)

@@ -39,6 +39,7 @@ prefill speed is configured, estimated, or measured from a miss's query to its w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -50,7 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from offload.config import OffloadConfig, load_file, load_offload, resolve_salt, to_dict
+from offload.config import OffloadConfig, load_file, load_offload, to_dict
 from offload.errors import ConfigError
 from offload.hicache.contract import EXTRA_KEYS, SGLANG_KEYS
 from offload.hicache.events import kv_events_for
@@ -114,6 +115,18 @@ def settings_from_extra(extra: dict | None) -> OffloadConfig:
         raise ConfigError(problems)
     tree: dict = to_dict(load_file(path).offload) if path else {}
     return resolve_salt(load_offload(_merge(tree, inline or {})))   # store.salt_file read here
+
+
+def resolve_salt(cfg: OffloadConfig) -> OffloadConfig:
+    """`cfg` with `store.salt` read from `store.salt_file` (mode 600, by the one secret-file
+    loader) when that is set. Raises ConfigError naming the file."""
+    if not cfg.store.salt_file:
+        return cfg
+    from offload.store.secret import read_secret_file
+
+    salt = read_secret_file(cfg.store.salt_file, "offload.store.salt_file", min_bytes=1)
+    store = dataclasses.replace(cfg.store, salt=salt.decode("utf-8", "replace"), salt_file=None)
+    return dataclasses.replace(cfg, store=store)
 
 
 def _merge(base: dict, over: dict) -> dict:
