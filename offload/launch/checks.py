@@ -1,8 +1,10 @@
-"""What a deployment meets on this machine: the one list of errors and warnings that `detect`,
-`launch` and `config validate` print.
+"""What a deployment meets on this machine: the one list of errors and warnings that `detect`
+and `launch` print (`config validate`, which runs no detection, checks `check_host` and
+`salt_file_errors` of it).
 
 Primitives:
 - `Findings(errors, warnings, notes)`: lines naming the key, the value and the fix.
+- `salt_file_errors(cfg)`: `store.salt_file` unreadable, not private or empty.
 - `machine_findings(cfg, facts, root, cache_dir, connect) -> Findings`: the `offload:` section
   on this machine. Errors: `offload.hw.host_checks.check_host` (NUMA node, cache directory,
   secret files) and `store.salt_file` (read by the one secret-file loader). Warnings: a Redis
