@@ -3,7 +3,9 @@
 `kv_events_for(backend, page_size)`: the `L3Events` tracker of the backend's KV pages (keyed by
 the first object's namespace of the key plan), or None when the store has no tier that tells
 (an in-memory store) or when this rank does not write KV pages. Events are an aid to routers: a
-ledger that cannot be opened is logged and the backend serves without L3 events.
+ledger that cannot be opened, or a Redis events store that cannot be built (its secret files
+are read again by the one loader: one removed or changed since start is refused), is logged and
+the backend serves without L3 events.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import sqlite3
 from typing import Any
+
+from offload.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +27,7 @@ def kv_events_for(backend: Any, page_size: int) -> Any:
 
     try:
         return open_events(backend.store, plan.digests[0], page_size, plan.keys, plan.split)
-    except (OSError, sqlite3.Error) as e:
-        log.warning("offload: no L3 KV events (the events ledger cannot be opened: %s)", e)
+    except (OSError, sqlite3.Error, ConfigError) as e:
+        log.warning("offload: no L3 KV events (the events ledger or the Redis events store "
+                    "cannot be opened: %s)", e)
         return None
