@@ -1,0 +1,101 @@
+"""An FP8 KV cache with the tier, served through `sglang-offload launch` on the CPU (patch 0017).
+
+`kv-cache-dtype: fp8_e4m3` under `sglang:` on the demo model: SGLang's pool holds float8 K/V,
+torch_native computes in bfloat16, and HiCache writes the fp8 pages to the L3. One cache directory
+and one real redis-server are shared, in turn, by an fp8 server, a bf16 server and the fp8 server
+again (three start-ups, small prompts: the CI budget):
+
+1. fp8 serves prompt A cold; its pages reach the L3;
+2. bf16 on the same directory and Redis: A is a miss (fp8 pages are never loaded by a bf16
+   server), and it serves B cold: B's pages are bf16 only;
+3. fp8 restarted: A comes back from the L3 (storage tokens, the same greedy tokens as before the
+   restart) and B is a miss (bf16 pages are never loaded by an fp8 server);
+4. `cache stats --json`: each dtype's namespace holds A's and B's pages, the fp8 one in half the
+   bytes of the bf16 one.
+
+The blocks are kept apart by the namespace, which names the host pool's dtype
+(`offload.hicache.keying.namespace_for`): the fault of sglang #38362, where Mooncake's keys
+ignored --kv-cache-dtype and the two servers read each other's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from offload.launch.server import LaunchedServer, Reply, wait_store
+from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt
+
+pytestmark = needs_serving
+TOKENS = 700                        # ~11 pages each
+FP8 = {"kv-cache-dtype": "fp8_e4m3"}
+
+
+def _stored(r: Reply) -> int:
+    """Pages a finished request leaves in the L3: SGLang caches its prompt and output less the
+    last token (more than a later hit can use: `full_pages`)."""
+    return (r.prompt_tokens + len(r.output_ids) - 1) // PAGE
+
+
+def _miss(r: Reply) -> None:
+    assert r.cached_tokens == 0 and not r.details.get("storage"), (r.cached_tokens, r.details)
+
+
+def _stats(store: Path) -> dict[str, dict]:
+    """`cache stats --json` of the directory, its namespaces by dtype."""
+    out = subprocess.run([sys.executable, "-m", "offload.cli", "cache", "stats", "--json",
+                          str(store)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    by_dtype: dict[str, dict] = {}
+    for ns in json.loads(out.stdout)["namespaces"]:
+        assert ns["description"]["dtype"] not in by_dtype, ns
+        by_dtype[ns["description"]["dtype"]] = ns
+    return by_dtype
+
+
+def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
+        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+    from tests.store.redis_fixtures import RedisProc
+
+    redis = RedisProc(tmp_path / "redis", []).start()
+    try:
+        shared = {"redis": {"url": redis.url}}
+        store = tmp_path / "cache"
+        a, b = prompt(TOKENS, 81), prompt(TOKENS, 82)
+
+        fp8 = servers(store, name="fp8", sglang=FP8, **shared)
+        cold_a = fp8.generate(a)
+        _miss(cold_a)
+        blocks = _stored(cold_a)
+        assert wait_store(store, blocks) >= blocks, fp8.tail()
+        fp8.stop()
+
+        bf16 = servers(store, name="bf16", **shared)
+        replies = [bf16.generate(a), bf16.generate(b)]
+        for r in replies:                                # A: fp8 -> bf16, not loaded
+            _miss(r)
+        blocks += sum(_stored(r) for r in replies)
+        assert wait_store(store, blocks) >= blocks, bf16.tail()
+        bf16.stop()
+
+        again = servers(store, name="fp8-restart", sglang=FP8, **shared)
+        hit = again.generate(a)                          # a restart: L1 and L2 are empty
+        assert hit.output_ids == cold_a.output_ids and hit.text == cold_a.text
+        assert hit.cached_tokens == full_pages(cold_a.prompt_tokens), hit
+        assert hit.details.get("storage", 0) > 0, hit.details
+        r = again.generate(b)
+        _miss(r)                                         # bf16 -> fp8: not loaded
+        blocks += _stored(r)
+        assert wait_store(store, blocks) >= blocks, again.tail()
+        again.stop()
+    finally:
+        redis.kill()
+
+    stats = _stats(store)
+    assert sorted(stats) == ["bfloat16", "float8_e4m3fn"], sorted(stats)
+    f8, b16 = stats["float8_e4m3fn"], stats["bfloat16"]
+    assert f8["blocks"] == b16["blocks"] == blocks // 2, (f8["blocks"], b16["blocks"], blocks)
+    assert 2 * f8["data_bytes"] == b16["data_bytes"], (f8["data_bytes"], b16["data_bytes"])
