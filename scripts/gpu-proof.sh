@@ -12,6 +12,10 @@
 #      (cold, L1/L2, and the L3 triples after a restart, with the L3 target verdict) at
 #      SERVE_LENGTHS tokens, into $OUT/bench-serve.txt + bench-serve.json; skipped, with the
 #      reason, where SGLang does not import or the file's model is not on local disk (no network).
+#      Then the seed's configuration: the same bench serve with --kv-cache-dtype fp8_e4m3 at
+#      FP8_LENGTHS (default 131008: a 128K-token prefix), into $OUT/bench-serve-fp8.txt + .json,
+#      and the two side by side at that length (scripts/gpu_proof.py --fp8-summary: the L3's
+#      bytes per block, cold vs L3 hit, bf16 vs fp8) in $OUT/fp8-summary.txt.
 #   5. with --config FILE --workload: then `sglang-offload bench workload` from the same file (no
 #      L3, SGLang's file L3 and ours, each restarted halfway; SGLang's own client, many users on
 #      long shared prefixes, multi-turn), WORKLOAD_ARGS, into $OUT/bench-workload.txt + .json.
@@ -25,7 +29,8 @@
 # Environment: PYTHON (default: python3 with torch, else .venv/bin/python), OUT, WHEELS (default
 # .whl), TARGET (default /tmp/sglang-offload-proof-site), CACHE_DIR (the store, on local disk),
 # SERVE_LENGTHS (default 8192,32768,131008: 128K less a page, so 8 new tokens fit a 131072
-# context), SERVE_TIMEOUT (seconds, default 1800), WORKLOAD_ARGS (bench workload's options, default
+# context), SERVE_TIMEOUT (seconds, default 1800; each of the two bench serve runs), FP8_LENGTHS
+# (default 131008), WORKLOAD_ARGS (bench workload's options, default
 # 8 shared 32K-token prefixes x 8 users x 3 turns, 16 in flight, L1 128K tokens, L2 1.5x that:
 # below the ~310K-token working set), WORKLOAD_TIMEOUT (seconds, default 5400).
 set -uo pipefail
@@ -49,6 +54,7 @@ if [ -n "$config" ] && [ ! -f "$config" ]; then
 fi
 SERVE_LENGTHS="${SERVE_LENGTHS:-8192,32768,131008}"
 SERVE_TIMEOUT="${SERVE_TIMEOUT:-1800}"
+FP8_LENGTHS="${FP8_LENGTHS:-131008}"
 WORKLOAD_ARGS="${WORKLOAD_ARGS:---groups 8 --users 8 --turns 3 --prefix-tokens 32768 --question-tokens 256 --output-tokens 16 --concurrency 16 --l1-tokens 131072 --l2-ratio 1.5 --seed 1}"
 WORKLOAD_TIMEOUT="${WORKLOAD_TIMEOUT:-5400}"
 if [ "$workload" = 1 ] && [ -z "$config" ]; then
@@ -90,6 +96,8 @@ PY
 
 serve_cmd=("$PYTHON" -m offload.cli bench serve --config "$config" --lengths "$SERVE_LENGTHS"
            --repeat 3 --dir "$CACHE_DIR" --json)
+fp8_cmd=("$PYTHON" -m offload.cli bench serve --config "$config" --lengths "$FP8_LENGTHS"
+         --repeat 3 --kv-cache-dtype fp8_e4m3 --dir "$CACHE_DIR" --json)
 read -r -a workload_args <<< "$WORKLOAD_ARGS"
 workload_cmd=("$PYTHON" -m offload.cli bench workload --config "$config" "${workload_args[@]}"
               --dir "$CACHE_DIR" --json)
@@ -121,6 +129,7 @@ if [ "$dry" = 1 ]; then
     say "the SGLang command launch would run from $config:"
     "$PYTHON" -m offload.cli launch --config "$config" --dry-run 2>/dev/null | sed -n '/^Command$/{n;p}'
     say "skip: bench serve (--dry-run); on the GPU machine: ${serve_cmd[*]}"
+    say "skip: bench serve-fp8 (--dry-run); on the GPU machine: ${fp8_cmd[*]}"
     [ "$workload" = 1 ] && say "skip: bench workload (--dry-run); on the GPU machine: ${workload_cmd[*]}"
   fi
   exit "$rc"
@@ -139,6 +148,11 @@ if [ -z "$config" ]; then
   say "skip: bench serve (no --config FILE)"
 else
   bench_step serve "$SERVE_TIMEOUT" "${serve_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
+  bench_step serve-fp8 "$SERVE_TIMEOUT" "${fp8_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
+  if [ -s "$OUT/bench-serve.json" ] && [ -s "$OUT/bench-serve-fp8.json" ]; then
+    "$PYTHON" scripts/gpu_proof.py --fp8-summary "$OUT/bench-serve.json" \
+      "$OUT/bench-serve-fp8.json" --tokens "$FP8_LENGTHS" | tee "$OUT/fp8-summary.txt"
+  fi
 fi
 if [ "$workload" = 1 ]; then   # three tiers, each started twice: only when asked
   bench_step workload "$WORKLOAD_TIMEOUT" "${workload_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }

@@ -62,6 +62,9 @@ def test_gpu_proof_dry_run_end_to_end(wheels: Path, tmp_path: Path) -> None:
     assert "-m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct" in res.stdout
     assert (f"skip: bench serve (--dry-run); on the GPU machine: {env.get('PYTHON', 'python3')} "
             f"-m offload.cli bench serve --config {h200} --lengths 8192,32768,131008") in res.stdout
+    assert (f"skip: bench serve-fp8 (--dry-run); on the GPU machine: "
+            f"{env.get('PYTHON', 'python3')} -m offload.cli bench serve --config {h200} "
+            "--lengths 131008 --repeat 3 --kv-cache-dtype fp8_e4m3") in res.stdout
     assert (f"skip: bench workload (--dry-run); on the GPU machine: {env.get('PYTHON', 'python3')} "
             f"-m offload.cli bench workload --config {h200} --groups 8 --users 8 --turns 3 "
             "--prefix-tokens 32768") in res.stdout
@@ -95,6 +98,32 @@ def test_llama_8b_shape_and_kv_bytes() -> None:
     shape = proof.LLAMA_8B
     assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads) == (32, 4096, 32, 8)
     assert shape.kv_bytes_per_token(2) == 128 << 10          # 128 KiB per token in bf16
+
+
+def _serve_result(dtype: str, block: int, cold: float, l3: float, same: bool) -> dict:
+    return {"server": {"kv_cache_dtype": dtype}, "store": {"blocks": 4, "data_bytes": 4 * block},
+            "rows": {"131008": {"cold": {"ttft_s": cold},
+                                "l3": {"ttft_s": l3, "same_output": same}}}}
+
+
+def test_fp8_summary_sets_bf16_and_fp8_side_by_side(tmp_path: Path) -> None:
+    bf16 = tmp_path / "bf16.json"
+    fp8 = tmp_path / "fp8.json"
+    bf16.write_text(json.dumps(_serve_result("auto", 131072, 12.0, 6.0, True)))
+    fp8.write_text(json.dumps(_serve_result("fp8_e4m3", 65536, 12.0, 3.0, False)))
+    res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_proof.py"), "--fp8-summary",
+                          str(bf16), str(fp8), "--tokens", "131008"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "fp8 KV cache vs bf16 at 131008 tokens (fp8_e4m3 vs auto" in out
+    assert "L3 bytes per block 131072 vs 65536 (fp8/bf16 0.50x)" in out
+    assert "cold TTFT 12.000 s vs 12.000 s (fp8/bf16 1.00x)" in out
+    assert "L3 hit TTFT 6.000 s vs 3.000 s (fp8/bf16 0.50x)" in out
+    assert "L3 hit gives its own cold output: bf16 yes, fp8 NO" in out
+    # a length neither ran: dashes, no ratio, no traceback
+    lines = _load_proof().fp8_summary({}, {}, 8192)
+    assert lines[2] == "  cold TTFT - vs -"
 
 
 @pytest.mark.parametrize("argv,expected", [
