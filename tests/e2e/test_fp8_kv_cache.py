@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import pytest
+
+from offload import cli
 from offload.launch.server import LaunchedServer, Reply, wait_store
 from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt
 
@@ -54,6 +57,33 @@ def _stats(store: Path) -> dict[str, dict]:
         assert ns["description"]["dtype"] not in by_dtype, ns
         by_dtype[ns["description"]["dtype"]] = ns
     return by_dtype
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--url", "http://127.0.0.1:1", "--kv-cache-dtype", "fp8_e4m3"],
+     "error: --kv-cache-dtype starts the servers with that dtype: use it with --config"),
+    (["--config", "x.yaml", "--kv-cache-dtype", "fp9"], "invalid choice: 'fp9'"),
+])
+def test_bench_serve_kv_cache_dtype_is_checked_before_any_work(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_bench_serve_sets_the_dtype_over_the_deployment_file(tmp_path: Path) -> None:
+    """What `bench serve --kv-cache-dtype` starts its servers from: the file's sglang: keys with
+    the dtype set over them."""
+    import yaml
+
+    from offload.bench.serve import deployment
+
+    src = tmp_path / "in.yaml"
+    src.write_text(yaml.safe_dump({"sglang": {"model-path": "m", "kv-cache-dtype": "auto"},
+                                   "offload": {"store": {"path": "/elsewhere"}}}))
+    out = yaml.safe_load(deployment(str(src), tmp_path / "store", 1234, FP8).read_text())
+    assert out["sglang"]["kv-cache-dtype"] == "fp8_e4m3" and out["sglang"]["model-path"] == "m"
+    assert out["offload"]["store"]["path"] == str(tmp_path / "store")
 
 
 def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
