@@ -263,7 +263,7 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                 row["l3_failed"] = result["l3_failed"]
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data,
-                           "block_bytes": data // blocks if blocks else None}
+                           "block_bytes": data // blocks if blocks and data else None}
     except (RunError, OSError) as e:
         if server.proc is not None:        # the log goes with the scratch directory: show it
             print(f"--- {server.log} (last lines) ---\n{server.tail()}", file=sys.stderr)
