@@ -209,7 +209,8 @@ class Vetter:
         finally:
             dead = None
             with self._lock:
-                self._charge(owner, used - self.timeout_s)      # what it did not use, back
+                # What it did not use goes back (a check is stopped at `timeout_s`).
+                self._charge(owner, min(used, self.timeout_s) - self.timeout_s)
                 self._busy.discard(owner)
                 if checker is not None:
                     if checker.alive() and not self._closed:
