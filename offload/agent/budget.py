@@ -1,13 +1,18 @@
-"""The agent's memory for its connections, bounded per host key and in all.
+"""The agent's memory for its host keys, bounded per host key and in all: the one enforcement
+point of "every byte the agent holds on a key's behalf is charged to that key before it is
+allocated, and given back only when it is free".
 
-What a connection holds is its request frame (up to `--max-frame`, read before it is served)
-and its staging memory (`--staging`, mapped on first use and kept; quarantined staging stays
-counted until NIXL says its transfer is final). Before, only the per-connection sizes were
-bounded: one key with 64 connections could hold 64 x (64 MiB + 64 MiB), about 8 GiB. Now both
-take bytes from `Memory`: at most `per_key` for one host key's connections and `total` for all;
-a frame past it closes its connection (counted `rejected_memory`; the client reconnects, its
-request a miss), staging past it sends the request's blocks back unmoved (a miss, the client
-retries). Frames before a verified HELLO are not counted: at most `--max-pending` of 64 KiB.
+What is charged, each before it is allocated: a request frame with room for an ERROR reply
+(`Session._admit_frame`, before its body is read), the rest of its reply's bound once the
+request is decoded (`protocol.reply_bound`: an inline GET's blocks), both given back once the
+reply is written to the socket; a connection's staging memory (`--staging`, mapped on first use
+and kept; quarantined staging stays charged until NIXL says its transfer is final); each page
+of the key's announcement book (`feed.PAGE_BYTES`, given back when forgotten). Before, replies
+were not charged: 16 inline GETs never read held ~250 MiB against a 64 MiB budget. Past a bound:
+a frame closes its connection (counted `rejected_memory`; the client reconnects, its request a
+miss), a reply gets an ERROR reply instead, staging sends the request's blocks back unmoved, a
+page is not recorded. Frames before a verified HELLO are not counted: at most `--max-pending`
+of 64 KiB. Store slots held by late transfers are bounded by `--max-quarantine`.
 
 Primitives: `Memory(total, per_key)`; `.take(owner, n)` -> None or why not; `.give(owner, n)`;
 `.held(owner=None)`. Never blocks.
