@@ -152,6 +152,7 @@ BAD = {"owned by nobody": _plant_other_owner, "symlink": _plant_symlink,
        "oversized": _plant_oversized, "group-readable": _plant_open, "fifo": _plant_fifo}
 
 
+@pytest.mark.timeout(120)       # a reader that blocks on the FIFO fails here, not at 600 s
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("reader", [r[0] for r in READERS])
 def test_every_reader_refuses_every_bad_secret_file(tmp_path: Path, reader: str, bad: str) -> None:
