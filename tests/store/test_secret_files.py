@@ -24,7 +24,6 @@ from typing import Callable
 
 import pytest
 
-from offload import config
 from offload.config import AgentConfig, RedisConfig, StoreConfig, load_offload
 from offload.errors import ConfigError
 from offload.store import secret
@@ -73,6 +72,21 @@ def _agent_keys(path: str) -> object:
     return load_keys(path)
 
 
+def _salt(path: str) -> object:
+    from offload.hicache.backend import resolve_salt  # in each scheduler, at attach
+
+    return resolve_salt(load_offload({"store": {"salt_file": path}}))
+
+
+def _salt_checks(path: str) -> object:
+    from offload.launch.checks import salt_file_errors  # config validate, detect, launch
+
+    errors = salt_file_errors(load_offload({"store": {"salt_file": path}}))
+    if errors:
+        raise ConfigError(errors)
+    return None
+
+
 def _checks_before_start(setting: str) -> Callable[[str], object]:
     """`config validate`, `detect`, `launch`: the host checks of the deployment's files."""
     def check(path: str) -> object:
@@ -100,8 +114,8 @@ READERS: list[tuple[str, bytes, Callable[[str], object]]] = [
     ("checks: redis.password_file", b"pw", _checks_before_start("offload.redis.password_file")),
     ("checks: agent.secret_file", KEY, _checks_before_start("offload.agent.secret_file")),
     ("checks: redis.tls_key_file", KEY, _checks_before_start("offload.redis.tls_key_file")),
-    ("store.salt_file", b"tenant-salt\n",
-     lambda p: config.resolve_salt(load_offload({"store": {"salt_file": p}}))),
+    ("store.salt_file", b"tenant-salt\n", _salt),
+    ("checks: store.salt_file", b"tenant-salt\n", _salt_checks),
 ]
 
 
