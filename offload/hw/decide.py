@@ -259,7 +259,8 @@ def _store(facts: Facts) -> tuple[str, Bandwidth]:
     dirs = facts.directories
     what = dirs[0].path if len(dirs) == 1 else f"{len(dirs)} directories"
     bw = read_bandwidth(facts, list(dirs))
-    return f"store: {what} on {bw.text}", bw
+    where = f"on {bw.text}" if bw.drives else f"({bw.text})"
+    return f"store: {what} {where}", bw
 
 
 def _assumed(checks: list[Check]) -> list[str]:

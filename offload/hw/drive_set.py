@@ -232,7 +232,8 @@ def _check_dirs(facts: Facts, cfg: OffloadConfig, uses: dict[str, DriveUse]
                                   tuple(warns)))
     for g in _groups([cd for _, cd in dirs]):
         if len(g) > 1:
-            names = " and ".join(f"{dirs[i][0]} {dirs[i][1].path}" for i in g)
+            named = [f"{dirs[i][0]} {dirs[i][1].path}" for i in g]
+            names = ", ".join(named[:-1]) + " and " + named[-1]
             dev = dirs[g[0]][1].block_device or dirs[g[0]][1].mount_point
             first = out[g[0]]
             out[g[0]] = DirectoryCheck(first.key, first.path, first.device, first.reason,

@@ -128,6 +128,17 @@ def test_container_root_and_a_bind_mounted_drive() -> None:
     assert d.device is None and "system's / file system (overlay at /)" in d.warnings[0]
     assert ds.suggestion == ("/data/sglang-offload",)
     assert ds.bandwidth == "not on NVMe: no drive figure"
+    config = load_offload({})
+    d = decide(detect(config, root=str(HOSTS / "h100-gds-overlay")), config)
+    (store,) = [r for r in d.reasons if r.startswith("store:")]
+    assert store.endswith(" (not on NVMe: no drive figure)") and " on not on" not in store
+
+
+def test_three_directories_on_one_device_are_listed_as_a_sentence() -> None:
+    paths = ["/data4/kv", "/mnt/kv4/kv", "/data4/kv2"]
+    ds = drive_set("dgx-8nvme", {"store": {"paths": paths}})
+    assert ("offload.store.paths[0] /data4/kv, offload.store.paths[1] /mnt/kv4/kv and "
+            "offload.store.paths[2] /data4/kv2 are on one device") in ds.directories[0].warnings[-1]
 
 
 @pytest.mark.parametrize("speed,width,label,gbps", [
