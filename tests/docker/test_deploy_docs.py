@@ -101,7 +101,12 @@ def test_mounts_secrets_and_ports_agree() -> None:
         volumes = {v["name"]: v for v in spec["volumes"]}
         secret = volumes["secrets"]["secret"]
         assert secret["defaultMode"] == 0o400 and secret["secretName"] == "sglang-offload-secrets"
-        files = {f"{mounts['secrets']}/{i['path']}" for i in secret["items"]}
+        # a Secret volume's files are symlinks into ..data/, which the loader refuses: each
+        # file is mounted alone with subPath (a bind mount of the file itself)
+        secret_mounts = [m for m in c["volumeMounts"] if m["name"] == "secrets"]
+        assert all(m["mountPath"].endswith("/" + m["subPath"]) for m in secret_mounts)
+        files = {m["mountPath"] for m in secret_mounts
+                 if m["subPath"] in {i["path"] for i in secret["items"]}}
         if w["metadata"]["name"] == "sglang-offload-agent":
             args = c["args"]
             assert args[args.index("--secret-file") + 1] in files
