@@ -43,6 +43,7 @@ CACHE = 1024                    # digests of metadata vetted good, kept
 VET_TIMEOUT_S = 10.0            # the child's answer for one metadata (UCX may try to connect)
 START_TIMEOUT_S = 60.0          # the child's start (imports NIXL, creates its agent)
 CHILDREN = 4                    # checkers at most (one per host key at a time)
+WARM = 2                        # ... started with the agent
 KEY_BUDGET_S = 30.0             # checker seconds one host key may spend at once
 KEY_RATE_S = 1.0                # ... and per second after that (a check costs ~1 ms)
 MAX_REPLY = 4096                # bytes of a checker's message
@@ -125,12 +126,14 @@ class Vetter:
         self._closed = False
 
     def start(self) -> None:
-        """Start one child now (it imports NIXL meanwhile); more start when keys need them."""
+        """Start `WARM` children now (they import NIXL meanwhile): a second key's check finds
+        one ready while a first runs; more start as keys need them, one kept spare."""
         with self._lock:
-            if self._count == 0:
+            while self._count < min(WARM, self.children):
                 checker = self._spawn()
-                if checker is not None:
-                    self._idle.append(checker)
+                if checker is None:
+                    break
+                self._idle.append(checker)
 
     def _spawn(self) -> _Checker | None:
         """A new child, counted (lock held); None if it cannot start."""

@@ -59,10 +59,16 @@ def test_stale_metadata_of_one_tenant_never_locks_another_out_of_new_connections
         tmp_path: Path, agent_factory) -> None:
     agent = agent_factory("--memory", "--keys-file", str(keys_file(tmp_path, SECRETS)))
     stale = stale_metadata("attacker", 8)
+    pool = np.frombuffer(os.urandom(4 * PAGE), np.uint8).copy()
+    warm = host(agent, "victim", connections=1, timeout_s=60)    # the checkers have started
+    try:
+        warm.register_region(pool)
+        assert warm.put_many([NS["victim"].key("warm")], [[memoryview(pool[:PAGE])]]) == [True]
+    finally:
+        warm.close()
     attacker = patient(agent, "attacker")
     for i, md in enumerate(stale):               # pipelined: the agent checks them one by one
         attacker.ch.send(protocol.METADATA, 100 + i, protocol.Metadata(md))
-    pool = np.frombuffer(os.urandom(4 * PAGE), np.uint8).copy()
     served = []
     for i in range(4):                           # new connections: a restart, a new rank
         victim = host(agent, "victim", connections=1)
