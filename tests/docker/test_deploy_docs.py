@@ -175,7 +175,7 @@ BUILD = re.compile(r"\b(\d+\.\d+\.\d+)[+-](offload\.\d+)\b")
 def test_docs_print_the_version_the_build_makes() -> None:
     bw = load_script(REPO / "distro" / "build_wheel.py", "sglang_offload_build_wheel")
     want = (bw.load_pin().version, bw.local_version())
-    pages = sorted([*(REPO / "docs").rglob("*.md"), MANIFESTS])
+    pages = sorted([*(REPO / "docs").rglob("*.md"), MANIFESTS, REPO / "README.md"])
     wrong = [f"{p.relative_to(REPO)}:{n}: {m.group(0)}" for p in pages
              for n, line in enumerate(p.read_text().splitlines(), 1)
              for m in BUILD.finditer(line) if (m.group(1), m.group(2)) != want]
