@@ -114,7 +114,8 @@ class _Chunks:
                 try:
                     handle = nixl_util.start_xfer(self.d.agent, self.op, loc, rem, self.peer)
                 except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
-                    log.warning("nixl %s with %s failed: %s", self.op, self.peer, e)
+                    nixl_util.warn_peer("post", self.peer, "nixl %s with %s failed: %s", self.op,
+                                        self.peer, e)
             self.handles.append(handle)
 
     def wait(self, release: Callable[[list["Slot"]], None], ahead: int | None = None
@@ -128,7 +129,7 @@ class _Chunks:
             handle = self.handles[k]
             pending: list[Any] = []
             good = handle is not None and nixl_util.wait_xfer(
-                self.d.agent, handle, self.deadline, on_pending=pending.append)
+                self.d.agent, handle, self.deadline, on_pending=pending.append, peer=self.peer)
             if good:
                 yield idx, slots
             elif pending:

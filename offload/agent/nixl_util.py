@@ -6,7 +6,9 @@ agent with the UCX backend), `region_of(buffer)` -> (address, nbytes) of any buf
 or torch CPU tensor, `metadata_name(md)` -> the NIXL agent name a metadata blob carries (read without
 loading it), `run_xfer(agent, op, local, remote, peer, deadline, on_pending)` -> bool (posts one
 transfer and polls it to completion or deadline; a transfer still running at its deadline is
-handed to `on_pending`, else released), `xfer_state(agent, handle)` -> "DONE" / "ERR" / "PROC".
+handed to `on_pending`, else released), `xfer_state(agent, handle)` -> "DONE" / "ERR" / "PROC",
+`warn_peer(kind, peer, msg, *args)` (a transfer failure logged at most once per 5 s per kind and
+host: a host whose endpoint fails every transfer cannot flood the agent's log).
 
 `UCX_MODULES=^ib`: without InfiniBand hardware UCX's ib module makes the process crash at exit on
 these hosts; real RDMA deployments set UCX_MODULES themselves (it is only set when absent).
@@ -19,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -135,6 +138,28 @@ def metadata_name(md: bytes) -> str | None:
         return None
 
 
+LOG_EVERY_S = 5.0            # a failing peer's transfers are logged at most this often per kind
+_LOG_KEEP = 4096             # (kind, host) entries remembered
+_logged: "OrderedDict[tuple[str, str], tuple[float, int]]" = OrderedDict()
+_log_lock = threading.Lock()
+
+
+def warn_peer(kind: str, peer: str, msg: str, *args: object) -> None:
+    """Log a transfer failure at most once per LOG_EVERY_S per kind and host (the peer's name up
+    to its first '/': a host's, `add_peer`), with the count of the others: a host whose endpoint
+    fails every transfer must not flood the agent's log."""
+    key, now = (kind, peer.split("/", 1)[0]), time.monotonic()
+    with _log_lock:
+        last, skipped = _logged.pop(key, (-LOG_EVERY_S, 0))
+        if now - last < LOG_EVERY_S:
+            _logged[key] = (last, skipped + 1)
+            return
+        _logged[key] = (now, 0)
+        while len(_logged) > _LOG_KEEP:
+            _logged.popitem(last=False)
+    log.warning(msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
+
+
 def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
              remote: Sequence[tuple[int, int]], peer: str, deadline: float,
              on_pending: Callable[[Any], None] | None = None) -> bool:
@@ -149,9 +174,9 @@ def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
     try:
         handle = start_xfer(agent, op, local, remote, peer)
     except Exception as e:  # noqa: BLE001 - the data path reports failure, never raises
-        log.warning("nixl %s with %s failed: %s", op, peer, e)
+        warn_peer("post", peer, "nixl %s with %s failed: %s", op, peer, e)
         return False
-    return wait_xfer(agent, handle, deadline, on_pending)
+    return wait_xfer(agent, handle, deadline, on_pending, peer)
 
 
 def start_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],
@@ -178,7 +203,7 @@ def xfer_state(agent: Any, handle: Any) -> str:
 
 
 def wait_xfer(agent: Any, handle: Any, deadline: float,
-              on_pending: Callable[[Any], None] | None = None) -> bool:
+              on_pending: Callable[[Any], None] | None = None, peer: str = "") -> bool:
     """Poll a posted transfer until done, error or deadline; releases the handle, except one
     still running at the deadline when `on_pending` takes it."""
     spins = 0
@@ -188,11 +213,12 @@ def wait_xfer(agent: Any, handle: Any, deadline: float,
             release(agent, handle)
             return True
         if state == "ERR":
-            log.warning("nixl transfer failed")
+            warn_peer("failed", peer, "nixl transfer with %s failed", peer)
             release(agent, handle)
             return False
         if time.monotonic() > deadline:
-            log.warning("nixl transfer did not finish before its deadline; aborting it")
+            warn_peer("late", peer, "nixl transfer with %s did not finish before its deadline; "
+                  "aborting it", peer)
             if on_pending is not None:
                 on_pending(handle)
             else:

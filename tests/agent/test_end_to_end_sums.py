@@ -51,9 +51,10 @@ class Corrupt:
                 self._reads[handle] = local[0][0]
             return handle
 
-        def wait_xfer(agent: Any, handle: Any, deadline: float, on_pending: Any = None) -> bool:
+        def wait_xfer(agent: Any, handle: Any, deadline: float, on_pending: Any = None,
+                      peer: str = "") -> bool:
             addr = self._reads.pop(handle, None)
-            ok = wait(agent, handle, deadline, on_pending)
+            ok = wait(agent, handle, deadline, on_pending, peer)
             if ok and addr is not None:
                 self._flip(addr)
             return ok
