@@ -4,10 +4,17 @@ kept on one NUMA node.
 Primitives:
 - `node_cpus(node, root)` / `numa_nodes(root)`: CPUs of a NUMA node from
   `<root>/sys/devices/system/node/nodeN/cpulist` (parsed `0-3,8-11`).
-- `CpuStagingPath(store, numa_node)`: a `TransferPath`. Every batch runs on one dispatcher thread
-  pinned (os.sched_setaffinity) to the node's CPUs; the store's own I/O threads are started from
-  that thread, so they inherit the pinning. The store already does O_DIRECT vectored I/O with its
-  bounded pool (and a bounce buffer for unaligned memory): this layer adds no copy of its own.
+- `CpuStagingPath(store, numa_node, write_queue_bytes=WRITE_QUEUE_BYTES)`: a `TransferPath`.
+  Batches run on two lanes, each one thread pinned (os.sched_setaffinity) to the node's CPUs:
+  the read lane (gets, and promotions, which are puts on a get's path) and the write lane (puts).
+  A get never waits behind a put it does not need (loads before stores). The write lane holds at
+  most `write_queue_bytes` of pages, running and queued together: a put that would pass it is
+  refused at once, every page not stored (counted: `stats().extra["write_lane_refused"]`), so
+  SGLang's backup thread never waits behind a backlog; a put on an empty lane is always taken.
+  A get of a key whose put is still queued is a miss (the store has not seen it; never partial
+  bytes: the store publishes a block only once written). The store's own I/O threads are started
+  from a lane's thread, so they inherit the pinning. The store already does O_DIRECT vectored I/O
+  with its bounded pool (and a bounce buffer for unaligned memory): this layer adds no copy.
 - GPU pages (torch CUDA tensors) cannot go to an O_DIRECT file without a host bounce: they are
   staged through two pinned host buffers per direction, double-buffered (the GPU copies chunk
   i+1 while the store writes chunk i), see `_GpuStager`; the device calls are `DeviceOps`
@@ -74,11 +81,56 @@ def _all_false_of_keys(_self: Any, _fn: Any, keys: Sequence[bytes], *_: Any) -> 
     return [False] * len(keys)
 
 
+# What the write lane may hold (running and queued puts together): two of SGLang's 64-page
+# write-back batches of 2 MiB pages, or half a 128-page batch of 8 MiB ones.
+WRITE_QUEUE_BYTES = 256 << 20
+
+
+def _nbytes(blocks: Sequence[Sequence[Buffer]]) -> int:
+    return sum(memoryview(b).nbytes for bs in blocks for b in bs)
+
+
+class _Lane:
+    """One pinned thread that runs one kind of batch in turn. With a `bound` (bytes), a batch that
+    would take what it holds (running and queued) past it is refused, unless the lane is empty."""
+
+    def __init__(self, name: str, init: Callable[[], None] | None, bound: int | None = None):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"offload-cpu-{name}",
+                                       initializer=init)
+        self.bound = bound
+        self.held = 0           # bytes of the batches running or queued (under `_lock`)
+        self.refused = 0        # pages refused by the bound
+        self._lock = threading.Lock()
+
+    def _admit(self, n: int, pages: int) -> bool:
+        with self._lock:
+            if self.bound is not None and self.held and self.held + n > self.bound:
+                self.refused += pages
+                return False
+            self.held += n
+            return True
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+    def run(self, fn: Callable[..., list[bool]], keys: Sequence[bytes],
+            bufs: Sequence[Sequence[Buffer]]) -> list[bool]:
+        n = _nbytes(bufs) if self.bound is not None else 0
+        if not self._admit(n, len(keys)):
+            return [False] * len(keys)
+        try:
+            return self.pool.submit(fn, keys, bufs).result()
+        finally:
+            self._release(n)
+
+
 class CpuStagingPath(StoreBookkeeping):
     name = "cpu"
 
     def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/",
-                 device_ops: "DeviceOps | None" = None):
+                 device_ops: "DeviceOps | None" = None,
+                 write_queue_bytes: int = WRITE_QUEUE_BYTES):
         self.store = store
         self.failures = FailureCounts()
         self._device_ops = device_ops
@@ -88,8 +140,8 @@ class CpuStagingPath(StoreBookkeeping):
         if self.cpus is not None:
             cpus = self.cpus
             init = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - this thread only
-        self._dispatch = ThreadPoolExecutor(1, thread_name_prefix="offload-cpu-path",
-                                            initializer=init)
+        self._reads = _Lane("read", init)
+        self._writes = _Lane("write", init, write_queue_bytes)
         self._stager: _GpuStager | None = None
         self._lock = threading.Lock()
 
@@ -105,9 +157,15 @@ class CpuStagingPath(StoreBookkeeping):
             node = getattr(decision, "numa_node", None)
         return cls(store, node)
 
-    @never_raises("cpu path: a batch on the dispatcher thread", _all_false_of_keys)
-    def _run(self, fn: Callable[..., list[bool]], *args: Any) -> list[bool]:
-        return self._dispatch.submit(fn, *args).result()
+    @never_raises("cpu path: a batch on the read lane", _all_false_of_keys)
+    def _read(self, fn: Callable[..., list[bool]], keys: Sequence[bytes],
+              bufs: Sequence[Sequence[Buffer]]) -> list[bool]:
+        return self._reads.run(fn, keys, bufs)
+
+    @never_raises("cpu path: a batch on the write lane", _all_false_of_keys)
+    def _write(self, fn: Callable[..., list[bool]], keys: Sequence[bytes],
+               bufs: Sequence[Sequence[Buffer]]) -> list[bool]:
+        return self._writes.run(fn, keys, bufs)
 
     def register_region(self, buffer: Any) -> None:
         """Nothing to register: the store reads and writes host memory directly."""
@@ -115,20 +173,20 @@ class CpuStagingPath(StoreBookkeeping):
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         if _any_gpu(blocks):
             return self._gpu().put(keys, blocks)
-        return self._run(self.store.put_many, keys, blocks)
+        return self._write(self.store.put_many, keys, blocks)
 
     def promote_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]
                      ) -> list[bool]:
         """A put on a read's path (a tiered store's promotion): the store's own
-        (`offload.store.base.promote`), on the dispatcher thread."""
+        (`offload.store.base.promote`), on the read lane (never behind write-backs)."""
         if _any_gpu(blocks):
             return self._gpu().put(keys, blocks)
-        return self._run(functools.partial(promote, self.store), keys, blocks)
+        return self._read(functools.partial(promote, self.store), keys, blocks)
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         if _any_gpu(dests):
             return self._gpu().get(keys, dests)
-        return self._run(self.store.get_many, keys, dests)
+        return self._read(self.store.get_many, keys, dests)
 
     def _gpu(self) -> "_GpuStager":
         with self._lock:
@@ -144,6 +202,7 @@ class CpuStagingPath(StoreBookkeeping):
         s = self.store.stats()
         s.extra = dict(s.extra, path="cpu", numa_node=self.numa_node,
                        pinned_cpus=len(self.cpus) if self.cpus else 0,
+                       write_lane_refused=self._writes.refused,
                        transfer_failures=self.failure_counts())
         return s
 
@@ -151,7 +210,8 @@ class CpuStagingPath(StoreBookkeeping):
         return with_failures(self.store.tier_stats(), self.failure_counts())
 
     def close(self) -> None:
-        self._dispatch.shutdown(wait=True)
+        self._writes.pool.shutdown(wait=True)
+        self._reads.pool.shutdown(wait=True)
         self.store.close()
 
 
@@ -317,7 +377,7 @@ class _GpuStager:
             return
         if not staged:
             return
-        flags = self.path._run(self.path.store.put_many, [keys[i] for i in staged], views)
+        flags = self.path._write(self.path.store.put_many, [keys[i] for i in staged], views)
         for i, f in zip(staged, flags):
             ok[i] = f
 
@@ -343,7 +403,7 @@ class _GpuStager:
                 # an ndarray has the buffer protocol (numpy's stubs do not say so)
                 views.append([memoryview(buf[off:off + sizes[i]].numpy())])  # type: ignore[arg-type]
                 off += sizes[i]
-            flags = self.path._run(self.path.store.get_many, [keys[i] for i in group], views)
+            flags = self.path._read(self.path.store.get_many, [keys[i] for i in group], views)
             copied: list[int] = []
             with self.ops.on(st.stream):
                 off = 0
