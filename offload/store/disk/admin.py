@@ -62,22 +62,19 @@ class Admin:
                batch: int = 64) -> tuple[int, list[tuple[bytes, ReadOutcome]]]:
         """Re-read every committed block and check header and checksum; corrupt ones are deleted.
 
-        Safe while other processes use the directory: a block deleted or evicted meanwhile is
-        not counted as bad. `progress(n)` is called after each batch of n blocks.
+        Safe while other processes use the directory: a block is bad (and deleted) only if the
+        index still holds the row that was read and a re-read of its slot under the write lock
+        still fails (`DiskState.drop_bad`, as `get` does); a block deleted, evicted or rewritten
+        meanwhile is not counted as bad. `progress(n)` is called after each batch of n blocks.
         Returns (blocks checked, [(key, outcome)] of the bad ones: corrupt ones were deleted,
         failed ones (an I/O error) kept).
         """
         st = self.state
 
         def drop(loc: Location, corrupt: bool) -> bool:
-            if corrupt:
-                still = st.ix.write(lambda index: index.drop_corrupt([loc], st.free_slot),
-                                    control=True)
-                gone = still if isinstance(still, list) else []
-                with st.lock:
-                    st.keys.difference_update(gone)
-                    st.stats.checksum_failures += len(gone)
-                return bool(gone)
+            if corrupt:   # the data path's rule: still held as read, still bad on a re-read
+                still = st.ix.write(lambda index: st.drop_bad(index, [loc]), control=True)
+                return bool(still if isinstance(still, list) else [])
             with st.lock:
                 return bool(st.ix.reader.locate([loc.key]))
 

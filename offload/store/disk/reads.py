@@ -114,18 +114,17 @@ class Reads:
         index leaves them for the next get).
 
         A block that failed its checks is corrupt only if the index, under the write lock, still
-        holds the very row that was read (same slot, checksum and generation): a slot is handed
-        out again only in the transaction that deletes its row (and punches it), so a read that
+        holds the very row that was read (same slot, checksum and generation) and a re-read of
+        its slot there still fails (`DiskState.drop_bad`, the rule `cache verify` follows too): a
+        slot is handed out again only after the transaction that deletes its row, so a read that
         landed on a slot being deleted or reused meets a row that is gone or newer. That is "reused
         under me" (a miss, counted in `reused_reads`), not bad bytes on disk (`checksum_failures`)."""
         st = self.state
 
         def run(index: Index) -> None:
-            if corrupt:   # a row kept (not the one read: put again meanwhile) stays a key
-                gone = index.drop_corrupt(corrupt, st.free_slot)
+            if corrupt:   # a row kept (not the one read, or good on a re-read) stays a key
+                gone = st.drop_bad(index, corrupt)
                 with st.lock:
-                    st.keys.difference_update(gone)
-                    st.stats.checksum_failures += len(gone)
                     st.stats.reused_reads += len(corrupt) - len(gone)
                 for k in gone:
                     log.warning("block %s is corrupt (%s): a miss, deleted", k.hex()[:16],

@@ -218,7 +218,7 @@ def _open_locked(directory: str, slabs: slab.SlabFiles, path: str, capacity: int
             index = _connect(path, deadline)
             index.check_and_init()
         if lease is not None:
-            lease()
+            index.owner = lease()   # the holder of the slots it frees until they are punched
         drop_missing_segments(index, slabs)
         index.reclaim_dead(free_slot)
         index.set_capacity(capacity)
@@ -370,9 +370,20 @@ def _recover(slabs: slab.SlabFiles, found: Scan, segment_size: int, tombstoned: 
         segments.append((seg, sb, max(used, segment_size // sb), used))
         free += [(sb, seg, s) for s in range(used) if s not in allocated]
         for s in sorted(allocated):
+            def good(h: slot_format.Header | None) -> bool:
+                return (h is not None and h.key not in seen and h.length <= MAX_LENGTH
+                        and slot_format.slot_bytes_for(h.length) == sb
+                        and (sb, seg, s) not in tombstoned)
             h = slabs.read_header(seg, sb, s)
-            ok = (h is not None and h.key not in seen and h.length <= MAX_LENGTH
-                  and slot_format.slot_bytes_for(h.length) == sb and (sb, seg, s) not in tombstoned)
+            if not good(h):   # bad only after a re-read, as every reader decides (`drop_bad`)
+                try:
+                    h = slabs.read_header(seg, sb, s, errors=True)
+                except OSError as e:   # no proof either way: neither recovered nor freed
+                    log.error("%s slot %d unreadable (%s): left as it is", slabs.path(seg, sb),
+                              s, e)
+                    found.skipped += 1
+                    continue
+            ok = good(h)
             if h is None or not ok:
                 skipped += h is not None
                 try:

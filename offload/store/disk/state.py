@@ -13,7 +13,9 @@ which only an index transaction consumes.
 
 Steps every part takes: `refresh_keys()` (the key set up to date with every process's commits and
 deletes), `drop_missing(index)` (segments whose slab file was found missing), `evicted(n)`
-(count blocks this process evicted), `free_slot(f)` (a slot the index freed: its hole punched).
+(count blocks this process evicted), `free_slot(f)` (a slot the index freed: its hole punched),
+`drop_bad(index, locations)` (the one place a block is called bad and deleted: the data path,
+`cache verify`; a re-read under the write lock decides, `Index.drop_corrupt`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Callable
 
 from offload.config import StoreConfig
 from offload.store.base import StoreStats
+from offload.store.disk import scrub
 from offload.store.disk.index.access import IndexAccess
 from offload.store.disk.index.db import Freed, Index, Location
 from offload.store.disk.slab import files as slab
@@ -55,6 +58,21 @@ class DiskState:
 
     def free_slot(self, f: Freed) -> None:
         self.slabs.free(f.seg, f.slot_bytes, f.slot)
+
+    def drop_bad(self, index: Index, locs: list[Location]) -> list[bytes]:
+        """Blocks a read found bad (corrupt, or their slot reused under the read): deleted only
+        if the index, under the write lock (caller: inside `ix.write`), still holds the row that
+        was read and a re-read of the slot now still finds it corrupt -- the one rule for every
+        reader (`get`, `cache verify`). Counted in `checksum_failures`; returns the keys dropped."""
+        gone = index.drop_corrupt(locs, self.free_slot, self.still_bad)
+        with self.lock:
+            self.keys.difference_update(gone)
+            self.stats.checksum_failures += len(gone)
+        return gone
+
+    def still_bad(self, loc: Location) -> bool:
+        """A re-read of a block's slot finds it corrupt now (an I/O error is no proof: False)."""
+        return scrub.read_whole(self.slabs, loc).corrupt
 
     def refresh_keys(self) -> bool:
         """Bring the in-memory key set up to date with commits/deletes of every process (caller

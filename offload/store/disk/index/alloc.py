@@ -25,9 +25,11 @@ from typing import Callable, Iterable, Sequence
 
 from offload.store.disk.index.schema import (
     COMMITTED,
+    COUNTED,
     MAX_VARS,
     OP_COMMIT,
     PENDING,
+    PUNCH,
     Allocation,
     Freed,
     Location,
@@ -59,7 +61,8 @@ class IndexAlloc:
                    free_slot: Callable[[Freed], None]) -> list[Freed]:
         raise NotImplementedError
 
-    def _recycle(self, slots: Sequence[Slot], free_slot: Callable[[Freed], None]) -> list[Freed]:
+    def _recycle(self, slots: Sequence[Slot], free_slot: Callable[[Freed], None],
+                 visible: bool = False) -> list[Freed]:
         raise NotImplementedError
 
     def _trim_changes(self) -> None:
@@ -376,7 +379,8 @@ class IndexAlloc:
                                "WHERE state=0").fetchall()
         alive: dict[str, bool] = {}   # one look at each owner's lease per call
 
-        def live(owner: str) -> bool:
+        def live(owner: str) -> bool:   # (a PUNCH holder: the process behind its lease)
+            owner = owner.removeprefix(PUNCH)
             if owner not in alive:
                 alive[owner] = owner_alive(self.directory, owner)
             return alive[owner]
@@ -389,7 +393,8 @@ class IndexAlloc:
                                     (owner,)).fetchall()
             self.db.execute("DELETE FROM reserved WHERE owner=?", (owner,))
             out += self._recycle(slots, free_slot)   # a dead writer may have written them
-            self._add_used(-sum(sb for sb, _, _ in slots))
+            if not owner.startswith(PUNCH):         # (slots held to punch are not counted)
+                self._add_used(-sum(sb for sb, _, _ in slots))
 
     def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
         """Free the pending rows and reserved slots of dead processes: how many slots."""
@@ -401,7 +406,7 @@ class IndexAlloc:
     def reserved_bytes(self) -> int:
         """Bytes of slots reserved by processes and not yet written (counted in `used`)."""
         return int(self.db.execute(
-            "SELECT coalesce(sum(slot_bytes), 0) FROM reserved").fetchone()[0])
+            f"SELECT coalesce(sum(slot_bytes), 0) FROM reserved WHERE {COUNTED}").fetchone()[0])
 
 
 __all__ = ["IndexAlloc", "Slot"]

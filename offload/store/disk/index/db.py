@@ -29,9 +29,11 @@ from offload.store.disk.index.repair import ROW, checked, drop_bad, retry_tombst
 from offload.store.disk.index.schema import (
     CHANGES_KEPT,
     COMMITTED,
+    COUNTED,
     MAX_VARS,
     OP_COMMIT,
     OP_DELETE,
+    PUNCH,
     SCHEMA,
     SCHEMA_VERSION,
     SIDE_FILES,
@@ -71,6 +73,10 @@ class Index(IndexAlloc):
             cachedir.fsync_dir(os.path.dirname(os.path.abspath(path)))
         self.ino = os.stat(path).st_ino
         self.tombstones_pending = True   # slots whose hole punch failed: retried on the next free
+        self._to_punch: list[tuple[Freed, Callable[[Freed], None]]] = []   # freed, not committed
+        self._punched: list[tuple[int, int, int]] = []   # held, punched: to free next
+        self._stuck: list[tuple[int, int, int]] = []     # held, punch failed: to tombstone next
+        self.owner = ""   # this process's lease token (`recovery`): the holder of freed slots
         self.bad_rows = 0   # rows read back that failed the range checks (each a miss, dropped)
 
     # ---- open-time checks (called under the directory's open lock) ----------------------------
@@ -105,8 +111,9 @@ class Index(IndexAlloc):
 
     def txn(self, write: bool = True, durable: bool = True) -> "Txn":
         """A transaction; `durable=False` commits without syncing the log (a later durable commit
-        of this connection or any other syncs it too)."""
-        return Txn(self.db, write, durable)
+        of this connection or any other syncs it too). Slots it frees are punched only once it
+        has committed (`_recycle`)."""
+        return _IndexTxn(self, write, durable)
 
     def _meta(self, name: str) -> int:
         return int(self.db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()[0])
@@ -171,35 +178,92 @@ class Index(IndexAlloc):
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
             self._add_used(-sum(r[3] for r in rows))
-        return self._recycle([(sb, seg, slot) for _, seg, slot, sb, _ in rows], free_slot)
+        return (self._recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
+                               if st != COMMITTED], free_slot)
+                + self._recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
+                                 if st == COMMITTED], free_slot, visible=True))
 
     def _recycle(self, slots: Sequence[tuple[int, int, int]],
-                 free_slot: Callable[[Freed], None]) -> list[Freed]:
-        """Punch (slot_bytes, seg, slot) slots and list them free (used bytes: the caller's).
+                 free_slot: Callable[[Freed], None], visible: bool = False) -> list[Freed]:
+        """Free (slot_bytes, seg, slot) slots (used bytes: the caller's) and return them.
 
-        `free_slot` punches the slot (its header stops naming the block) or raises OSError; a
-        slot it could not punch becomes a tombstone, never handed out, retried on a later free."""
-        if self.tombstones_pending:
+        `free_slot` punches a slot (its header stops naming the block) or raises OSError: such a
+        slot becomes a tombstone, never handed out, retried on a later free and at every open.
+        A slot whose block was `visible` (committed) is never punched inside this transaction,
+        which may still roll back (a full disk failing its COMMIT, a kill) and bring the block's
+        row back over punched bytes: it becomes a slot this process holds (`reserved`, owner =
+        `PUNCH` + its lease, not counted in `used`: never handed out, and punched by whoever
+        reclaims it if this process dies),
+        punched once the transaction has committed (`_after_commit`), and handed out again by
+        this connection's next write transaction (`_release_punched`). Without an owner (a
+        tool's index) it waits as a tombstone instead. Any other slot (a write that failed, a
+        reserved or pending slot: a rollback gives it back to its holder, never to a block) is
+        punched here, which frees its space before the COMMIT needs some."""
+        if self.tombstones_pending:   # earlier punches that failed (their rows are long gone)
             self.tombstones_pending = retry_tombstones(self.db, free_slot)
-        freed, stuck = [], []
-        for sb, seg, slot in slots:
-            f = Freed(seg, slot, sb)
+        freed = [Freed(seg, slot, sb) for sb, seg, slot in slots]
+        if not slots:
+            return freed
+        if visible:
+            if self.owner:   # held, not counted in `used`: the slot's space is being freed
+                self.db.executemany("INSERT OR REPLACE INTO reserved VALUES(?,?,?,?)",
+                                    ((sb, seg, slot, PUNCH + self.owner) for sb, seg, slot in slots))
+            else:
+                self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", slots)
+            self._to_punch += [(f, free_slot) for f in freed]
+            return freed
+        stuck = []
+        for f, row in zip(freed, slots):
             try:
-                free_slot(f)  # punch the hole inside the transaction: the slot is not reusable yet
+                free_slot(f)
             except OSError as e:
-                stuck.append((sb, seg, slot))
+                stuck.append(row)
                 if len(stuck) == 1:
                     log.error("could not punch or zero freed slots (%s): kept as tombstones, "
                               "retried later", e)
-            freed.append(f)
-        if slots:
-            gone = set(stuck)
-            self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)",
-                                (r for r in slots if r not in gone))
-            if stuck:
-                self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", stuck)
-                self.tombstones_pending = True
+        gone = set(stuck)
+        self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)",
+                            (r for r in slots if r not in gone))
+        if stuck:
+            self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", stuck)
+            self.tombstones_pending = True
         return freed
+
+    def _after_commit(self) -> None:
+        """Punch the slots this transaction freed (its COMMIT succeeded: their rows are gone)."""
+        todo, self._to_punch = self._to_punch, []
+        failed = 0
+        for f, free_slot in todo:
+            try:
+                free_slot(f)
+            except OSError as e:
+                failed += 1
+                if failed == 1:
+                    log.error("could not punch or zero freed slots (%s): kept as tombstones, "
+                              "retried later", e)
+                self._stuck.append((f.slot_bytes, f.seg, f.slot))
+                continue
+            self._punched.append((f.slot_bytes, f.seg, f.slot))
+
+    def _release_punched(self) -> None:
+        """At the start of a write transaction: the slots punched after this connection's
+        earlier commits become free, those whose punch failed tombstones (both lists are
+        forgotten only once this transaction commits). Only a slot still held as it was left:
+        one a reclaim or a dropped segment took meanwhile is someone else's now."""
+        for row, dest in [(r, "free_slots") for r in self._punched] + \
+                         [(r, "tombstones") for r in self._stuck]:
+            if self.owner:
+                held = self.db.execute("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND "
+                                       "slot=? AND owner=?", (*row, PUNCH + self.owner)
+                                       ).rowcount == 1
+            else:
+                held = dest == "free_slots" and self.db.execute(
+                    "DELETE FROM tombstones WHERE slot_bytes=? AND seg=? AND slot=?",
+                    row).rowcount == 1
+            if held:
+                self.db.execute(f"INSERT OR IGNORE INTO {dest} VALUES(?,?,?)", row)
+        if self._stuck:
+            self.tombstones_pending = True
 
     def tombstoned(self) -> list[tuple[int, int, int]]:
         """(slot_bytes, seg, slot) of freed slots whose hole punch has not succeeded yet."""
@@ -226,18 +290,24 @@ class Index(IndexAlloc):
                     f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
             return len(self._free_rows(rows, free_slot))
 
-    def drop_corrupt(self, locs: Sequence[Location],
-                     free_slot: Callable[[Freed], None]) -> list[bytes]:
-        """Delete blocks found corrupt, only if the index still holds the very row that was read:
-        the same slot, checksum and generation (`created`). A block deleted and put again into
-        the same slot meanwhile is another row, and stays. Returns the keys whose row went."""
+    def drop_corrupt(self, locs: Sequence[Location], free_slot: Callable[[Freed], None],
+                     still_bad: Callable[[Location], bool]) -> list[bytes]:
+        """Delete blocks a read found bad, only if, inside this write transaction (no process can
+        free, reuse or commit a slot meanwhile), the index still holds the very row that was read
+        -- the same slot, checksum and generation (`created`) -- and `still_bad(location)`, a
+        re-read of the slot now, still finds it bad. A block deleted and put again into the same
+        slot meanwhile is another row, and stays; so does one whose re-read is good (the first
+        read raced with something) or fails with an I/O error. Returns the keys whose row went.
+        Called only through `DiskState.drop_bad`, the one place a block is called bad."""
         with self.txn():
             rows = []
             for loc in locs:
-                rows += self.db.execute(
+                held = self.db.execute(
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
                     "AND slot=? AND csum=? AND created=? AND +state=1",
                     (loc.key, loc.seg, loc.slot, signed(loc.csum), loc.created)).fetchall()
+                if held and still_bad(loc):
+                    rows += held
             self._free_rows(rows, free_slot)
             return [r[0] for r in rows]
 
@@ -259,7 +329,8 @@ class Index(IndexAlloc):
             self.db.execute("DELETE FROM blocks WHERE seg=?", (seg,))
             self.db.execute("DELETE FROM free_slots WHERE seg=?", (seg,))
             self.db.execute("DELETE FROM tombstones WHERE seg=?", (seg,))
-            held = self.db.execute("SELECT coalesce(sum(slot_bytes), 0) FROM reserved WHERE seg=?",
+            held = self.db.execute("SELECT coalesce(sum(slot_bytes), 0) FROM reserved WHERE seg=? "
+                                   f"AND {COUNTED}",
                                    (seg,)).fetchone()[0]
             self.db.execute("DELETE FROM reserved WHERE seg=?", (seg,))
             self.db.execute("UPDATE segments SET nslots=0, next_slot=0 WHERE seg=?", (seg,))
@@ -340,6 +411,45 @@ class Index(IndexAlloc):
                 "last_use": row[6], "description": json.loads(desc) if desc else None})
         return {"used_bytes": used, "reserved_bytes": reserved, "capacity": cap,
                 "pending": pending, "namespaces": namespaces}
+
+
+class _IndexTxn(Txn):
+    """`Index.txn`: a write transaction first frees the slots punched after this connection's
+    earlier commits; after its own COMMIT it punches what it freed (a rollback punches nothing)."""
+
+    def __init__(self, index: Index, write: bool, durable: bool):
+        super().__init__(index.db, write, durable)
+        self.index = index
+        self._released: list[tuple[int, int, int]] = []
+
+    def __enter__(self) -> "Txn":
+        super().__enter__()
+        ix = self.index
+        ix._to_punch = []
+        if self.write and (ix._punched or ix._stuck):
+            self._released = ix._punched + ix._stuck
+            try:
+                ix._release_punched()
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                self._restore()
+                raise
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        ix = self.index
+        try:
+            super().__exit__(exc_type, *rest)
+        except BaseException:
+            ix._to_punch = []   # rolled back (SQLite undoes a COMMIT it could not finish)
+            raise
+        if exc_type is not None:
+            ix._to_punch = []
+            return
+        done = set(self._released)
+        ix._punched = [s for s in ix._punched if s not in done]
+        ix._stuck = [s for s in ix._stuck if s not in done]
+        ix._after_commit()
 
 
 __all__ = ["Allocation", "Freed", "Index", "Location", "SIDE_FILES"]

@@ -30,6 +30,11 @@ from offload.store.disk.location import HEADER_BYTES, Location, slot_bytes_for
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
 OP_COMMIT, OP_DELETE = 1, 2
+# `reserved` rows owned by PUNCH + a lease token: slots of blocks deleted by a transaction that
+# has committed, held by that process until their hole is punched (`Index._recycle`); not counted
+# in `used` (their space is being freed), never handed out, punched again by a reclaim.
+PUNCH = "punch:"
+COUNTED = "owner NOT LIKE 'punch:%'"   # the `reserved` rows counted in `used`
 CHANGES_KEPT = 200_000
 MAX_VARS = 900
 SIDE_FILES = ("-wal", "-shm")
@@ -146,7 +151,12 @@ class Txn:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         try:
-            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            try:
+                self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            except sqlite3.Error:
+                if self.db.in_transaction:   # a COMMIT that failed (disk full) and left it open
+                    self.db.execute("ROLLBACK")
+                raise
         finally:
             self._restore()
 

@@ -334,13 +334,17 @@ class SlabFiles:
         except OSError as e:
             return reason(e)
 
-    def read_header(self, seg: int, slot_bytes: int, slot: int) -> Header | None:
+    def read_header(self, seg: int, slot_bytes: int, slot: int,
+                    errors: bool = False) -> Header | None:
+        """A slot's header (None: short or invalid; an I/O error too, unless `errors`: raised)."""
         hdr = self.headers.read(1)[0]
         try:
             with self.use(seg, slot_bytes) as fd:
                 if os.preadv(fd, [hdr], slot * slot_bytes) != HEADER_BYTES:
                     return None
         except OSError:
+            if errors:
+                raise
             return None
         return unpack_header(hdr)
 
