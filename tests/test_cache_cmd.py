@@ -72,6 +72,31 @@ def test_stats_text_and_json(tmp_path, capsys):
     assert _capacity(d) == 64 << 20                          # opening kept the directory's cap
 
 
+def test_stats_and_verify_of_a_fresh_drive_directory(tmp_path, capsys):
+    """A cache directory made as deploy/drives.md says (`mkdir -m 700`), before any server used
+    it: `cache stats` and `cache verify` say it is empty (exit 0) and create nothing in it; beside
+    a used drive, the totals are that drive's."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir(mode=0o700)
+    rc, out, err = _cli(capsys, "stats", str(fresh))
+    assert rc == 0, err
+    assert f"cache {fresh}" in out and "no cache written here yet" in out
+    rc, out, _ = _cli(capsys, "stats", "--json", str(fresh))
+    s = json.loads(out)
+    assert rc == 0 and s["fresh"] and s["blocks"] == 0 and s["namespaces"] == []
+    rc, out, _ = _cli(capsys, "verify", str(fresh))
+    assert rc == 0 and "checked 0 blocks: 0 bad" in out
+    assert os.listdir(fresh) == []                           # looked at, never written
+    used = tmp_path / "used"
+    _fill(used)
+    rc, out, _ = _cli(capsys, "stats", "--json", str(used), str(fresh))
+    s = json.loads(out)
+    assert rc == 0 and s["blocks"] == 20 and s["failed"] == []
+    assert os.listdir(fresh) == []
+    rc, _, err = _cli(capsys, "stats", str(tmp_path / "missing"))
+    assert rc == 2 and "no such directory" in err            # a typo is still an error
+
+
 def test_verbose_stats_and_clear_log_what_they_read_and_do(tmp_path, capsys, caplog):
     d = tmp_path / "cache"
     _fill(d, per_ns=2)

@@ -49,12 +49,29 @@ def _keep_size(text: str) -> int:
 DIRS_HELP = "cache directory (offload.store.path); several: the drives of offload.store.paths"
 
 
-def _each(dirs: list[str], fn: Any) -> tuple[list[Any], list[dict[str, str]]]:
+def _fresh(directory: str) -> bool:
+    """A directory made for a cache and never used yet (`mkdir -m 700 DIR`, as deploy/drives.md
+    makes one): it exists and holds no index and no slab file. Looked at only, never written."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return not any(n.startswith("index.db") or n.endswith(".slab") for n in names)
+
+
+def _each(dirs: list[str], fn: Any,
+          fresh: Any = None) -> tuple[list[Any], list[dict[str, str]]]:
     """`fn(store, directory)` for every directory; with several, a directory that cannot be
-    opened is collected ({dir, error}) and the others are done (with one, its error is raised)."""
+    opened is collected ({dir, error}) and the others are done (with one, its error is raised).
+    `fresh(directory)`: the result for a directory that holds no cache yet (`_fresh`: nothing is
+    opened or created in it); without it, such a directory is an error."""
     done: list[Any] = []
     failed: list[dict[str, str]] = []
     for d in dirs:
+        if fresh is not None and _fresh(d):
+            log.debug("%s holds no cache yet (no index, no slab file): nothing opened", d)
+            done.append(fresh(d))
+            continue
         try:
             store = open_existing(d)
         except (UsageError, StoreError) as e:
@@ -184,6 +201,13 @@ def _summary(store: Any, directory: str) -> dict[str, Any]:
     }
 
 
+def _empty_summary(directory: str) -> dict[str, Any]:
+    """`cache stats` of a directory that holds no cache yet: nothing stored."""
+    return {"dir": os.path.abspath(directory), "fresh": True, "blocks": 0, "data_bytes": 0,
+            "used_bytes": 0, "reserved_bytes": 0, "capacity": 0, "pending": 0, "oldest": None,
+            "newest": None, "last_use": None, "namespaces": []}
+
+
 def _total(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Every drive's summary as one (namespaces merged by digest)."""
     nss: dict[str, dict[str, Any]] = {}
@@ -211,6 +235,9 @@ def _print_summary(out: dict[str, Any], title: str, namespaces: bool = True) -> 
     nss = out["namespaces"]
     pct = f", {out['used_bytes'] / cap:.0%} of the cap" if cap else ""
     print(title)
+    if out.get("fresh"):
+        print("  empty      no cache written here yet (no index, no slab file)")
+        return
     print(f"  blocks     {out['blocks']:,} ({format_size(out['data_bytes'])} of data, "
           f"{format_size(out['used_bytes'])} used of {format_size(cap)}{pct})"
           + (f", {out['pending']} being written" if out["pending"] else "")
@@ -227,7 +254,7 @@ def _print_summary(out: dict[str, Any], title: str, namespaces: bool = True) -> 
 
 
 def _stats(args: argparse.Namespace) -> int:
-    rows, failed = _each(args.dirs, _summary)
+    rows, failed = _each(args.dirs, _summary, fresh=_empty_summary)
     rates = hit_rates(args.metrics_url) if args.metrics_url else None
     several = len(args.dirs) > 1
     out = dict(_total(rows), drives=rows, failed=failed) if several else rows[0]
@@ -268,7 +295,8 @@ def _verify(args: argparse.Namespace) -> int:
                  "deleted": got.corrupt} for k, got in bad]
         return {"dir": os.path.abspath(directory), "checked": checked, "bad": rows}
 
-    done, failed = _each(args.dirs, one)
+    done, failed = _each(args.dirs, one, fresh=lambda d: {"dir": os.path.abspath(d), "checked": 0,
+                                                          "bad": []})
     bad = [r for d in done for r in d["bad"]]
     checked = sum(d["checked"] for d in done)
     if args.json:
