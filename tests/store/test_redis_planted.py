@@ -69,3 +69,24 @@ def test_planted_index_records_never_trip_the_data_path(redis_factory, plant: st
     assert all(held), (plant, held, got)                       # the newest blocks: hits
     assert store.link.available() and store.link.failures == 0, store.link.last_error
     store.close()
+
+
+def test_a_planted_counter_over_many_blocks_never_trips_the_data_path(redis_factory) -> None:  # noqa: F811
+    """A counter planted valid but huge (a number, so not reset) makes every block look past
+    the budget: one put must not pop the whole index in one script (a reply of every key we
+    hold, longer than the put's reply allowance, tripped the breaker; and the script held Redis
+    for all of it). The budget script pops a bounded number a call."""
+    server = redis_factory([])
+    store = redis_store(server.url, 5.0, 5.0, max_bytes="1GiB")
+    n = 40_000                                             # ~2.4 MB of victim keys in one reply
+    for lo in range(0, n, 4_000):
+        keys = [NS.key(f"small-{i}") for i in range(lo, lo + 4_000)]
+        assert all(store.put_many(keys, [[b"s" * 64] for _ in keys]))
+    server.client().set(store.idx_keys[2], b"1" + b"0" * 18)  # 10^18 bytes "used"
+    fresh = [NS.key(f"fresh-{i}") for i in range(4)]
+    for i in range(len(fresh)):
+        store.put_many(fresh[i:i + 1], [[b"f" * 64]])
+        assert store.link.failures == 0, store.link.last_error
+    assert all(store.get_many(fresh, [[bytearray(64)] for _ in fresh]))   # the newest: hits
+    assert store.link.available() and store.link.failures == 0, store.link.last_error
+    store.close()

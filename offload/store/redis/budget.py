@@ -4,9 +4,13 @@ Keys (one hash tag, so one node of a cluster holds all three): KEYS[1] a sorted 
 keys scored by last use (the server's microseconds), KEYS[2] a hash key -> size, KEYS[3] the byte
 counter. `ADD` (ARGV: budget, ttl in us, the block key prefix, the block key length, then key,
 size pairs) records new blocks, forgets those past the ttl and pops the oldest while the counter
-is over the budget: it returns the victims (the caller DELs them: keys we wrote; a member that
-is not a block key of ours, of our length, is forgotten but never returned, so nothing another
-writer put in the index makes the reply long or names a key we did not write). `TOUCH` (ARGV:
+is over the budget, at most `POPS_PER_CALL` a call: it returns the victims (the caller DELs them:
+keys we wrote; a member that is not a block key of ours, of our length, is forgotten but never
+returned, so nothing another writer put in the index makes the reply long or names a key we did
+not write). The pop bound holds the reply (and the script's time in Redis) to what one call
+expects whatever the counter says: a counter planted as a valid but huge number cannot make one
+put pop the whole index (a reply longer than the put's allowance trips the data path's breaker);
+eviction past the bound goes on with the next put, and an index found empty resets the counter. `TOUCH` (ARGV:
 'touch' or 'forget', then keys) moves keys to now, or drops them from the index (a block found
 missing, expired, deleted, or not verifiable).
 
@@ -15,6 +19,8 @@ a key of another type): a size that is not a number counts 0, a counter that is 
 at most 20 digits is reset, and a key of the wrong type fails the script in Redis, which the
 store counts (`script_errors`) without failing the link.
 """
+
+POPS_PER_CALL = 1024      # index members one ADD may pop (victims: at most this many keys)
 
 ADD = """
 local t = redis.call('TIME')
@@ -42,16 +48,18 @@ end
 local victims = {}
 local budget = tonumber(ARGV[1])
 local prefix, keylen = ARGV[3], #ARGV[3] + tonumber(ARGV[4])
-while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
+local pops = 0
+while pops < POPS and tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
   local pop = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #pop == 0 then break end
+  if #pop == 0 then redis.call('SET', KEYS[3], 0) break end
+  pops = pops + 1
   forget(pop[1])
   if #pop[1] == keylen and string.sub(pop[1], 1, #prefix) == prefix then
     victims[#victims + 1] = pop[1]
   end
 end
 return victims
-"""
+""".replace("POPS", str(POPS_PER_CALL))
 
 TOUCH = """
 local t = redis.call('TIME')
