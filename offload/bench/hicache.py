@@ -66,15 +66,16 @@ def _quiet_sglang() -> None:
     logging.getLogger("sglang").setLevel(logging.WARNING)
 
 
-def build_pool(pages: int, layout: str) -> Any:
-    """A real SGLang MHA host pool of `pages` 8 MiB pages (CPU; page-aligned memory)."""
+def build_pool(pages: int, layout: str, layers: int = LAYERS) -> Any:
+    """A real SGLang MHA host pool of `pages` pages of `layers` 256 KiB layers (8 MiB by
+    default; CPU; page-aligned memory)."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     kv = MHATokenToKVPool(2 * TOKENS, TOKENS, torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-                          layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                          start_layer=0, end_layer=LAYERS - 1)
+                          layer_num=layers, device="cpu", enable_memory_saver=False,
+                          start_layer=0, end_layer=layers - 1)
     return MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, TOKENS, layout,
                                 pin_memory=False, device="cpu", device_capacity_tokens=kv.size,
                                 start_layer=kv.start_layer, end_layer=kv.end_layer,

@@ -6,6 +6,7 @@ Primitives:
 - `series(result)`: the lines of a throughput result (`store`, `paths`, `hicache`, `redis`; the
   kind is recognised from its shape, `kind_of`): `Series(name, op, xs, ys, baseline)` with block
   sizes in bytes and GB/s. Baselines (raw O_DIRECT disk, NIXL loopback, raw redis-py) are dashed.
+- A `bench contend` result (read latencies) is drawn by `offload.bench.contend.contend_figure`.
 - A `bench serve` result is not throughput: `draw` gives it two bar panels per prompt length
   (time to first token cold / L1/L2 hit / L3 hit, and the hits' speed-up over cold).
 - The drawing: two panels (read, write); lines over a log-2 block-size axis when the result has
@@ -50,6 +51,8 @@ def kind_of(result: dict[str, Any]) -> str:
                            "bench store, paths, hicache, redis or serve")
     if result.get("mode") in ("restart", "sweep") and isinstance(result.get("workload"), dict):
         return "workload"
+    if result.get("bench") == "contend" and isinstance(result.get("target"), dict):
+        return "contend"
     if isinstance(result.get("sizes"), list) and "raw" in result:
         return "store"
     if isinstance(result.get("sizes"), dict):
@@ -76,6 +79,8 @@ def series(result: dict[str, Any]) -> list[Series]:
     kind = kind_of(result)
     if kind == "serve":
         raise OffloadError("a bench serve result holds times to first token, not throughput")
+    if kind == "contend":
+        raise OffloadError("a bench contend result holds read latencies, not throughput")
     lines: dict[tuple[str, str], Series] = {}
     if kind == "store":
         rows = result["sizes"]
@@ -124,6 +129,10 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
         from offload.bench.workload_plot import workload_figure
 
         fig = workload_figure(result, title)
+    elif kind == "contend":
+        from offload.bench.contend import contend_figure
+
+        fig = contend_figure(result, title)
     else:
         fig = serve_figure(result, title) if kind == "serve" else figure(result, title)
     fig.savefig(out, dpi=110)

@@ -32,6 +32,8 @@ METAVARS = {"count": "N", "natural": "N", "positive": "X", "size": "SIZE", "size
 BENCHES: dict[str, tuple[str, str]] = {
     "store": ("offload.bench.store", "block store vs raw O_DIRECT disk bandwidth"),
     "hicache": ("offload.bench.hicache", "our HiCache backend vs SGLang's stock file backend"),
+    "contend": ("offload.bench.contend", "an L3 read beside a saturating write-back vs the "
+                "raw drive's read beside a raw writer (p50 / p90)"),
     "redis": ("offload.bench.redis", "Redis tier vs raw Redis throughput"),
     "paths": ("offload.bench.paths", "each transfer path vs raw disk and NIXL loopback"),
     "serve": ("offload.bench.serve", "time to first token of a real server: cold vs L1/L2 vs L3"),
@@ -44,6 +46,8 @@ PLOTS: dict[str, str] = {
     "store": "block store put / cold get / warm get vs the raw O_DIRECT disk, GB/s against block "
              "size",
     "hicache": "our backend vs SGLang's file backend vs the raw disk, GB/s at the page size (bars)",
+    "contend": "read latency p50 / p90 (bars): the raw drive and our backend, each alone and "
+               "beside writes, with the target as a line",
     "redis": "the Redis tier vs raw redis-py, GB/s against block size (bars for one size)",
     "paths": "each transfer path vs raw disk and NIXL loopback, GB/s against block size",
     "serve": "time to first token per prompt length (cold, L1/L2 hit, L3 hit) and the hits' "
