@@ -162,15 +162,59 @@ def _plant_fifo(d: Path, body: bytes) -> tuple[str, str]:
     return str(p), "not a regular file"
 
 
+def _ours(p: Path, body: bytes) -> Path:
+    p.write_bytes(body)
+    p.chmod(0o600)
+    return p
+
+
+def _plant_hard_link(d: Path, body: bytes) -> tuple[str, str]:
+    # A second name of our own private file (planted where its directory lets someone, or
+    # left where another user can later reach it): the file has two ways in.
+    real = _ours(d / "real", body)
+    os.link(real, d / "hardlink")
+    return str(d / "hardlink"), "(hard links)"
+
+
+def _plant_in_writable_dir(d: Path, body: bytes) -> tuple[str, str]:
+    # Our own private file in a directory anyone can write (no sticky bit): another user can
+    # rename it away and put another file of ours under its name between two runs.
+    shared = d / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    return str(_ours(shared / "secret", body)), "other users can write"
+
+
+def _plant_in_their_dir(d: Path, body: bytes) -> tuple[str, str]:
+    theirs = d / "theirs"
+    theirs.mkdir()
+    p = _ours(theirs / "secret", body)
+    os.chown(theirs, _nobody(), -1)         # their directory: they choose what it names
+    return str(p), "which belongs to"
+
+
+def _plant_their_dir_link(d: Path, body: bytes) -> tuple[str, str]:
+    real = d / "realdir"
+    real.mkdir()
+    _ours(real / "secret", body)
+    (d / "via").symlink_to(real)
+    os.lchown(d / "via", _nobody(), -1)     # a directory link of another user on the way
+    return str(d / "via" / "secret"), "is reached through the symbolic link"
+
+
 BAD = {"owned by nobody": _plant_other_owner, "symlink": _plant_symlink,
-       "oversized": _plant_oversized, "group-readable": _plant_open, "fifo": _plant_fifo}
+       "oversized": _plant_oversized, "group-readable": _plant_open, "fifo": _plant_fifo,
+       "hard link": _plant_hard_link, "in a world-writable directory": _plant_in_writable_dir,
+       "in another user's directory": _plant_in_their_dir,
+       "through another user's link": _plant_their_dir_link}
+NEEDS_ROOT = {"owned by nobody", "in another user's directory", "through another user's link"}
 
 
 @pytest.mark.timeout(120)       # a reader that blocks on the FIFO fails here, not at 600 s
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("reader", [r[0] for r in READERS])
 def test_every_reader_refuses_every_bad_secret_file(tmp_path: Path, reader: str, bad: str) -> None:
-    if bad == "owned by nobody" and os.geteuid() != 0:
+    if bad in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip("planting a file of another user needs root (chown)")
     body, read = next((b, f) for name, b, f in READERS if name == reader)
     good = tmp_path / "good"
@@ -212,6 +256,54 @@ def test_the_loader_reads_a_good_file_and_bounds_it(tmp_path: Path) -> None:
         secret.read_secret_file(str(p), "x")
     with pytest.raises(ConfigError, match="cannot read"):
         secret.read_secret_file(str(tmp_path / "missing"), "x")
+
+
+def test_the_loader_accepts_the_directories_deployments_use(tmp_path: Path) -> None:
+    """What a deployment does is accepted: a file in a sticky world-writable directory (/tmp:
+    only its owner can rename it), and a path through a link of root or ours in a directory
+    only they can change (Kubernetes' `..data` link of a secret volume)."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert secret.read_secret_file(str(_ours(sticky / "k", KEY)), "x") == KEY.strip()
+    vol = tmp_path / "vol"
+    (vol / "..2026_12_03").mkdir(parents=True)
+    _ours(vol / "..2026_12_03" / "k", KEY)
+    (vol / "..data").symlink_to("..2026_12_03")
+    assert secret.read_secret_file(str(vol / "..data" / "k"), "x") == KEY.strip()
+    rel = os.path.relpath(vol / "..data" / "k")
+    assert secret.read_secret_file(rel, "x") == KEY.strip()
+
+
+def test_the_loader_refuses_what_is_not_a_file_on_disk() -> None:
+    """/proc/self/environ is a private regular file of ours: our environment is not a secret."""
+    with pytest.raises(ConfigError, match="not a file on disk"):
+        secret.read_secret_file("/proc/self/environ", "x")
+
+
+def test_the_loader_never_opens_a_fifo_or_device_for_reading(tmp_path: Path) -> None:
+    """Opening a FIFO or a device has effects (a FIFO's writer is released; a watchdog, a tape
+    rewinds): the loader checks the kind on an O_PATH descriptor and opens only a regular
+    file. A writer blocked on the planted FIFO stays blocked."""
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    released = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(fifo, os.O_WRONLY)           # blocks until someone opens it to read
+        released.set()
+        os.close(fd)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        secret.read_secret_file(str(fifo), "x")
+    opened = released.wait(2.0)
+    os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))   # release the writer ourselves
+    t.join(30)
+    assert not opened, "the loader opened the FIFO for reading"
 
 
 # -- no other reader -------------------------------------------------------------------------
