@@ -567,28 +567,60 @@ def inline_secrets(dep: DeploymentConfig) -> list[str]:
     return found
 
 
-def _check_private(path: Path, mode: int, dep: DeploymentConfig) -> None:
-    """A file holding a secret must be private to its owner: the rule of the secret files
-    (`offload.store.secret.read_secret_file`, which this module stands below), applied to the
-    mode of the very file read (`fstat` of its descriptor)."""
+def _check_private(path: Path, st: os.stat_result, dep: DeploymentConfig) -> None:
+    """A file holding a secret must be the service user's own private file: the rule of the
+    secret files (`offload.store.secret.read_private_file`, which this module stands below),
+    applied to the very file read (`fstat` of its descriptor): private, owned by the effective
+    uid (a file another user wrote holds a secret they know), not reached by a symbolic link,
+    one name."""
     secrets = inline_secrets(dep)
-    if secrets and mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError([f"{secrets[0]}: {path} has mode {stat.S_IMODE(mode):o}, which lets "
-                           f"other users read or change it; run `chmod 600 {path}` (the file "
-                           f"holds the secret {', '.join(secrets)}; or move it to a file of its "
-                           "own: offload.store.salt_file, offload.redis.password_file)"])
+    if not secrets:
+        return
+    move = ("or move it to a file of its own: offload.store.salt_file, "
+            "offload.redis.password_file")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError([f"{secrets[0]}: {path} has mode {stat.S_IMODE(st.st_mode):o}, which "
+                           f"lets other users read or change it; run `chmod 600 {path}` (the file "
+                           f"holds the secret {', '.join(secrets)}; {move})"])
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError([f"{secrets[0]}: {path} belongs to uid {st.st_uid}, not to the service "
+                           f"user (uid {me}): its secret is known to them; create the file as "
+                           f"uid {me} (the file holds the secret {', '.join(secrets)}; {move})"])
+    try:
+        linked = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        linked = True                       # gone or replaced since it was read
+    if linked or st.st_nlink != 1:
+        raise ConfigError([f"{secrets[0]}: {path} is a symbolic link or has another name (a "
+                           "hard link), which lets whoever can write that directory choose what "
+                           f"is read; name the file itself (the file holds the secret "
+                           f"{', '.join(secrets)}; {move})"])
 
 
 def load_file(path: str | Path) -> DeploymentConfig:
     """`load_text` of a file (UTF-8, at most 4 MiB); a file whose settings hold a secret
-    (`inline_secrets`) must be private to its owner (mode 600), as a secret file must."""
+    (`inline_secrets`) must be the service user's own private file, as a secret file must
+    (`_check_private`)."""
     p = Path(path)
     try:
-        with p.open("rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as e:
         raise ConfigError([f"{p}: cannot read the config file: {e.strerror or e}"]) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):   # a FIFO would block the read for good
+            raise ConfigError([f"{p}: not a regular file; name the config file itself"])
+        raw = b""
+        while len(raw) <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read the config file: {e.strerror or e}"]) from None
+    finally:
+        os.close(fd)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError([f"{p}: larger than {MAX_CONFIG_BYTES >> 20} MiB; not a config file"])
     try:
@@ -597,7 +629,7 @@ def load_file(path: str | Path) -> DeploymentConfig:
         raise ConfigError([f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                            "save the config file as UTF-8"]) from None
     dep = load_text(text, str(p))
-    _check_private(p, mode, dep)
+    _check_private(p, st, dep)
     return dep
 
 

@@ -75,6 +75,53 @@ def test_a_secret_in_a_file_others_can_read_is_refused(capsys, tmp_path: Path, s
     assert rc == 0 and SALT not in out and PASSWORD not in out
 
 
+def _nobody() -> int:
+    import pwd
+
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
+
+
+@pytest.mark.parametrize("secret, key", [
+    (f"offload:\n  store:\n    salt: {SALT}\n", "offload.store.salt"),
+    (f"offload:\n  redis:\n    url: redis://app:{PASSWORD}@10.0.0.5:6379/0\n", "offload.redis.url"),
+])
+@pytest.mark.parametrize("plant", ["owned by nobody", "symlink", "hard link"])
+def test_a_secret_in_a_file_not_our_own_is_refused(capsys, tmp_path: Path, secret: str,
+                                                   key: str, plant: str) -> None:
+    """Issue 36 item 5 for a config file holding a secret: a mode-600 file planted by another
+    user holds a salt (or a password) they know; a link lets whoever can write its directory
+    choose the file. Refused by every command, as a secret file is."""
+    import os
+
+    if plant == "owned by nobody" and os.geteuid() != 0:
+        pytest.skip("planting a file of another user needs root (chown)")
+    real = write(tmp_path, BASE + secret, name="real.yaml")
+    path = tmp_path / "deploy.yaml"
+    if plant == "owned by nobody":
+        os.rename(real, path)
+        os.chown(path, _nobody(), -1)
+    elif plant == "symlink":
+        path.symlink_to(real)
+    else:
+        os.link(real, path)
+    line = refused(capsys, path)
+    assert line.startswith(f"error: {key}: {path} "), line
+    assert ("belongs to uid" if plant == "owned by nobody" else "symbolic link") in line, line
+    assert SALT not in line and PASSWORD not in line
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_config_is_refused_not_read(capsys, tmp_path: Path) -> None:
+    import os
+
+    path = tmp_path / "deploy.yaml"
+    os.mkfifo(path, 0o600)                 # nobody writes it: a blocking read never returns
+    assert "not a regular file" in refused(capsys, path)
+
+
 def test_salt_file_keeps_the_config_world_readable(capsys, tmp_path: Path) -> None:
     salt = tmp_path / "salt"
     salt.write_text(SALT + "\n")
