@@ -144,10 +144,12 @@ class AgentLimitsConfig:
                          "half of it), at least 1MiB; --staging", default=Size(64 << 20))
     max_quarantine: Size = _doc("memory that transfers past their deadline may hold, per host key; "
                                 "--max-quarantine", default=Size(256 << 20))
-    max_memory: Size = _doc("request frames and staging memory of all connections together; "
-                            "--max-memory", default=Size(4 << 30))
-    max_memory_per_key: Size = _doc("request frames and staging memory of one host key's "
-                                    "connections; --max-memory-per-key", default=Size(1 << 30))
+    max_memory: Size = _doc("memory held for all connections together (request frames, "
+                            "replies, staging, announced pages); --max-memory",
+                            default=Size(4 << 30))
+    max_memory_per_key: Size = _doc("memory held for one host key's connections (request "
+                                    "frames, replies, staging, announced pages); "
+                                    "--max-memory-per-key", default=Size(1 << 30))
     io_timeout: float = _doc("seconds a started frame (and the whole handshake) may take; "
                              "--io-timeout", default=30.0)
     idle_timeout: float = _doc("seconds an authenticated connection may wait with no request; "

@@ -65,10 +65,10 @@ LIMIT_FLAGS = [
     ("--max-quarantine", "SIZE", "memory that transfers past their deadline may hold, per host "
                                  "key (in all with a shared secret); its NIXL requests are "
                                  "refused past it (default {d})"),
-    ("--max-memory", "SIZE", "request frames and staging memory of all connections together "
-                             "(default {d})"),
-    ("--max-memory-per-key", "SIZE", "request frames and staging memory of one host key's "
-                                     "connections (default {d})"),
+    ("--max-memory", "SIZE", "memory held for all connections together: request frames, "
+                             "replies, staging, announced pages (default {d})"),
+    ("--max-memory-per-key", "SIZE", "memory held for one host key's connections: request "
+                                     "frames, replies, staging, announced pages (default {d})"),
     ("--io-timeout", "S", "seconds a started frame (and the whole handshake) may take to arrive "
                           "(default {d})"),
     ("--idle-timeout", "S", "seconds an authenticated connection may wait with no request "
