@@ -127,7 +127,15 @@ if [ "$dry" = 1 ]; then
   if [ -n "$config" ]; then
     "$PYTHON" -m offload.cli config validate "$config" > /dev/null || exit 2
     say "the SGLang command launch would run from $config:"
-    "$PYTHON" -m offload.cli launch --config "$config" --dry-run 2>/dev/null | sed -n '/^Command$/{n;p}'
+    launch_cmd=$("$PYTHON" -m offload.cli launch --config "$config" --dry-run 2>/dev/null |
+                 sed -n '/^Command$/{n;p}')
+    if [ -z "$launch_cmd" ]; then      # launch refuses a GPU file on a machine without its GPUs
+      fixture=tests/fixtures/hosts/h100-gds-nvme-listed
+      say "(this machine cannot serve $config; as launch would on the fixture GPU host $fixture)"
+      launch_cmd=$("$PYTHON" -m offload.cli launch --config "$config" --dry-run --root "$fixture" \
+                   2>/dev/null | sed -n '/^Command$/{n;p}')
+    fi
+    echo "$launch_cmd"
     say "skip: bench serve (--dry-run); on the GPU machine: ${serve_cmd[*]}"
     say "skip: bench serve-fp8 (--dry-run); on the GPU machine: ${fp8_cmd[*]}"
     [ "$workload" = 1 ] && say "skip: bench workload (--dry-run); on the GPU machine: ${workload_cmd[*]}"
