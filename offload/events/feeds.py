@@ -29,6 +29,7 @@ STREAM_MAX = 100_000           # entries kept on a Redis announcement stream (ap
 PER_POLL = 2_000               # feed entries read per poll
 ENTRY_BYTES = 1_024            # the most one Redis stream entry read may hold (ours: under 100)
 ENTRY_FIELDS = 3               # fields of an entry (k, h, p)
+STREAM_BYTES = 16 << 20        # the most a stream may hold to be read (ours: ~7 MB at STREAM_MAX)
 LOG_EVERY_S = 60.0             # skipped entries are logged at most this often, per feed
 
 
@@ -48,8 +49,14 @@ class Feed(Protocol):
 # Reads the stream after entry id ARGV[1] (inclusive range, then that id dropped: any Redis
 # with streams), at most ARGV[2] entries; an entry whose fields and values hold more than
 # ARGV[3] bytes or more than ARGV[4] strings comes back as its id alone (skipped by the reader),
-# so no entry another writer put there is ever sent whole.
+# so no entry another writer put there is ever sent whole. A stream of more than ARGV[5] bytes
+# (MEMORY USAGE: the sizes of its nodes, nothing copied) is not ours: it is deleted unread and
+# its size comes back alone. XRANGE in a script copies every entry it returns into Lua while
+# Redis serves nobody else (~7 ms a MiB on a loaded box), so a read is bounded by the stream's
+# size, and the reader never meets the same large stream twice.
 _READ = """
+local used = redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', '0')
+if used and used > tonumber(ARGV[5]) then redis.call('DEL', KEYS[1]) return used end
 local got = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', tonumber(ARGV[2]) + 1)
 local count, bound, strings = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
@@ -81,8 +88,10 @@ class RedisFeed:
     What another writer can put on the stream is read under bounds, on the feed's own
     connection and breaker (`RedisLink`: a failure here backs off the feed, never the data
     path): at most `PER_POLL` entries a read, each entry at most `ENTRY_BYTES` in at most
-    `ENTRY_FIELDS` fields (checked in Redis by `_READ`: a larger entry is never sent), and a
-    reply of at most that many bytes (the link's allowance). An entry that fails any check (too
+    `ENTRY_FIELDS` fields (checked in Redis by `_READ`: a larger entry is never sent), a
+    reply of at most that many bytes (the link's allowance), and a stream of at most
+    `STREAM_BYTES` (a larger one is not ours: deleted unread, counted in `refused`; reading it
+    would hold Redis for every client while the script copies it). An entry that fails any check (too
     large, malformed, a key outside this namespace) is skipped, counted in `skipped`, and logged
     at most once per `LOG_EVERY_S`; the reader moves past it.
     """
@@ -95,6 +104,7 @@ class RedisFeed:
         self.stream = bytes(redis_store.events_prefix) + digest.hex().encode()
         self.link = link or RedisLink(redis_store.cfg)    # its own connection and breaker
         self.skipped = 0
+        self.refused = 0             # streams deleted unread: larger than STREAM_BYTES
         self._last = b"0-0"
         self._script: Any = None
         self._clock = clock
@@ -123,10 +133,18 @@ class RedisFeed:
             if self._script is None:
                 self._script = c.register_script(_READ)
             return self._script(keys=[self.stream], client=c,
-                                args=[self._last, PER_POLL, ENTRY_BYTES, 2 * ENTRY_FIELDS])
+                                args=[self._last, PER_POLL, ENTRY_BYTES, 2 * ENTRY_FIELDS,
+                                      STREAM_BYTES])
 
         with self.link.call(PER_POLL * ENTRY_BYTES, PER_POLL):
             got = self.link.run(xrange, "kv events read")
+        if isinstance(got, int):      # larger than any stream of ours: deleted, unread
+            self.refused += 1
+            self._last = b"0-0"       # announcements start again on a new stream
+            self._note(f"deleted unread: it held {got} bytes, more than any stream of ours "
+                       f"({STREAM_BYTES}): written by someone else; announcements stored in "
+                       "it are lost, later ones are read")
+            return []
         rows: list[Row] = []
         bad = 0
         for entry in got if isinstance(got, list) else []:
@@ -161,12 +179,16 @@ class RedisFeed:
     def _skip(self, n: int) -> None:
         self.skipped += n
         self._unlogged += n
+        self._note(f"skipped {self._unlogged} entr{'y' if self._unlogged == 1 else 'ies'} "
+                   f"(larger than {ENTRY_BYTES} bytes, malformed, or not of this namespace: "
+                   "written by someone else)")
+
+    def _note(self, what: str) -> None:
+        """Log what the reader refused, at most once per `LOG_EVERY_S` for this feed."""
         now = self._clock()
         if now - self._logged_at >= LOG_EVERY_S:
-            log.warning("offload events: skipped %d entr%s of %r (larger than %d bytes, "
-                        "malformed, or not of this namespace: written by someone else)",
-                        self._unlogged, "y" if self._unlogged == 1 else "ies",
-                        self.stream.decode(errors="replace"), ENTRY_BYTES)
+            log.warning("offload events: stream %r: %s", self.stream.decode(errors="replace"),
+                        what)
             self._unlogged, self._logged_at = 0, now
 
     def close(self) -> None:

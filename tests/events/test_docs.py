@@ -22,6 +22,7 @@ def test_every_bound_in_the_events_reference_is_the_code_s() -> None:
                  f"{t.interval_s:g} s", f"every {tracker.snapshot_every():g} s",
                  _n(sources.SweepSource.__init__.__defaults__[-1]), tracker.SNAPSHOT_ENV,
                  f"than {_n(feeds.ENTRY_BYTES)} bytes", f"more than {feeds.ENTRY_FIELDS} fields",
+                 f"more than {_n(feeds.STREAM_BYTES)} bytes",
                  f"at most once per {feeds.LOG_EVERY_S:g} s"):
         assert text in " ".join(DOC.split()), text     # wherever the lines break
     from sglang.srt.disaggregation.kv_events import KVEventsConfig

@@ -69,10 +69,11 @@ def test_an_oversized_stream_entry_is_skipped_and_never_trips_the_data_path(
     assert sorted(src.poll()) == sorted((STORED, r) for r in rows)   # announced, read back
     assert _hit_rate(store, rows) == 1.0
 
-    # Another writer of the Redis: one 66 MiB entry on our stream, then a good announcement.
+    # Another writer of the Redis: one 8 MiB entry on our stream (8,000 times the entry
+    # bound; a stream past STREAM_BYTES is the next test's), then good announcements.
     attacker = redis_proc.client()
     stream = src.feed.stream                                           # type: ignore[attr-defined]
-    attacker.xadd(stream, {b"k": b"\0" * (66 << 20)})
+    attacker.xadd(stream, {b"k": b"\0" * (8 << 20)})
     later = rows_for(2, "later")
     assert all(store.put_many([r.key for r in later], [[b"w" * BLOCK] for _ in later]))
     for r in later:
@@ -137,3 +138,48 @@ def test_the_read_bound_holds_every_legitimate_entry() -> None:
     20-digit signed hashes)."""
     worst = 3 + 32 + 1 + 20 + 1 + 20
     assert worst <= feeds.ENTRY_BYTES and feeds.ENTRY_FIELDS >= 3
+
+
+def test_a_stream_too_large_to_read_never_stalls_the_data_path(
+        redis_proc: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Four 66 MiB entries on the stream (issue 36 item 8's entry): the read script copied each
+    entry it read into Lua while Redis served nobody (3.8 s on a loaded box), so the data path
+    (timeout_s 0.5 s, as deployed) timed out and its breaker tripped, and the feed (the same
+    timeout) never got past them: it happened again after every back-off. The read checks the
+    stream's size first (MEMORY USAGE, nothing copied): a stream larger than any of ours is
+    deleted unread, counted and logged; the announcements after it are read."""
+    import threading
+
+    from offload.store.redis.store import RedisStore
+
+    store = RedisStore(RedisConfig(url=redis_proc.url, timeout_s=0.5, backoff_s=5.0))
+    rows = rows_for(8, "stall")
+    assert all(store.put_many([r.key for r in rows], [[b"v" * BLOCK] for _ in rows]))
+    (src,) = sources_for(store, NS.digest())
+    attacker = redis_proc.client()
+    stream = src.feed.stream                                           # type: ignore[attr-defined]
+    for _ in range(4):
+        attacker.xadd(stream, {b"k": b"\0" * (66 << 20)})
+    caplog.set_level(logging.WARNING)
+    stop, rates = threading.Event(), []
+
+    def data_path() -> None:             # SGLang's loads, while the events thread polls
+        while not stop.is_set():
+            rates.append(_hit_rate(store, rows))
+
+    t = threading.Thread(target=data_path)
+    t.start()
+    try:
+        for _ in range(3):
+            assert src.poll() == []
+    finally:
+        stop.set()
+        t.join(120)
+    assert rates and min(rates) == 1.0 and store.link.failures == 0, store.link.last_error
+    assert src.feed.refused == 1 and not attacker.exists(stream)      # type: ignore[attr-defined]
+    assert len([m for m in caplog.messages if "deleted unread" in m and "kvev:" in m]) == 1
+    src.wrote(rows[:2])
+    assert sorted(src.poll()) == sorted((STORED, r) for r in rows[:2])
+    assert src.feed.refused == 1 and store.link.failures == 0          # type: ignore[attr-defined]
+    src.close()
+    store.close()
