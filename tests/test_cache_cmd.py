@@ -95,6 +95,10 @@ def test_stats_and_verify_of_a_fresh_drive_directory(tmp_path, capsys):
     assert os.listdir(fresh) == []
     rc, _, err = _cli(capsys, "stats", str(tmp_path / "missing"))
     assert rc == 2 and "no such directory" in err            # a typo is still an error
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a cache")
+    rc, _, err = _cli(capsys, "stats", str(tmp_path / "other"))
+    assert rc == 2 and "not a cache directory" in err        # and so is a directory of files
 
 
 def test_verbose_stats_and_clear_log_what_they_read_and_do(tmp_path, capsys, caplog):

@@ -51,12 +51,14 @@ DIRS_HELP = "cache directory (offload.store.path); several: the drives of offloa
 
 def _fresh(directory: str) -> bool:
     """A directory made for a cache and never used yet (`mkdir -m 700 DIR`, as deploy/drives.md
-    makes one): it exists and holds no index and no slab file. Looked at only, never written."""
+    makes one): it exists and is empty (but for a lock or lease file a store left). Any other
+    file -- a slab without an index, or a directory that is no cache (a typo) -- is not fresh.
+    Looked at only, never written."""
     try:
         names = os.listdir(directory)
     except OSError:
         return False
-    return not any(n.startswith("index.db") or n.endswith(".slab") for n in names)
+    return all(n == "lock" or n.startswith("lease-") for n in names)
 
 
 def _each(dirs: list[str], fn: Any,
@@ -236,7 +238,7 @@ def _print_summary(out: dict[str, Any], title: str, namespaces: bool = True) -> 
     pct = f", {out['used_bytes'] / cap:.0%} of the cap" if cap else ""
     print(title)
     if out.get("fresh"):
-        print("  empty      no cache written here yet (no index, no slab file)")
+        print("  empty      no cache written here yet")
         return
     print(f"  blocks     {out['blocks']:,} ({format_size(out['data_bytes'])} of data, "
           f"{format_size(out['used_bytes'])} used of {format_size(cap)}{pct})"
