@@ -70,6 +70,9 @@ end
 return out
 """
 _INT64 = 1 << 63
+# Redis's refusals of an XADD with an id of its own ('*') that no announcement can get past:
+# the key is not a stream, or another writer added the largest possible id.
+_NOT_A_STREAM_OF_OURS = ("WRONGTYPE", "exhausted the last possible ID")
 
 
 def _int64(v: bytes) -> int:
@@ -91,9 +94,11 @@ class RedisFeed:
     `ENTRY_FIELDS` fields (checked in Redis by `_READ`: a larger entry is never sent), a
     reply of at most that many bytes (the link's allowance), and a stream of at most
     `STREAM_BYTES` (a larger one is not ours: deleted unread, counted in `refused`; reading it
-    would hold Redis for every client while the script copies it). An entry that fails any check (too
-    large, malformed, a key outside this namespace) is skipped, counted in `skipped`, and logged
-    at most once per `LOG_EVERY_S`; the reader moves past it.
+    would hold Redis for every client while the script copies it). A stream on which Redis
+    refuses every announcement (a key of another type, the largest possible id added by another
+    writer) is deleted too, counted and logged: announcements never stop silently. An entry
+    that fails any check (too large, malformed, a key outside this namespace) is skipped,
+    counted in `skipped`, and logged at most once per `LOG_EVERY_S`; the reader moves past it.
     """
 
     def __init__(self, redis_store: Any, digest: bytes, link: Any = None,
@@ -126,6 +131,16 @@ class RedisFeed:
             got = self.link.run(add, "kv events announce")
         if not isinstance(got, list) or len(got) != len(rows):
             return [False] * len(rows)
+        broken = next((str(g) for g in got if isinstance(g, Exception)
+                       and any(m in str(g) for m in _NOT_A_STREAM_OF_OURS)), None)
+        if broken is not None:         # no one can announce on it: not ours; deleted
+            with self.link.call(0, 1):
+                self.link.run(lambda c: c.delete(self.stream), "kv events reset")
+            self.refused += 1
+            self._last = b"0-0"
+            self._note(f"deleted: Redis refused announcements on it ({broken[:120]}): written "
+                       "by someone else; announcements stored in it are lost, later ones are "
+                       "made and read")
         return [isinstance(g, bytes) for g in got]
 
     def read(self) -> list[Row]:

@@ -133,6 +133,35 @@ def test_a_stream_that_is_not_a_stream_fails_the_feed_alone(redis_proc: Any) -> 
     store.close()
 
 
+@pytest.mark.parametrize("plant", ["largest id", "not a stream"])
+def test_a_stream_no_one_can_announce_on_is_replaced(redis_proc: Any, plant: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Another writer adds the largest possible id (every XADD '*' after it fails: "exhausted
+    the last possible ID") or puts a string at the stream's key: announcements stopped for
+    every replica, silently and for good (the pages' events never came, not even the writer's
+    own). The feed deletes such a stream, counted and logged; announcements go on."""
+    store = _store(redis_proc.url)
+    rows = rows_for(4, plant)
+    assert all(store.put_many([r.key for r in rows], [[b"v" * BLOCK] for _ in rows]))
+    (src,) = sources_for(store, NS.digest())
+    attacker = redis_proc.client()
+    stream = src.feed.stream                                           # type: ignore[attr-defined]
+    if plant == "largest id":
+        attacker.xadd(stream, {b"k": b"x"}, id=b"18446744073709551615-18446744073709551615")
+    else:
+        attacker.set(stream, b"not a stream")
+    caplog.set_level(logging.WARNING)
+    src.wrote(rows)
+    seen: list[tuple[str, Row]] = []
+    for _ in range(3):
+        seen += src.poll()
+    assert sorted(seen) == sorted((STORED, r) for r in rows)
+    assert src.feed.refused == 1 and store.link.failures == 0          # type: ignore[attr-defined]
+    assert len([m for m in caplog.messages if "refused announcements" in m]) == 1
+    src.close()
+    store.close()
+
+
 def test_the_read_bound_holds_every_legitimate_entry() -> None:
     """The per-entry bound is above what `publish` writes for any row (a 32-byte key, two
     20-digit signed hashes)."""
