@@ -40,6 +40,8 @@ class AgentContext:
     count: Callable[..., None]                      # count(name, n=1)
     warn: Callable[..., None]                       # warn(kind, tenant, msg, *args): the
                                                     # log, rate-limited per kind and host key
+    say: Callable[..., None]                        # say(kind, tenant, level, msg, *args):
+                                                    # the same, at any level (INFO lines)
     counters: Callable[[], "dict[str, int]"]
     admit: Callable[[str], "str | None"]            # an authenticated host: None, or why not
     release: Callable[["str | None"], None]         # a connection ended

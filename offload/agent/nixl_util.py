@@ -144,7 +144,8 @@ _logged: "OrderedDict[tuple[str, str], tuple[float, int]]" = OrderedDict()
 _log_lock = threading.Lock()
 
 
-def warn_peer(kind: str, peer: str, msg: str, *args: object) -> None:
+def warn_peer(kind: str, peer: str, msg: str, *args: object, level: int = logging.WARNING
+              ) -> None:
     """Log a transfer failure at most once per LOG_EVERY_S per kind and host (the peer's name up
     to its first '/': a host's, `add_peer`), with the count of the others: a host whose endpoint
     fails every transfer must not flood the agent's log."""
@@ -157,7 +158,7 @@ def warn_peer(kind: str, peer: str, msg: str, *args: object) -> None:
         _logged[key] = (now, 0)
         while len(_logged) > _LOG_KEEP:
             _logged.popitem(last=False)
-    log.warning(msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
+    log.log(level, msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
 
 
 def run_xfer(agent: Any, op: str, local: Sequence[tuple[int, int]],

@@ -62,8 +62,9 @@ class Quarantine:
         with self._lock:
             self._held.append(_Held(handle, peer, blocks, release, owner, nbytes))
             self.total += blocks
-        log.info("quarantined %d block(s) of a transfer with %s still running at its deadline",
-                 blocks, peer)
+        # A host that gives its transfers tiny budgets makes one per request: its own lines.
+        nixl_util.warn_peer("quarantined", peer, "quarantined %d block(s) of a transfer with %s "
+                            "still running at its deadline", blocks, peer, level=logging.INFO)
 
     def held(self) -> int:
         with self._lock:

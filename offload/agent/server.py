@@ -96,7 +96,7 @@ class AgentServer:
             name=self.name, store=store, access=self.access, acks=self.acks, limits=lim,
             memory=self.memory, describer=self.describer, feeds=self.feeds,
             challenges=self.challenges,
-            count=self.count, warn=self.warn, counters=self.counters, admit=self.admit,
+            count=self.count, warn=self.warn, say=self.say, counters=self.counters, admit=self.admit,
             release=self.release, direct=self.direct, stopping=lambda: self.stopping)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -108,9 +108,16 @@ class AgentServer:
             return dict(self._counters)
 
     def warn(self, kind: str, tenant: str, msg: str, *args: object) -> None:
-        """Log a warning, at most once per LOG_EVERY_S per kind and host key (`tenant`; "" for
-        connections not yet authenticated): the one place every refusal is logged, so that one
-        tenant's flood neither floods the log nor silences another tenant's lines. Kinds are
+        """A WARNING line, rate-limited like every line a peer's input makes (`say`)."""
+        self.say(kind, tenant, logging.WARNING, msg, *args)
+
+    def say(self, kind: str, tenant: str, level: int, msg: str, *args: object,
+            exc_info: bool = False) -> None:
+        """Log a line at `level`, at most once per LOG_EVERY_S per kind and host key (`tenant`;
+        "" for connections not yet authenticated): the one place every line a peer's input
+        makes the agent write is logged (refusals, and since round 2 of issue 36 a connection
+        made or reset, an endpoint proven, an internal error), so that one tenant's flood or
+        reconnect churn neither floods the log nor silences another tenant's lines. Kinds are
         fixed strings and host keys those of the keys file: the table is bounded."""
         now = time.monotonic()
         with self._lock:
@@ -119,7 +126,8 @@ class AgentServer:
                 self._logged[(tenant, kind)] = (last, skipped + 1)
                 return
             self._logged[(tenant, kind)] = (now, 0)
-        log.warning(msg + (f" (and {skipped} more like it)" if skipped else ""), *args)
+        log.log(level, msg + (f" (and {skipped} more like it)" if skipped else ""), *args,
+                exc_info=exc_info)
 
     def arena(self) -> "Arena | None":
         """The store's arena registered with NIXL (zero-copy moves), if the store has one."""

@@ -109,10 +109,12 @@ class Session:
                 # A reachability probe (`sglang-offload detect`) connects and closes at once.
                 log.debug("connection %s closed before authenticating: %s", self.peer, e)
             else:
-                log.info("connection %s (host %s) ended: %s", self.peer, self.host, e)
+                srv.say("ended", self.staged.owner if self.admitted else "", logging.INFO,
+                        "connection %s (host %s) ended: %s", self.peer, self.host, e)
         except Exception:  # noqa: BLE001 - one connection's bug must not stop the agent
             srv.count("internal_errors")
-            log.exception("connection %s (host %s) failed", self.peer, self.host)
+            srv.say("internal", self.staged.owner if self.admitted else "", logging.ERROR,
+                    "connection %s (host %s) failed", self.peer, self.host, exc_info=True)
         finally:
             self.close()
             srv.release(self.host if self.admitted else None)
@@ -164,8 +166,9 @@ class Session:
                 self.ctx.warn("hello-metadata", self.staged.owner,
                               "host %s (%s): NIXL metadata unusable, bytes will travel on the "
                               "control connection: %s", self.host, self.peer, e)
-        log.info("host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
-                 hello.transport, nixl_ok)
+        self.ctx.say("connected", self.staged.owner, logging.INFO,
+                     "host %s connected from %s (transport %s, nixl %s)", self.host, self.peer,
+                     hello.transport, nixl_ok)
         self._sent(ch.send(protocol.HELLO | protocol.REPLY, req_id, protocol.HelloReply(
             agent=self.ctx.name, max_body=self.ctx.limits.max_body, max_keys=protocol.MAX_KEYS,
             max_block=self.ctx.limits.max_block, nixl=nixl_ok, proof_tag=self.proof_tag)))
@@ -217,7 +220,8 @@ class Session:
                                "challenge, a wrong nonce, its MAC not found in the endpoint's "
                                "memory, or newer metadata meanwhile)")
         self.ctx.count("proofs")
-        log.info("host %s (%s): NIXL endpoint %s proven", self.host, self.peer, c[0])
+        self.ctx.say("proven", self.staged.owner, logging.INFO,
+                     "host %s (%s): NIXL endpoint %s proven", self.host, self.peer, c[0])
 
     def _peer(self) -> str | None:
         """The connection's NIXL peer, if proven (its metadata unchanged since)."""
