@@ -90,3 +90,19 @@ def test_a_planted_counter_over_many_blocks_never_trips_the_data_path(redis_fact
     assert all(store.get_many(fresh, [[bytearray(64)] for _ in fresh]))   # the newest: hits
     assert store.link.available() and store.link.failures == 0, store.link.last_error
     store.close()
+
+
+def test_a_planted_key_name_past_the_reply_bound_never_trips_the_data_path(redis_factory) -> None:  # noqa: F811
+    """SGLang's clear-storage call runs `clear()` in the serving process: its SCAN pages are
+    names another writer can plant under our prefix. A 65 MiB key name (past the 64 MiB reply
+    allowance of a control call) failed the page on the data path's link: its breaker tripped,
+    every load a miss for `backoff_s`. The SCAN runs on a link of its own."""
+    server = redis_factory([])
+    store = redis_store(server.url, 5.0, 5.0)
+    keys = [NS.key(f"clear-{i}") for i in range(8)]
+    assert all(store.put_many(keys, [[bytes([i]) * SIZE] for i in range(8)]))
+    server.client().set(store.rkey(NS.digest()) + b"x" * (65 << 20), b"planted")
+    store.clear(NS.digest())
+    assert store.link.failures == 0 and store.link.available(), store.link.last_error
+    assert store.put_many(keys[:1], [[b"n" * SIZE]]) == [True]     # the tier still serves
+    store.close()

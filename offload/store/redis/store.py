@@ -286,24 +286,32 @@ class RedisStore:
         """Delete our blocks (all, or one namespace's) with SCAN: never KEYS, never FLUSHDB.
 
         Only keys under this store's `key_prefix` are matched: other tenants' keys are never
-        deleted (and, with the ACL recipe in docs/deploy/redis.md, could not be)."""
+        deleted (and, with the ACL recipe in docs/deploy/redis.md, could not be). The SCAN pages
+        are names anyone who can write our keys can plant (a 65 MiB name is past a control
+        call's reply bound): they are read on a link of their own, so a page that fails backs
+        off this clear alone, never the data path's breaker (SGLang's clear-storage call runs
+        here, in the serving process)."""
         prefix = self.prefix + (bytes(namespace) if namespace else b"")
         pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix) + b"*"
 
         found: list[bytes] = []
         cursor = 0
-        while True:                        # one bounded call per SCAN page
-            def scan(c: Any, cur: int = cursor) -> tuple[int, list[bytes]]:
-                return c.scan(cur, match=pattern, count=1000)  # type: ignore[no-any-return]
+        scan_link = RedisLink(self.cfg)
+        try:
+            while True:                    # one bounded call per SCAN page
+                def scan(c: Any, cur: int = cursor) -> tuple[int, list[bytes]]:
+                    return c.scan(cur, match=pattern, count=1000)  # type: ignore[no-any-return]
 
-            page = self.link.run(scan, "clear")
-            if page is None:
-                break
-            cursor, names = page
-            found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix,
-                                                            self.events_prefix))]
-            if not cursor:
-                break
+                page = scan_link.run(scan, "clear")
+                if page is None:
+                    break
+                cursor, names = page
+                found += [k for k in names if not k.startswith((self.ns_prefix, self.idx_prefix,
+                                                                self.events_prefix))]
+                if not cursor:
+                    break
+        finally:
+            scan_link.close()
         n = 0
         for i in range(0, len(found), 1000):
             n += self._delete_raw(found[i:i + 1000])
