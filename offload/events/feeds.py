@@ -30,6 +30,7 @@ PER_POLL = 2_000               # feed entries read per poll
 ENTRY_BYTES = 1_024            # the most one Redis stream entry read may hold (ours: under 100)
 ENTRY_FIELDS = 3               # fields of an entry (k, h, p)
 STREAM_BYTES = 16 << 20        # the most a stream may hold to be read (ours: ~7 MB at STREAM_MAX)
+FUTURE_MS = 3_600_000          # an entry id this far past the server's clock is not ours
 LOG_EVERY_S = 60.0             # skipped entries are logged at most this often, per feed
 
 
@@ -53,14 +54,21 @@ class Feed(Protocol):
 # (MEMORY USAGE: the sizes of its nodes, nothing copied) is not ours: it is deleted unread and
 # its size comes back alone. XRANGE in a script copies every entry it returns into Lua while
 # Redis serves nobody else (~7 ms a MiB on a loaded box), so a read is bounded by the stream's
-# size, and the reader never meets the same large stream twice.
+# size, and the reader never meets the same large stream twice. An entry id more than
+# ARGV[6] ms past the server's clock was not made by XADD '*' (ours): another writer chose it,
+# and every id after it (ours too) would follow it, so a reader that moved past it would wait
+# for good once the stream is deleted; such a stream is deleted unread too (-1 comes back).
 _READ = """
 local used = redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', '0')
 if used and used > tonumber(ARGV[5]) then redis.call('DEL', KEYS[1]) return used end
 local got = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', tonumber(ARGV[2]) + 1)
 local count, bound, strings = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local t = redis.call('TIME')
+local horizon = tonumber(t[1]) * 1000 + tonumber(ARGV[6])
 local out = {}
 for _, e in ipairs(got) do
+  local ms = tonumber(string.match(e[1], '^(%d+)-'))
+  if ms == nil or ms > horizon then redis.call('DEL', KEYS[1]) return -1 end
   if e[1] ~= ARGV[1] and #out < count then
     local f, n = e[2], 0
     if #f > strings then n = bound + 1 else for j = 1, #f do n = n + #f[j] end end
@@ -96,7 +104,9 @@ class RedisFeed:
     `STREAM_BYTES` (a larger one is not ours: deleted unread, counted in `refused`; reading it
     would hold Redis for every client while the script copies it). A stream on which Redis
     refuses every announcement (a key of another type, the largest possible id added by another
-    writer) is deleted too, counted and logged: announcements never stop silently. An entry
+    writer) is deleted too, counted and logged: announcements never stop silently; so is one
+    holding an entry id more than `FUTURE_MS` past the server's clock (not made by XADD '*':
+    a reader moved past it would wait for good once the stream is recreated). An entry
     that fails any check (too large, malformed, a key outside this namespace) is skipped,
     counted in `skipped`, and logged at most once per `LOG_EVERY_S`; the reader moves past it.
     """
@@ -149,16 +159,18 @@ class RedisFeed:
                 self._script = c.register_script(_READ)
             return self._script(keys=[self.stream], client=c,
                                 args=[self._last, PER_POLL, ENTRY_BYTES, 2 * ENTRY_FIELDS,
-                                      STREAM_BYTES])
+                                      STREAM_BYTES, FUTURE_MS])
 
         with self.link.call(PER_POLL * ENTRY_BYTES, PER_POLL):
             got = self.link.run(xrange, "kv events read")
-        if isinstance(got, int):      # larger than any stream of ours: deleted, unread
+        if isinstance(got, int):      # not a stream of ours: deleted, unread
             self.refused += 1
             self._last = b"0-0"       # announcements start again on a new stream
-            self._note(f"deleted unread: it held {got} bytes, more than any stream of ours "
-                       f"({STREAM_BYTES}): written by someone else; announcements stored in "
-                       "it are lost, later ones are read")
+            why = (f"it held {got} bytes, more than any stream of ours ({STREAM_BYTES})"
+                   if got >= 0 else "it held an entry id from the future (ours come from the "
+                   "server's clock)")
+            self._note(f"deleted unread: {why}: written by someone else; announcements "
+                       "stored in it are lost, later ones are read")
             return []
         rows: list[Row] = []
         bad = 0

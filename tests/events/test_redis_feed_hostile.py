@@ -162,6 +162,33 @@ def test_a_stream_no_one_can_announce_on_is_replaced(redis_proc: Any, plant: str
     store.close()
 
 
+def test_an_entry_id_from_the_future_never_strands_a_reader(redis_proc: Any,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Another writer adds an entry with an id far past the clock: every later XADD '*' id
+    follows it, readers move past it, and once the stream is deleted (by them, or by the
+    feed's own rules) the new stream's ids are all below their cursor: they never read an
+    announcement again, silently. The read deletes a stream holding such an id, unread."""
+    store = _store(redis_proc.url)
+    rows, later = rows_for(2, "before"), rows_for(2, "after")
+    assert all(store.put_many([r.key for r in rows + later], [[b"v" * BLOCK]] * 4))
+    reader = RedisFeed(store, NS.digest())
+    writer = RedisFeed(store, NS.digest())
+    assert writer.publish(rows) == [True, True]
+    assert reader.read() == rows
+    attacker = redis_proc.client()
+    attacker.xadd(reader.stream, {b"k": b"x"}, id=b"99999999999999-0")
+    caplog.set_level(logging.WARNING)
+    assert reader.read() == [] and reader.refused == 1 and not attacker.exists(reader.stream)
+    assert len([m for m in caplog.messages if "from the future" in m]) == 1
+    attacker.delete(reader.stream)
+    assert writer.publish(later) == [True, True]
+    assert reader.read() == later
+    assert store.link.failures == 0
+    reader.close()
+    writer.close()
+    store.close()
+
+
 def test_the_read_bound_holds_every_legitimate_entry() -> None:
     """The per-entry bound is above what `publish` writes for any row (a 32-byte key, two
     20-digit signed hashes)."""
