@@ -245,6 +245,24 @@ class Index(IndexAlloc):
                 continue
             self._punched.append((f.slot_bytes, f.seg, f.slot))
 
+    def _sync_log(self) -> bool:
+        """Make an unsynced commit durable (fdatasync of SQLite's log, what `synchronous=FULL`
+        does) before the slots it freed are punched: a power cut must not bring a deleted row
+        back over a punched slot. False if it could not be synced."""
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            log.warning("index log not synced (%s): freed slots are punched later", e)
+            return False
+        try:
+            os.fdatasync(fd)
+            return True
+        except OSError as e:
+            log.warning("index log not synced (%s): freed slots are punched later", e)
+            return False
+        finally:
+            os.close(fd)
+
     def _release_punched(self) -> None:
         """At the start of a write transaction: the slots punched after this connection's
         earlier commits become free, those whose punch failed tombstones (both lists are
@@ -449,6 +467,9 @@ class _IndexTxn(Txn):
         done = set(self._released)
         ix._punched = [s for s in ix._punched if s not in done]
         ix._stuck = [s for s in ix._stuck if s not in done]
+        if ix._to_punch and not self.durable and not ix._sync_log():
+            ix._stuck += [(f.slot_bytes, f.seg, f.slot) for f, _ in ix._to_punch]
+            ix._to_punch = []   # a power cut could still undo the deletion: punched later
         ix._after_commit()
 
 
