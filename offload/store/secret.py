@@ -122,6 +122,22 @@ def _walk_dirs(path: str, setting: str) -> tuple[int, str, str]:
         raise
 
 
+def _reopen(fd: int, path: str, st: os.stat_result) -> int:
+    """The checked file (an O_PATH descriptor) opened for reading: through /proc/self/fd, the
+    very inode; without /proc (a bare chroot), the path again, if it is still that inode (only
+    root or the service user can change the directories: `_walk_dirs`)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags)
+    except FileNotFoundError:
+        rfd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+        again = os.fstat(rfd)
+        if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+            os.close(rfd)
+            raise OSError(errno.ESTALE, "it changed while it was checked") from None
+        return rfd
+
+
 def read_private_file(path: str, setting: str, max_bytes: int) -> bytes:
     """The bytes of `path`, a private file of the service user (see the module docstring).
 
@@ -174,7 +190,7 @@ def read_private_file(path: str, setting: str, max_bytes: int) -> bytes:
         if st.st_size > max_bytes:
             raise ConfigError([f"{setting}: {path} is {st.st_size} bytes; a file of this kind "
                                f"holds at most {max_bytes}"])
-        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        rfd = _reopen(fd, path, st)
     except OSError as e:
         raise ConfigError([f"{setting}: cannot read {path}: {e.strerror or e}"]) from None
     finally:

@@ -275,6 +275,21 @@ def test_the_loader_accepts_the_directories_deployments_use(tmp_path: Path) -> N
     assert secret.read_secret_file(rel, "x") == KEY.strip()
 
 
+def test_the_loader_reads_without_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bare chroot has no /proc: the checked file is opened again by name, if it is still
+    the inode that was checked (a name swapped in between is refused)."""
+    real_open = os.open
+
+    def no_proc(p: object, *a: object, **k: object) -> int:
+        if str(p).startswith("/proc/self/fd/"):
+            raise FileNotFoundError(2, "No such file or directory")
+        return real_open(p, *a, **k)                       # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_proc)
+    p = _ours(tmp_path / "k", KEY)
+    assert secret.read_secret_file(str(p), "x") == KEY.strip()
+
+
 def test_the_loader_refuses_what_is_not_a_file_on_disk() -> None:
     """/proc/self/environ is a private regular file of ours: our environment is not a secret."""
     with pytest.raises(ConfigError, match="not a file on disk"):
