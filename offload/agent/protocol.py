@@ -396,6 +396,31 @@ _PAGE_BOUND = 64                   # one FEED page: a 32-byte key and two i64, m
 ERROR_REPLY_BOUND = _REPLY_BASE + 4 * MAX_ERROR_CHARS   # an ErrorReply's body, at most
 
 
+DECODED_PER_META_BYTE = 24        # Python bytes a msgpack byte of a request decodes to, at most
+                                   # (a descriptor `(0, 1)`: 3 bytes, a 64-byte tuple in its list)
+XFER_BYTES_PER_DESC = 512          # a descriptor's share of its transfer's lists (local and
+                                   # remote, Python and NIXL: 256 measured; pieces may split it)
+
+
+def decoded_bound(op: int, meta_len: int) -> int:
+    """The most bytes decoding a request of `op` whose msgpack meta is `meta_len` bytes
+    allocates: what the agent charges to the sender's key before it decodes
+    (`Session._dispatch`). METADATA is one bytes field: its own size."""
+    if op == METADATA:
+        return meta_len + _REPLY_BASE
+    return DECODED_PER_META_BYTE * meta_len
+
+
+def work_bound(msg: Msg) -> int:
+    """The most bytes serving decoded request `msg` allocates beside its reply: the descriptor
+    lists of its NIXL transfers (`XFER_BYTES_PER_DESC` each)."""
+    if isinstance(msg, Blocks) and msg.descs is not None:
+        return XFER_BYTES_PER_DESC * sum(len(d) for d in msg.descs)
+    if isinstance(msg, Prove):
+        return XFER_BYTES_PER_DESC
+    return 0
+
+
 def reply_bound(op: int, msg: Msg) -> int:
     """The most bytes the body of the reply to request `msg` (of `op`) can take, an ERROR
     reply included: what the agent charges to the sender's key before serving it (an inline

@@ -31,6 +31,7 @@ from offload.agent.direct import direct_get, direct_put
 from offload.agent.feed import Page
 from offload.agent.rate import endpoint_of
 from offload.agent.staged import StagedPath
+from offload.agent.vet import HELD_PER_BYTE
 from offload.keys import NS_BYTES
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Session:
         self.staged = StagedPath(ctx, conn_id)
         self._frame_bytes = 0                  # charged for the request being served and its
                                                # reply (ctx.memory), given back once it is sent
+        self._md_bytes = 0                     # charged for the NIXL metadata it has loaded
 
     # ---------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -127,13 +129,20 @@ class Session:
     def _take(self, n: int) -> None:
         """Charge `n` more bytes of this request to the host key (before they are allocated);
         given back by `_release_frame` once its reply is written. Raises ProtocolError past it."""
-        why = self.ctx.memory.take(self.staged.owner, n)
+        why = self._charge(n)
         if why is not None:
-            self.ctx.count("rejected_memory")
             self.ctx.warn("memory", self.staged.owner, "host %s (%s): %d bytes refused: %s",
                           self.host, self.peer, n, why)
             raise protocol.ProtocolError(f"{n} bytes refused: {why}")
+
+    def _charge(self, n: int) -> str | None:
+        """`_take` without raising: None, or why not (counted)."""
+        why = self.ctx.memory.take(self.staged.owner, n)
+        if why is not None:
+            self.ctx.count("rejected_memory")
+            return why
         self._frame_bytes += n
+        return None
 
     def _release_frame(self) -> None:
         n, self._frame_bytes = self._frame_bytes, 0
@@ -147,6 +156,7 @@ class Session:
         if self.nixl_peer is not None and mover is not None:
             mover.drop_peer(self.nixl_peer, self.conn_id)
             self.nixl_peer = None
+        self._release_md(0)
         if mover is not None:
             mover.quarantine.reap()
         try:
@@ -192,12 +202,30 @@ class Session:
             self.ctx.count("rejected_challenges")
             raise RequestError(why)
         owner = self.staged.owner
-        if self.nixl_peer is None:
-            self.nixl_peer = mover.add_peer(md, self.conn_id, self.host, owner)
-        else:
-            self.nixl_peer = mover.update_peer(self.nixl_peer, md, self.conn_id, self.host, owner)
+        # What NIXL keeps of it, for this connection's life, is the key's before it is loaded.
+        n = HELD_PER_BYTE * len(md)
+        why = self.ctx.memory.take(owner, n)
+        if why is not None:
+            self.ctx.count("rejected_memory")
+            raise RequestError(f"NIXL metadata of {len(md)} bytes refused: {why}")
+        try:
+            if self.nixl_peer is None:
+                self.nixl_peer = mover.add_peer(md, self.conn_id, self.host, owner)
+            else:
+                self.nixl_peer = mover.update_peer(self.nixl_peer, md, self.conn_id, self.host,
+                                                   owner)
+        except BaseException:
+            self.ctx.memory.give(owner, n)      # not loaded: the peer it had (if any) stays
+            raise
+        self._release_md(n)
         nonce, loaded = mover.challenge(self.nixl_peer, self.proof_tag)
         self._challenge = (self.nixl_peer, nonce, loaded)
+
+    def _release_md(self, n: int) -> None:
+        """The connection now holds `n` bytes of loaded metadata: what it held before goes back."""
+        old, self._md_bytes = self._md_bytes, n
+        if old:
+            self.ctx.memory.give(self.staged.owner, old)
 
     def _prove(self, msg: protocol.Prove) -> None:
         """One try per challenge: the nonce sent to the endpoint must come back, and the MAC of it
@@ -233,17 +261,23 @@ class Session:
         typ = protocol.REQUEST_TYPES.get(op)
         if typ is None or op == protocol.HELLO:
             raise protocol.ProtocolError(f"unknown op {op}")
-        msg = frame.decode(typ)
         access = self.ctx.access
         try:
-            # The reply's bytes (an inline GET's blocks) are the key's before they are allocated.
-            extra = protocol.reply_bound(op, msg) - protocol.ERROR_REPLY_BOUND
+            # What decoding allocates (up to 21 times the meta: Python objects) is the key's
+            # before it is allocated; then what serving it allocates: its reply's bytes (an
+            # inline GET's blocks) and its transfers' descriptor lists.
+            n = protocol.decoded_bound(op, frame.meta.nbytes)
+            why = self._charge(n)
+            if why is not None:
+                raise RequestError(f"decoding a request of up to {n} bytes refused: {why}")
+            msg = frame.decode(typ)
+            extra = (protocol.reply_bound(op, msg) - protocol.ERROR_REPLY_BOUND
+                     + protocol.work_bound(msg))
             if extra > 0:
-                why = self.ctx.memory.take(self.staged.owner, extra)
+                why = self._charge(extra)
                 if why is not None:
-                    self.ctx.count("rejected_memory")
-                    raise RequestError(f"a reply of up to {extra} bytes refused: {why}")
-                self._frame_bytes += extra
+                    raise RequestError(f"a request holding up to {extra} bytes (its reply, its "
+                                       f"transfers) refused: {why}")
             busy = access.begin(self.host)
             if busy is not None:
                 self.ctx.count("rejected_busy")

@@ -96,3 +96,32 @@ def test_metadata_that_kills_ucx_kills_only_the_checker(monkeypatch) -> None:
         assert v.vet(md) is None and v.vet(md) is None                # a new child; cached
     finally:
         v.close()
+
+
+@needs_nixl
+def test_a_key_whose_metadata_kills_the_checker_pays_the_restart(monkeypatch) -> None:
+    """Issue 36 round 2: each crash costs the agent a new checker (NIXL imported again); the
+    key that caused it pays a whole check (`VET_TIMEOUT_S`) of its checker time, so past its
+    budget its next metadata is refused unchecked. On 29ab695 a crash cost the key ~1 ms: it
+    could kill a checker per request (64 at once, then 8/s: its challenge rate), each restart
+    paid by the agent and waited for by the next key."""
+    from offload.agent import nixl_util, vet
+
+    monkeypatch.setenv("UCX_MODULES", "^ib")
+    a = nixl_util.make_agent("vet-crasher")
+    buf = np.zeros(PAGE, np.uint8)
+    a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    md = a.get_agent_metadata()
+    monkeypatch.setattr(vet, "check_metadata", lambda md: None)     # as if it passed
+    # Its budget: two whole checks, refilled at a rate no test run can matter.
+    v = vet.Vetter(timeout_s=10.0, budget_s=20.0, rate_s=1e-6)
+    v.start()
+    try:
+        answers = [v.vet(crafted(md), "crasher") for _ in range(4)]
+        assert all(x is not None and "crashes UCX" in x for x in answers[:2]), answers
+        assert all(x is not None and "spent its NIXL metadata checker time" in x
+                   for x in answers[2:]), answers
+        assert v.crashes == 2
+        assert v.vet(md, "victim") is None                  # another key: its own time
+    finally:
+        v.close()

@@ -134,9 +134,11 @@ def test_every_message_type_is_charged_before_and_given_back_after(
     sent = _walk(agent, pool)
     assert sent == set(protocol.REQUEST_TYPES), set(protocol.REQUEST_TYPES) - sent
     probe = Raw(agent, "victim", None)
-    # What one STATS holds while it is answered: its frame and its reply's bound.
-    frame = protocol.META_LEN.size + len(msgspec.msgpack.encode(protocol.Empty()))
-    own = frame + protocol.reply_bound(protocol.STATS, protocol.Empty())
+    # What one STATS holds while it is answered: its frame, what it decodes to, its reply's
+    # bound.
+    meta = len(msgspec.msgpack.encode(protocol.Empty()))
+    own = (protocol.META_LEN.size + meta + protocol.decoded_bound(protocol.STATS, meta)
+           + protocol.reply_bound(protocol.STATS, protocol.Empty()))
 
     def settled() -> bool:
         f = stats(probe)
