@@ -88,8 +88,12 @@ def load_keys(path: str) -> dict[str, HostKey]:
         if not isinstance(entry, dict) or set(entry) - {"secret", "namespaces", "salts"}:
             problems.append(f"{where}: allowed keys are secret, namespaces, salts")
             continue
-        secret = str(entry.get("secret", "")).strip().encode()
-        if len(secret) < MIN_SECRET_BYTES:
+        raw = entry.get("secret", "")
+        secret = raw.strip().encode() if isinstance(raw, str) else b""
+        if not isinstance(raw, str):     # a number or a list's repr is no secret anyone chose
+            problems.append(f"{where}.secret: a {type(raw).__name__}; write the secret as a "
+                            "quoted string (e.g. the output of `openssl rand -hex 32`)")
+        elif len(secret) < MIN_SECRET_BYTES:
             problems.append(f"{where}.secret: {len(secret)} bytes; use at least "
                             f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
         elif secret in seen:

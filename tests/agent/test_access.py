@@ -34,6 +34,9 @@ def test_keys_file_problems_are_named(tmp_path: Path) -> None:
     for part in ("host names are", "use at least 16", "32 lowercase hex", "the same as hosts.c",
                  "grants nothing"):
         assert part in msg
+    for value in ("12345678901234567890", '["' + "a" * 32 + '"]', "1e300"):
+        with pytest.raises(ConfigError, match="write the secret as a quoted string"):
+            load_keys(keys_file(tmp_path, f'[hosts.a]\nsecret = {value}\nnamespaces = ["*"]\n'))
 
 
 def test_grants_by_salt_by_digest_and_all(tmp_path: Path) -> None:
