@@ -122,9 +122,10 @@ class Session:
             srv.release(self.host if self.admitted else None)
 
     def _admit_frame(self, n: int) -> None:
-        """A request frame's body is allocated only within the agent's memory bound, with room
-        for an ERROR reply (the rest of its reply is charged once it is decoded: `_dispatch`)."""
-        self._take(n + protocol.ERROR_REPLY_BOUND)
+        """A request frame's body (and its MAC, read with it) is allocated only within the
+        agent's memory bound, with room for an ERROR reply (the rest of its reply is charged
+        once it is decoded: `_dispatch`)."""
+        self._take(n + protocol.MAC_BYTES + protocol.ERROR_REPLY_BOUND)
 
     def _take(self, n: int) -> None:
         """Charge `n` more bytes of this request to the host key (before they are allocated);

@@ -137,7 +137,8 @@ def test_every_message_type_is_charged_before_and_given_back_after(
     # What one STATS holds while it is answered: its frame, what it decodes to, its reply's
     # bound.
     meta = len(msgspec.msgpack.encode(protocol.Empty()))
-    own = (protocol.META_LEN.size + meta + protocol.decoded_bound(protocol.STATS, meta)
+    own = (protocol.META_LEN.size + meta + protocol.MAC_BYTES
+           + protocol.decoded_bound(protocol.STATS, meta)
            + protocol.reply_bound(protocol.STATS, protocol.Empty()))
 
     def settled() -> bool:
