@@ -148,3 +148,38 @@ def test_every_message_type_is_charged_before_and_given_back_after(
     fields = stats(probe)
     assert int(fields["agent_feed_pages_key"]) == 1            # the one page it announced
     assert "agent_uncharged_bytes" not in fields, fields["agent_uncharged_bytes"]
+
+
+def test_replies_cut_off_by_their_client_are_given_back(tmp_path: Path, agent_factory) -> None:
+    """Connections that close (reset) in the middle of their inline GET replies: every byte
+    charged for them comes back, so the key is not locked out by what it abandoned (a charge
+    never given back would be a leak; one given back twice a way past the bound)."""
+    import socket
+    import struct
+
+    agent = agent_factory("--memory", "--transport", "tcp", "--max-memory", "64MiB",
+                          "--max-memory-per-key", "32MiB", "--memory-reserve", "1MiB",
+                          "--keys-file", str(keys_file(tmp_path, SECRETS)))
+    size = 3900 * 1024
+    attacker = Raw(agent, "attacker", None)
+    keys = [NS["attacker"].key(f"cut-{i}") for i in range(4)]
+    for k in keys:
+        assert attacker.call(protocol.PUT, protocol.Blocks([k], [size]),
+                             [memoryview(os.urandom(size))])[0] == protocol.Flags([True])
+    for _ in range(3):                              # rounds: a leak would add up
+        conns = [Raw(agent, "attacker", None) for _ in range(8)]
+        for c in conns:
+            for _ in range(2):
+                c.req += 1
+                c.ch.send(protocol.GET, c.req, protocol.Blocks(keys, [size] * 4))
+        for c in conns:
+            c.ch.sock.recv(1 << 16)                 # the reply has started
+            c.ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.ch.sock.close()
+        own = protocol.META_LEN.size + 1 + protocol.MAC_BYTES + protocol.decoded_bound(
+            protocol.STATS, 1) + protocol.reply_bound(protocol.STATS, protocol.Empty())
+        assert wait_for(lambda: int(stats(attacker)["agent_memory_held_key"]) == own, 60), \
+            stats(attacker)
+    # The key is not locked out: its next inline GET of 15.6 MiB is served.
+    reply, data = attacker.call(protocol.GET, protocol.Blocks(keys, [size] * 4))
+    assert reply == protocol.Flags([True] * 4) and data.nbytes == 4 * size
