@@ -21,6 +21,7 @@ from tests.store.redis_fixtures import redis_factory, redis_store  # noqa: F401
 NS = Namespace("planted", "bf16", "layer_first", 16)
 SIZE = 16 << 10
 BIG = 66 << 20
+TIMEOUT_S = 0.5
 
 
 def _plant_counter(c: Any, store: Any) -> None:
@@ -55,7 +56,7 @@ PLANTS: dict[str, Callable[[Any, Any], None]] = {
 def test_planted_index_records_never_trip_the_data_path(redis_factory, plant: str) -> None:  # noqa: F811
     server = redis_factory([])         # no AOF: what is measured is the reply, not the disk
     # A generous deadline: the scripts handle a 66 MiB member in Redis on a loaded box.
-    store = redis_store(server.url, 5.0, 5.0, max_bytes="1MiB")
+    store = redis_store(server.url, TIMEOUT_S, 5.0, max_bytes="1MiB")
     keys = [NS.key(f"page-{i}") for i in range(8)]
     assert all(store.put_many(keys, [[bytes([i]) * SIZE] for i in range(8)]))
     PLANTS[plant](server.client(), store)
