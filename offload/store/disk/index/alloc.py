@@ -47,6 +47,7 @@ class IndexAlloc:
     db: sqlite3.Connection
     directory: str
     tombstones_pending: bool
+    _to_punch: list[tuple[Freed, Callable[[Freed], None]]]
 
     def txn(self, write: bool = True, durable: bool = True) -> Txn:
         raise NotImplementedError
@@ -85,9 +86,15 @@ class IndexAlloc:
         if need and shortfall > 0:
             target = max(used + need - int(low * cap), min_free + need - fs_free)
             evicted, freed = self._evict(target, free_slot)
-            used = self._meta("used")
+            used = self._meta("used") - self._holding()
             fs_free += sum(f.slot_bytes for f in freed)
         return cap, used, fs_free, evicted, freed
+
+    def _holding(self) -> int:
+        """Bytes of the slots this transaction freed from committed blocks: still counted in
+        `used` (held by this process's lease until punched, after the COMMIT: the one rule every
+        version sharing the directory reclaims by), but free for what this transaction places."""
+        return sum(f.slot_bytes for f, _ in self._to_punch)
 
     def _shortfall(self, need: int, high: float, free_bytes: Callable[[], int],
                    min_free: int) -> int:

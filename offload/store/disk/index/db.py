@@ -33,7 +33,6 @@ from offload.store.disk.index.schema import (
     MAX_VARS,
     OP_COMMIT,
     OP_DELETE,
-    PUNCH,
     SCHEMA,
     SCHEMA_VERSION,
     SIDE_FILES,
@@ -191,9 +190,10 @@ class Index(IndexAlloc):
         slot becomes a tombstone, never handed out, retried on a later free and at every open.
         A slot whose block was `visible` (committed) is never punched inside this transaction,
         which may still roll back (a full disk failing its COMMIT, a kill) and bring the block's
-        row back over punched bytes: it becomes a slot this process holds (`reserved`, owner =
-        `PUNCH` + its lease, not counted in `used`: never handed out, and punched by whoever
-        reclaims it if this process dies),
+        row back over punched bytes: it becomes a slot this process holds (`reserved`, owned by
+        its lease token like its ranges and counted in `used` like them -- every version sharing
+        the directory judges and reclaims such a row by the same rule, see `holding`: never
+        handed out, and punched by whoever reclaims it if this process dies),
         punched once the transaction has committed (`_after_commit`), and handed out again by
         this connection's next write transaction (`_release_punched`). Without an owner (a
         tool's index) it waits as a tombstone instead. Any other slot (a write that failed, a
@@ -205,9 +205,10 @@ class Index(IndexAlloc):
         if not slots:
             return freed
         if visible:
-            if self.owner:   # held, not counted in `used`: the slot's space is being freed
+            if self.owner:   # held by this process's own lease, counted in `used` like any slot
                 self.db.executemany("INSERT OR REPLACE INTO reserved VALUES(?,?,?,?)",
-                                    ((sb, seg, slot, PUNCH + self.owner) for sb, seg, slot in slots))
+                                    ((sb, seg, slot, self.owner) for sb, seg, slot in slots))
+                self._add_used(sum(sb for sb, _, _ in slots))
             else:
                 self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", slots)
             self._to_punch += [(f, free_slot) for f in freed]
@@ -272,8 +273,9 @@ class Index(IndexAlloc):
                          [(r, "tombstones") for r in self._stuck]:
             if self.owner:
                 held = self.db.execute("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND "
-                                       "slot=? AND owner=?", (*row, PUNCH + self.owner)
-                                       ).rowcount == 1
+                                       "slot=? AND owner=?", (*row, self.owner)).rowcount == 1
+                if held:
+                    self._add_used(-row[0])
             else:
                 held = dest == "free_slots" and self.db.execute(
                     "DELETE FROM tombstones WHERE slot_bytes=? AND seg=? AND slot=?",

@@ -30,9 +30,11 @@ from offload.store.disk.location import HEADER_BYTES, Location, slot_bytes_for
 SCHEMA_VERSION = 1
 PENDING, COMMITTED = 0, 1
 OP_COMMIT, OP_DELETE = 1, 2
-# `reserved` rows owned by PUNCH + a lease token: slots of blocks deleted by a transaction that
-# has committed, held by that process until their hole is punched (`Index._recycle`); not counted
-# in `used` (their space is being freed), never handed out, punched again by a reclaim.
+# `reserved` rows owned by PUNCH + a lease token: written by one earlier build for the slots of
+# blocks deleted by a committed transaction, held until punched, not counted in `used`. An older
+# version judged such an owner dead at once (not a lease token) and reclaimed it while its process
+# lived, subtracting bytes never counted: holds are now owned by the plain lease token and counted
+# (`Index._recycle`); rows of the old form are still reclaimed as not counted.
 PUNCH = "punch:"
 COUNTED = "owner NOT LIKE 'punch:%'"   # the `reserved` rows counted in `used`
 CHANGES_KEPT = 200_000
