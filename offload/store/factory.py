@@ -57,7 +57,8 @@ def stored_capacity(directory: str) -> int:
         rows = read_only(path, "SELECT value FROM meta WHERE name='capacity'", timeout=30)
     except sqlite3.Error as e:
         raise StoreError(f"{path}: cannot read the index: {e}") from None
-    return int(rows[0][0]) if rows else 0
+    cap = rows[0][0] if rows else 0
+    return cap if type(cap) is int and cap >= 0 else 0   # damaged: the open rebuilds the index
 
 
 def open_existing(directory: str) -> DiskStore:

@@ -41,6 +41,7 @@ from offload.store.disk.index.schema import (
     Location,
     Txn,
     signed,
+    type_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ class Index(IndexAlloc):
                     ("schema", SCHEMA_VERSION), ("used", 0), ("capacity", 0)])
             elif row[0] != SCHEMA_VERSION:
                 raise sqlite3.DatabaseError(f"unknown index schema {row[0]!r}")
+            why = type_problem(self.db)
+            if why:
+                raise sqlite3.DatabaseError(why)
 
     def set_capacity(self, capacity: int) -> None:
         with self.txn():

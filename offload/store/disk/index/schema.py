@@ -68,6 +68,38 @@ CREATE TABLE IF NOT EXISTS namespaces(digest BLOB PRIMARY KEY, description TEXT 
 """
 
 
+# Every field the store reads back without a per-row check (its slot arithmetic, the cap, the
+# namespaces' descriptions): SQLite keeps any type in any column, so a damaged page or another
+# program can leave a text where an integer belongs, and then an open, a reclaim, a put or
+# `cache stats` would raise. `type_problem` finds them: the index is damaged (set aside, rebuilt).
+# The blocks' committed rows are checked per row where they are read (`row_problem`).
+_INT = "typeof({}) != 'integer'"
+_TYPED = (
+    ("reserved", ("slot_bytes", "seg", "slot"), "typeof(owner) != 'text'"),
+    ("free_slots", ("slot_bytes", "seg", "slot"), ""),
+    ("tombstones", ("slot_bytes", "seg", "slot"), ""),
+    ("segments", ("seg", "slot_bytes", "nslots", "next_slot"), ""),
+    ("blocks", (), "(state = 0 AND (" + " OR ".join(
+        _INT.format(c) for c in ("seg", "slot", "slot_bytes")) + "))"),
+    ("meta", (), "name IN ('used', 'capacity') AND typeof(value) != 'integer'"),
+    ("namespaces", (), "typeof(description) != 'text' OR CASE WHEN json_valid(description) "
+                       "THEN json_type(description) != 'object' ELSE 1 END"),
+)
+
+
+def type_problem(db: sqlite3.Connection) -> str:
+    """'' if every field read without a per-row check has its type, else what is wrong."""
+    for table, ints, extra in _TYPED:
+        cond = " OR ".join([_INT.format(c) for c in ints] + ([extra] if extra else []))
+        (n,) = db.execute(f"SELECT count(*) FROM {table} WHERE {cond}").fetchone()
+        if n:
+            return f"{n} rows of {table} with a field of the wrong type"
+    have = {r[0] for r in db.execute("SELECT name FROM meta WHERE name IN ('used', 'capacity')")}
+    if len(have) < 2:
+        return f"meta misses {', '.join(sorted({'used', 'capacity'} - have))}"
+    return ""
+
+
 def read_only(path: str, sql: str, *, timeout: float) -> list[tuple]:
     """The rows of `sql` on the index at `path`, opened read-only (never created). Raises
     sqlite3.Error."""
