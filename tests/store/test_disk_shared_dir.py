@@ -203,3 +203,35 @@ def test_a_lease_is_alive_while_its_process_is_even_stopped_and_dead_once_it_is_
         assert not owner_alive(str(tmp_path), "lease:" + "0" * 32)
     finally:
         p.kill()
+
+
+def test_openers_with_one_pid_never_take_each_others_o_direct_probe(tmp_path):
+    """Two openers with the same pid (processes of two containers sharing the directory; here two
+    threads of one process) probe O_DIRECT at once: before, each deleted the other's probe file
+    (named by pid) and one create failed, "refuses O_DIRECT: File exists" -- the open failed
+    with `o_direct: on`, fell back to buffered I/O with `auto`."""
+    import threading
+
+    from offload.errors import StoreError
+    from offload.store.disk.slab.fdcache import probe_o_direct
+
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    if not probe_o_direct(str(d), "auto"):
+        pytest.skip("this file system refuses O_DIRECT")
+    refused: list[str] = []
+
+    def probe() -> None:
+        for _ in range(300):
+            try:
+                probe_o_direct(str(d), "on")
+            except StoreError as e:
+                refused.append(str(e))
+
+    threads = [threading.Thread(target=probe) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not refused, refused[:3]
+    assert os.listdir(d) == []   # every probe removed

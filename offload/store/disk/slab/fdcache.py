@@ -17,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Iterator
@@ -35,12 +36,10 @@ def probe_o_direct(directory: str, mode: str) -> bool:
     on -> True, else a `StoreError`; auto -> whether it works, a refusal logged)."""
     if mode == "off":
         return False
-    probe = os.path.join(directory, f".o_direct_probe.{os.getpid()}")
+    # a name of its own: a pid is not (two containers' processes, two threads of one process),
+    # and deleting another opener's probe made its O_EXCL create fail: "refuses O_DIRECT"
+    probe = os.path.join(directory, f".o_direct_probe.{secrets.token_hex(8)}")
     try:
-        try:
-            os.unlink(probe)  # a leftover of a killed process with this pid
-        except FileNotFoundError:
-            pass
         os.close(cachedir.open_file(probe, os.O_RDWR | os.O_DIRECT, create=True))
         return True
     except OSError as e:
