@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from offload.config import Size, StoreConfig
 from offload.errors import StoreError
 from offload.keys import Namespace
 from offload.store.base import Backlog, Buffer, Slot, SlotMedium, StoreStats, all_false, never_raises
+from offload.store.disk import cachedir
 from offload.store.disk.store import DiskStore, fs_free_bytes
 
 log = logging.getLogger(__name__)
@@ -101,10 +103,13 @@ def _ident(path: str) -> tuple[int, int]:
 
 def _probe(path: str) -> str:
     """Write, sync and read back a small file in the directory: '' or why the drive failed."""
-    p = os.path.join(path, PROBE)
+    # a name of this probe's own (O_EXCL, never through a link): with one name, another process
+    # probing the same drive truncated or deleted the file between our write and read-back, and
+    # took a sound drive out ("read back other bytes", "No such file or directory")
+    p = os.path.join(path, f"{PROBE}.{secrets.token_hex(8)}")
     data = os.urandom(512)
     try:
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = cachedir.open_file(p, os.O_RDWR, create=True)
         try:
             os.write(fd, data)
             os.fsync(fd)

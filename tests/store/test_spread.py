@@ -375,3 +375,26 @@ def test_a_promotion_goes_to_each_drive_as_a_promotion(dirs: list[Path]) -> None
         ks = [key(i) for i in range(30)]
         assert s.promote_many(ks, [[data(k, BLOCK)] for k in ks]) == [True] * 30
         assert sum(seen) == 30 and s.flush() and all(readable(s, range(30)))
+
+
+_PROBES = """
+import sys
+from offload.store.spread import _probe
+print(sum(1 for _ in range(int(sys.argv[2])) if _probe(sys.argv[1])), flush=True)
+"""
+
+
+def test_two_processes_probing_one_drive_never_take_it_out(tmp_path):
+    """Every process of a node sharing the drives probes each one every 10 s. With one probe
+    file name, one process truncated or deleted it between the other's write and read-back: a
+    sound drive taken out ("probe read back other bytes", "No such file or directory"; 28 % of
+    the probes of two processes probing at once). Real processes, a real directory."""
+    d = tmp_path / "drive"
+    d.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBES, str(d), "400"], env=env, text=True,
+                              stdout=subprocess.PIPE) for _ in range(2)]
+    failed = [int(p.communicate(timeout=600)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert failed == [0, 0]
+    assert os.listdir(d) == []   # every probe file removed
