@@ -57,10 +57,10 @@ CONNS = 16                     # the (key, endpoint) challenge burst: each conne
 MIB = 1 << 20
 
 
-def proven(agent, child: subprocess.Popen, addr: int, slot: int) -> Raw:
+def proven(agent, child: subprocess.Popen, md: bytes, addr: int, slot: int) -> Raw:
     """One more connection of the attacker, its endpoint (the child's) proven."""
     assert child.stdin is not None and child.stdout is not None
-    raw = Raw(agent, "attacker", MD[0])
+    raw = Raw(agent, "attacker", md)
     assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl, raw.info
     child.stdin.write(f"note {raw.info.proof_tag.hex()}\n")
     child.stdin.flush()
@@ -71,9 +71,6 @@ def proven(agent, child: subprocess.Popen, addr: int, slot: int) -> Raw:
     assert child.stdout.readline().strip() == "ok"
     assert raw.call(protocol.PROVE, protocol.Prove([nonce], addr + off))[0] == protocol.Empty()
     return raw
-
-
-MD: list[bytes] = []
 
 
 @needs_nixl
@@ -90,9 +87,8 @@ def test_held_requests_are_charged_what_they_decode_to(tmp_path: Path, agent_fac
     try:
         assert child.stdout is not None
         md_hex, addr_s = child.stdout.readline().split()
-        MD[:] = [bytes.fromhex(md_hex)]
-        addr = int(addr_s)
-        conns = [proven(agent, child, addr, i) for i in range(CONNS)]
+        md, addr = bytes.fromhex(md_hex), int(addr_s)
+        conns = [proven(agent, child, md, addr, i) for i in range(CONNS)]
         probe = Raw(agent, "victim", None)
         refused0 = int(stats(probe).get("agent_bad_requests", 0))
         before = rss(agent.proc.pid)
