@@ -223,6 +223,10 @@ class WorthItConfig:
         "prefill tokens/s of one replica (all TP ranks); unset = the plan module's estimate "
         "from the model and GPU, else measured from the first requests (any device)",
         default=None)
+    max_prefetch_wait_s: float = _doc(
+        "the longest a request waits for its L3 prefetch (launch's SGLang deadline: no longer "
+        "than recomputing the prompt would take, and never past this); then it goes on with "
+        "what has loaded and computes the rest", default=30.0)
 
 
 @dataclass(frozen=True)
@@ -435,6 +439,9 @@ def _check(cfg: OffloadConfig, problems: list[str]) -> None:
     if w.prefill_tokens_per_s is not None and w.prefill_tokens_per_s <= 0:
         problems.append(f"offload.worth_it.prefill_tokens_per_s: {w.prefill_tokens_per_s!r} "
                         "must be > 0")
+    if not 0 < w.max_prefetch_wait_s <= 3600:
+        problems.append(f"offload.worth_it.max_prefetch_wait_s: {w.max_prefetch_wait_s!r} must be "
+                        "> 0 and at most 3600 (seconds a request may wait for its L3 prefetch)")
 
 
 def _check_limits(lim: AgentLimitsConfig, problems: list[str]) -> None:

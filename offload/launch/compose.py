@@ -9,8 +9,10 @@ Config -> SGLang server arguments -> process. Steps, in order:
    interpreter that will run SGLang (`--python`) must import sglang and sglang-offload at the
    pinned versions (`offload.launch.interpreter`; exit 1 naming what it lacks);
 3. `offload.launch.device.choose` picks what works on SGLang's device (on cpu: torch_native
-   attention, no CUDA graphs, the io backend, wait_complete prefetch, SGLANG_USE_CPU_ENGINE=1),
-   never overriding a key the user set;
+   attention, no CUDA graphs, the io backend, SGLANG_USE_CPU_ENGINE=1) and, on every device, the
+   prefetch wait (`offload.launch.prefetch`: policy timeout, a deadline no longer than
+   recomputing the prompt, capped by `offload.worth_it.max_prefetch_wait_s`; its two keys go into
+   the extra config), never overriding a key the user set;
 4. `compose` builds the command: `python -m sglang.launch_server`, the section's flags (SGLang's
    own `--config` conversion), `--enable-hierarchical-cache`, `--hicache-mem-layout page_first`
    (unless set), the `dynamic` storage backend `offload.hicache.OffloadStorage` with
@@ -45,6 +47,8 @@ from offload.hicache.contract import BACKEND_EXTRA
 from offload.hicache.worth_it import plan_text
 from offload.launch.device import DeviceChoice, choose
 from offload.launch.interpreter import Interpreter, check_interpreter
+from offload.launch.prefetch import decide as decide_wait
+from offload.launch.prefetch import recompute_facts
 from offload.launch.secrets import REDACTED, redact, runtime_dir, settings_path, write_settings
 from offload.launch.sglang_args import SglangArgs, check_sglang
 
@@ -84,7 +88,8 @@ def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str
     tree: no salt, no Redis URL."""
     tree = to_dict(dep.offload)
     tree["transfer"]["path"] = path
-    extra = {**sg.extra_config, **BACKEND_EXTRA, "config_file": settings_file}
+    extra = {**(device.extra_config if device else {}), **sg.extra_config, **BACKEND_EXTRA,
+             "config_file": settings_file}
     if "kv_events_config" in sg.set_by_user:   # L3 KV events name each page's parent
         extra.setdefault("hicache_storage_pass_prefix_keys", True)
     argv = [python, "-m", "sglang.launch_server", *sg.section_argv]
@@ -122,7 +127,11 @@ def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "
     if deployment.errors:
         raise ConfigError(list(deployment.errors))
     machine = machine_findings(dep.offload, facts, root, cache_dir, connect)
-    device = choose(sg.values, sg.set_by_user)
+    gpu = next((g.name for g in facts.gpus), None) if sg.values.device != "cpu" else None
+    wait = decide_wait(sg.values, sg.set_by_user, sg.extra_config,
+                       recompute_facts(dep.offload.worth_it, sg.values, gpu),
+                       dep.offload.worth_it.max_prefetch_wait_s)
+    device = choose(sg.values, sg.set_by_user, wait)
     settings = str(settings_path(runtime_dir()))
     tree, argv = compose(dep, sg, decision.path, settings, python, device)
     sglang_parser()[0].parse_args(argv[3:])       # the composed command parses (raises if not)
@@ -180,7 +189,7 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
                          "rejected": [{"path": r.path, "check": r.check, "fix": r.fix}
                                       for r in d.rejected]},
             "device": {"device": p.device.device, "argv": p.device.argv, "env": p.device.env,
-                       "reasons": p.device.reasons},
+                       "extra_config": p.device.extra_config, "reasons": p.device.reasons},
             "worth_it": worth_it_text(p),
             "interpreter": {"executable": p.interpreter.executable, "sglang": p.interpreter.sglang,
                             "offload": p.interpreter.offload},

@@ -14,18 +14,24 @@ On `device: cpu` (SGLang 0.5.23, a plain x86 or Arm box, no sgl-kernel CPU build
 - `--hicache-io-backend kernel` with the `page_first` layout: the distribution's pure-torch
   host<->device copies (patches/) serve both io backends on CPU; kernel keeps page_first, whose
   page of every layer is one contiguous store block.
-- `--hicache-storage-prefetch-policy wait_complete`: measured (docs/benchmarks.md, 2026-12-02,
-  the demo model): recomputing a cached 8K / 16K prefix on a CPU took 12 / 55 s, reading its KV
-  from the raw disk 21 / 54 ms and the whole L3 hit 1.2 / 2.6 s; a policy that starts the prefill
-  with part of the hit still loading (SGLang's default, timeout, or best_effort) recomputes that
-  part at ~1,000x the cost of waiting for it.
-On a GPU (or device unset: SGLang picks cuda where it sees one) SGLang's own defaults stand.
+On every device, the prefetch wait (`offload.launch.prefetch`): policy `timeout` (SGLang's
+default; launch picked `wait_complete` on cpu before, which waits for ever on a stalled tier)
+with `prefetch_timeout_base` 0 and `prefetch_timeout_per_ki_token` such that a prefetch waits
+no longer than recomputing its tokens would take, capped (`offload.worth_it.max_prefetch_wait_s`)
+at the context length; those two go into the storage backend's extra config (`extra_config`).
+Measured on CPU (docs/benchmarks.md, 2026-12-02, the demo model): recomputing a cached 8K / 16K
+prefix took 12 / 55 s, reading its KV from the raw disk 21 / 54 ms and the whole L3 hit 1.2 /
+2.6 s, so a working tier loads everything well inside such a deadline.
+On a GPU (or device unset: SGLang picks cuda where it sees one) SGLang's own defaults stand,
+but for the prefetch wait.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+
+from offload.launch.prefetch import PrefetchChoice
 
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
@@ -36,6 +42,7 @@ class DeviceChoice:
     argv: list[str] = field(default_factory=list)      # flags launch adds (before the extras)
     env: dict[str, str] = field(default_factory=dict)  # set in SGLang's environment
     reasons: list[str] = field(default_factory=list)   # one line per choice, and why
+    extra_config: dict[str, float] = field(default_factory=dict)   # storage extra-config keys
 
 
 def _pick(values: argparse.Namespace, user: set[str], dest: str, value: str, why: str,
@@ -49,14 +56,24 @@ def _pick(values: argparse.Namespace, user: set[str], dest: str, value: str, why
     reasons.append(f"{flag} {value}: {why}")
 
 
-def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
-    """The flags and environment for `values.device` (SGLang's parsed arguments)."""
+def choose(values: argparse.Namespace, set_by_user: set[str],
+           prefetch: PrefetchChoice | None = None) -> DeviceChoice:
+    """The flags and environment for `values.device` (SGLang's parsed arguments); `prefetch`:
+    the prefetch wait (`offload.launch.prefetch.decide`), by default from what the arguments
+    alone say (no configured prefill speed, no GPU name, the default cap)."""
+    if prefetch is None:
+        from offload.config import WorthItConfig
+        from offload.launch.prefetch import decide, recompute_facts
+
+        cfg = WorthItConfig()
+        prefetch = decide(values, set_by_user, {}, recompute_facts(cfg, values, None),
+                          cfg.max_prefetch_wait_s)
     device = getattr(values, "device", None)
     if device != "cpu":
         where = device or "auto (SGLang picks cuda where it sees a GPU)"
-        return DeviceChoice(device or "auto", reasons=[
-            f"device {where}: SGLang's own attention backend, CUDA graphs, kernel io backend "
-            f"and prefetch policy ({getattr(values, 'hicache_storage_prefetch_policy', 'timeout')})"])
+        return DeviceChoice(device or "auto", list(prefetch.argv), {}, [
+            f"device {where}: SGLang's own attention backend, CUDA graphs and kernel io backend",
+            prefetch.reason], dict(prefetch.extra))
     argv: list[str] = []
     reasons = ["SGLANG_USE_CPU_ENGINE=1: SGLang takes its CPU code paths only with it when torch is "
                "a CUDA build"]
@@ -70,7 +87,6 @@ def choose(values: argparse.Namespace, set_by_user: set[str]) -> DeviceChoice:
     _pick(values, set_by_user, "hicache_io_backend", "kernel",
           "pure-torch host<->device copies on CPU (patches/), page_first kept: one page of every "
           "layer is one store block", argv, reasons)
-    _pick(values, set_by_user, "hicache_storage_prefetch_policy", "wait_complete",
-          "measured on CPU: recomputing a cached prefix costs ~1,000x reading it from the "
-          "store (12 s vs 21 ms at 8K tokens), so wait for the whole prefetch", argv, reasons)
-    return DeviceChoice("cpu", argv, dict(CPU_ENV), reasons)
+    reasons.append(prefetch.reason)
+    return DeviceChoice("cpu", argv + prefetch.argv, dict(CPU_ENV), reasons,
+                        dict(prefetch.extra))
