@@ -659,7 +659,10 @@ def apply_overrides(cfg: OffloadConfig, overrides: Mapping[str, Any]) -> Offload
 def to_dict(cfg: Any) -> Any:
     """Plain data (sizes as strings like `2TiB`), suitable for YAML/JSON output and round trips."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        out = {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        if isinstance(cfg, StoreConfig) and cfg.paths:
+            del out["path"]         # replaced by paths; a file with both is refused (_conflicts)
+        return out
     if isinstance(cfg, Size):
         return str(cfg)
     if isinstance(cfg, Mapping):

@@ -171,3 +171,21 @@ def test_offline_still_refuses_what_is_wrong_in_the_file(capsys, tmp_path: Path)
     bad = write(tmp_path, BASE + "offload:\n  store:\n    capacity: lots\n", "bad.yaml")
     rc, _, err = run_cli(capsys, "config", "validate", "--offline", str(bad))
     assert rc == 2 and len(err) == 1 and "offload.store.capacity" in err[0]
+
+
+@pytest.mark.parametrize("store", [{"paths": ["/d1/a", "/d2/a"]}, {"path": "/raid/a"}, {}])
+def test_the_tree_launch_hands_the_backend_loads_again(tmp_path: Path, store: dict) -> None:
+    """launch writes the effective offload tree (`to_dict`) for each scheduler's backend to load
+    with the strict loader: a store on several drives must not come back as path + paths (CI, stop
+    40: the two-drive E2E server exited at start-up)."""
+    import yaml
+
+    from offload.config import load_file, to_dict
+    from offload.hicache.backend import settings_from_extra
+
+    cfg = load_offload({"store": store})
+    f = tmp_path / "settings.yaml"
+    f.write_text(yaml.safe_dump({"offload": to_dict(cfg)}))
+    f.chmod(0o600)
+    assert load_file(f).offload == cfg
+    assert settings_from_extra({"config_file": str(f)}) == cfg
