@@ -8,7 +8,7 @@ secrets and are shown.
 
 Primitives:
 - `MASK` (`***`): what is printed in place of a secret.
-- `url(text)`: a URL with its password (and any query string) masked; the scheme, user, hosts
+- `url(text)`: a URL with its password (and any query string or fragment) masked; the scheme, user, hosts
   and database stay, so a message still says which server.
 - `value(key_path, value)`: the value of one config key fit to print (`repr`), masked if the key
   is secret-bearing. Every config error quoting a value goes through it.
@@ -42,7 +42,7 @@ URL_KEYS = frozenset({"offload.redis.url"})
 SGLANG_SECRET_KEYS = frozenset({"api_key", "admin_api_key", "ssl_keyfile_password"})
 # scheme://userinfo@ inside free text (userinfo up to the last @ before a space or quote).
 _URL_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"<>]*@)")
-_QUERY_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>?]*)\?[^\s'\"<>]*")
+_QUERY_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>?#]*)([?#])[^\s'\"<>]*")
 
 
 def _userinfo(userinfo: str) -> str:
@@ -59,8 +59,9 @@ def url(text: str) -> str:
     if "@" in rest:
         userinfo, _, rest = rest.rpartition("@")
         rest = _userinfo(userinfo) + "@" + rest
-    if "?" in rest:
-        rest = rest.partition("?")[0] + "?" + MASK
+    for mark in "?#":           # a query string or fragment may carry a password
+        if mark in rest:
+            rest = rest.partition(mark)[0] + mark + MASK
     return scheme + sep + rest
 
 
@@ -137,7 +138,7 @@ def _secret_flags(parser: "argparse.ArgumentParser | None") -> "Callable[[str], 
 def text(s: str, secrets: Iterable[str] = ()) -> str:
     """Free text with URL userinfo and query strings masked, then every known secret string."""
     s = _URL_IN_TEXT.sub(lambda m: m.group(1) + _userinfo(m.group(2)[:-1]) + "@", s)
-    s = _QUERY_IN_TEXT.sub(lambda m: m.group(1) + "?" + MASK, s)
+    s = _QUERY_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + MASK, s)
     for secret in sorted({x for x in secrets if x and len(x) >= 4}, key=len, reverse=True):
         s = s.replace(secret, MASK)
     return s

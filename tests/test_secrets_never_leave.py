@@ -132,6 +132,8 @@ def test_redaction_primitives() -> None:
     assert url("redis://user@h") == "redis://user@h"             # a user name, no password
     assert url(f"redis://h:1?password={PW}") == f"redis://h:1?{MASK}"
     assert url("redis://h:6379") == "redis://h:6379"
+    assert url(f"redis://h:1/0#{PW}") == f"redis://h:1/0#{MASK}"      # a fragment, too
+    assert PW not in text(f"bad url redis://h:1/0#{PW} here")
     assert PW not in text(f"Error connecting to redis://u:{PW}@h:1 (x) and redis://h?password={PW}")
     assert text(f"salt is {SALT}.", [SALT]) == f"salt is {MASK}."
     from offload.config import load_offload
