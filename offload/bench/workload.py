@@ -22,6 +22,12 @@ phase), where a differing turn's top-2 logprob margin (`offload.bench.workload_m
 near-tie of a random-weight model (margin below `--tie-margin`) from a real difference (exit 1).
 `--repeat` rounds alternate the tiers (A B C A B C); medians are reported, every round in --json.
 
+Unique (`--unique`, `offload.bench.workload_unique`): no prefix ever repeats; as many requests
+as the standard run, each a prompt of its own; per tier and round one server, no restart; each
+L3 against no L3 of the same round: requests/s, tokens/s, mean and p90 TTFT (targets >= 0.97x
+the throughput, <= 1.05x the mean TTFT), and the bytes the L3 wrote. Exit 1 on a failed request
+or where two prompts shared a first page.
+
 Sweep (`--sweep-users LIST --ttft-target-ms MS`): how many users with long contexts the box
 serves within a TTFT target, per tier. For each user count U (ascending) on one server per tier:
 U users, each with a context of its own (`--prefix-tokens`), all in flight, send their
@@ -95,6 +101,11 @@ OPTIONS = (
            "back first), so the restarted server reads its L3 from the disk, as after a reboot or "
            "on another host; without it a backend that reads through the page cache (SGLang's "
            "file L3) finds what it wrote minutes ago in RAM", False, flag=True),
+    Option(("--unique",), "the cost where nothing repeats instead of the restart run: as many "
+           "requests as the standard run, each a prompt of its own (--prefix-tokens + "
+           "--question-tokens token ids, no page shared), one server per tier and round; each "
+           "L3 against no L3 of the same round (throughput, mean / p90 TTFT, bytes written)",
+           False, flag=True),
     Option(("--sweep-users",), "the concurrency question instead of the restart run: user "
            "counts to try, ascending (each user a context of --prefix-tokens, all in flight)",
            None, _users, metavar="LIST"),
@@ -138,15 +149,24 @@ def run(args: Args) -> Outcome:
         raise UsageError("--cold-restart is for the restart run; --sweep-users has no restart")
     if args.ttft_target_ms and not args.sweep_users:
         raise UsageError("--ttft-target-ms is the target of --sweep-users LIST: give both")
+    if args.unique and (args.sweep_users or args.cold_restart):
+        raise UsageError("--unique is a run of its own: no --sweep-users, no --cold-restart "
+                         "(it has no restart)")
     over = _pools(args)
     tiers = args.tiers.split(",")
     if len(set(tiers)) != len(tiers):
         raise UsageError(f"--tiers {args.tiers}: each tier once")
+    if args.unique and ("none" not in tiers or len(tiers) < 2):
+        raise UsageError(f"--unique --tiers {args.tiers}: each L3 is measured against no L3 of "
+                         "the same round: give none and at least one L3 (e.g. none,ours)")
     seed = args.seed or int(time.time()) % 1_000_000
     w = wc.Workload(args.groups, args.users, args.turns, args.prefix_tokens,
-                    args.question_tokens, args.output_tokens, args.concurrency, seed)
-    result: dict[str, Any] = {"mode": "sweep" if args.sweep_users else "restart",
-                              "workload": {**w.__dict__, "conversations": w.conversations},
+                    args.question_tokens, args.output_tokens, args.concurrency, seed,
+                    bool(args.unique))
+    mode = "sweep" if args.sweep_users else "unique" if args.unique else "restart"
+    result: dict[str, Any] = {"mode": mode,
+                              "workload": {**w.__dict__, "conversations": w.conversations,
+                                           "requests": w.requests},
                               "tiers": tiers, "pools": over, "client": wc.CLIENT,
                               "cold_restart": bool(args.cold_restart)}
     # a SIGTERM (a CI timeout, a Ctrl-C'd wrapper) unwinds like an error, so the servers this
@@ -159,6 +179,12 @@ def run(args: Args) -> Outcome:
                 from offload.bench.workload_sweep import sweep
 
                 result["sweep"] = sweep(args, work, tiers, over, w, _serve)
+            elif args.unique:
+                from offload.bench.workload_unique import unique_runs
+
+                result.update(unique_runs(
+                    args, work, tiers, w,
+                    lambda a, tier, d, name: _serve(a, tier, d, over, name), server_info))
             else:
                 _restart_runs(args, work, tiers, over, w, result)
     finally:
@@ -169,7 +195,12 @@ def run(args: Args) -> Outcome:
     if args.json:
         print(json.dumps(result, indent=2))
     bad = (result.get("agreement") or {}).get("real_differences", 0)
-    failed = sum(r[p]["failed"] for r in result.get("runs", []) for p in ("before", "after"))
+    if mode == "unique":     # a failed request, or prompts that shared a page: not the run asked
+        failed = sum(r["failed"] for r in result["runs"])
+        bad = (result.get("first_pages") or {}).get("shared_pairs") or 0
+    else:
+        failed = sum(r[p]["failed"] for r in result.get("runs", [])
+                     for p in ("before", "after"))
     return Outcome(result, 1 if bad or failed else 0)
 
 

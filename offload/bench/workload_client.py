@@ -2,7 +2,8 @@
 
 - `Workload`: the generated-shared-prefix workload (`groups` shared prefixes of `prefix` tokens,
   `users` conversations per prefix, `turns` turns of `question` new tokens and `output` generated
-  tokens each, `concurrency` users in flight, `seed`).
+  tokens each, `concurrency` users in flight, `seed`); `unique`: instead as many single-turn
+  requests, each a prompt of its own sent as token ids (`offload.bench.workload_unique`).
 - `run_client(url, workload, out_file, work)`: `python -m sglang.benchmark.serving --backend
   sglang-oai-chat --dataset-name generated-shared-prefix --gsp-num-turns T --cache-report
   --output-details ...` against the server, in a child process (its output goes to a log beside
@@ -45,14 +46,28 @@ class Workload:
     output: int
     concurrency: int
     seed: int
+    unique: bool = False      # every request a prompt of its own (`offload.bench.workload_unique`)
 
     @property
     def conversations(self) -> int:
         return self.groups * self.users
 
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
 
 def client_argv(url: str, w: Workload, out_file: Path) -> list[str]:
     host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
+    if w.unique:     # as many requests, each its own group of one single-turn prompt, as ids
+        return [sys.executable, "-m", CLIENT, "--backend", "sglang", "--host", host,
+                "--port", port, "--dataset-name", "generated-shared-prefix",
+                "--gsp-num-groups", str(w.requests), "--gsp-prompts-per-group", "1",
+                "--gsp-system-prompt-len", str(w.prefix), "--gsp-question-len", str(w.question),
+                "--gsp-output-len", str(w.output), "--gsp-num-turns", "1",
+                "--num-prompts", str(w.requests), "--max-concurrency", str(w.concurrency),
+                "--seed", str(w.seed), "--warmup-requests", "0", "--cache-report",
+                "--tokenize-prompt", "--output-file", str(out_file), "--output-details", "--disable-tqdm"]
     return [sys.executable, "-m", CLIENT, "--backend", "sglang-oai-chat", "--host", host,
             "--port", port, "--dataset-name", "generated-shared-prefix",
             "--gsp-num-groups", str(w.groups), "--gsp-prompts-per-group", str(w.users),

@@ -1,6 +1,6 @@
 """The figure of a `bench workload` result (`--plot`, `bench plot`): TTFT p50 / p90 per tier
-before and after the restart (bars), or for a sweep the p90 TTFT per user count and tier (lines)
-against the target (dashed)."""
+before and after the restart (bars), with --unique the mean / p90 TTFT per tier (bars), or for
+a sweep the p90 TTFT per user count and tier (lines) against the target (dashed)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ def workload_figure(result: dict[str, Any], title: str | None = None) -> Any:
         ax.axhline(s["ttft_target_ms"], linestyle="--", color="grey", label="p90 target")
         ax.set_xlabel("users in flight")
         ax.set_ylabel("p90 TTFT (ms)")
+    elif result.get("mode") == "unique":
+        summary = result.get("summary") or {}
+        cells = [summary[tier]["ttft_ms"] for tier in summary]
+        xs = range(len(cells))
+        ax.bar([x - 0.2 for x in xs], [c["mean"] or 0 for c in cells], 0.4, label="mean")
+        ax.bar([x + 0.2 for x in xs], [c["p90"] or 0 for c in cells], 0.4, label="p90")
+        ax.set_xticks(list(xs), list(summary))
+        ax.set_ylabel("TTFT (ms), every prompt unique")
     else:
         summary = result.get("summary") or {}
         labels = [f"{tier}\n{phase}" for tier in summary for phase in summary[tier]]

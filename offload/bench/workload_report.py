@@ -27,6 +27,9 @@ def print_result(result: dict[str, Any]) -> None:
     if result["mode"] == "sweep":
         _print_sweep(result)
         return
+    if result["mode"] == "unique":
+        print_unique(result)
+        return
     print(_header(result))
     print(f"{'tier':6} {'phase':7} {'reqs':>5} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
           f"{'req/s':>6} {'out tok/s':>9} {'cached':>8} {'device':>7} {'host':>7} "
@@ -82,3 +85,52 @@ def _print_sweep(result: dict[str, Any]) -> None:
                       f"{'yes' if r['within'] else 'no':>6}")
     print("most users within the target: " + ", ".join(
         f"{t} {n}" for t, n in s["max_users"].items()))
+
+
+def _mb(v: Any) -> str:
+    return f"{v / 1e6:.1f}" if isinstance(v, (int, float)) else "-"
+
+
+def print_unique(result: dict[str, Any]) -> None:
+    """The unique run: per tier and round, the medians, and each L3 against no L3."""
+    w, srv, fp = result["workload"], result.get("server") or {}, result.get("first_pages") or {}
+    print(f"bench workload --unique: {srv.get('model_path')} on {srv.get('device')}, attention "
+          f"{srv.get('attention_backend')}, page {srv.get('page_size')}, L1 "
+          f"{srv.get('max_total_num_tokens')} tokens, L2 x{srv.get('hicache_ratio')}; "
+          f"{w['requests']} prompts of {w['prefix'] + w['question']} tokens, each its own "
+          f"({w['output']} generated), {w['concurrency']} in flight, seed {w['seed']} "
+          f"(SGLang's {result['client']})")
+    shared = fp.get("shared_pairs")
+    print(f"no prefix repeats: {shared} pairs of {fp.get('prompts')} prompts share a first page "
+          f"of {fp.get('page')} tokens" if shared is not None else
+          f"first pages not checked: {fp.get('why')}")
+    print(f"{'tier':6} {'round':>6} {'reqs':>5} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
+          f"{'req/s':>6} {'tok/s':>8} {'cached':>7} {'L3 MB':>8} {'blocks':>7} {'drain s':>7}")
+    rows = [(r["tier"], str(r["round"] + 1), r) for r in result.get("runs", [])]
+    if len({r["round"] for r in result.get("runs", [])}) > 1:
+        rows += [(t, "median", s) for t, s in result.get("summary", {}).items()]
+    for tier, rnd, s in rows:
+        t, th, l3 = s["ttft_ms"], s["throughput"], s["l3"]
+        print(f"{tier:6} {rnd:>6} {s['requests']:>5} {_f(t['mean'], '.0f'):>9} "
+              f"{_f(t['p50'], '.0f'):>7} {_f(t['p90'], '.0f'):>7} "
+              f"{_f(th['requests_per_s'], '.2f'):>6} {_f(th['tokens_per_s'], '.0f'):>8} "
+              f"{s['cached_tokens']:>7} {_mb(l3['bytes']):>8} {_f(l3['blocks'], '.0f'):>7} "
+              f"{_f(l3['settle_s'], '.1f'):>7}")
+    for key, r in result.get("ratios", {}).items():
+        m, tg = r["median"], r["targets"]
+
+        def verdict(k: str) -> str:
+            bound, value = next((b, v) for b, v in tg[k].items() if b != "met")
+            return (f"target {'>=' if bound == 'at_least' else '<='} {value}x: "
+                    f"{'met' if tg[k]['met'] else 'MISSED'}")
+        n = len(r["rounds"])
+        print(f"{key} (median of {n} round{'s' if n != 1 else ''}, each against no L3 of its "
+              f"round): req/s {_f(m['requests_per_s'], '.3f')}x ({verdict('requests_per_s')}), "
+              f"tok/s {_f(m['tokens_per_s'], '.3f')}x ({verdict('tokens_per_s')}), TTFT mean "
+              f"{_f(m['ttft_mean'], '.3f')}x ({verdict('ttft_mean')}), p90 "
+              f"{_f(m['ttft_p90'], '.3f')}x")
+    for tier, s in result.get("summary", {}).items():
+        if tier != "none":
+            print(f"{tier} wrote {_mb(s['l3']['bytes'])} MB to its L3 (median per round) for "
+                  f"prompts no request reused")
+    print("tiers: " + ", ".join(f"{t} = {STORAGE_NAMES[t]}" for t in result["tiers"]))

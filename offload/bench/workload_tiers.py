@@ -9,7 +9,8 @@
 .prepare`: the same `sglang:` flags, the same device picks, the same environment) with only the
 storage backend flags swapped, because `launch` refuses any storage backend but its own. So the
 three differ in the L3 and in nothing else. `StartedTier.blocks()` counts what the L3 holds
-(store blocks, the file backend's files, 0 for none), to wait for a write-back before a restart.
+(store blocks, the file backend's files, 0 for none), to wait for a write-back before a restart;
+`usage()` the blocks and their bytes.
 `not_loaded(metrics_text)`: the tokens an L3 held that SGLang did not load, by reason, from its
 `sglang:storage_prefetch_unfulfilled_tokens_total` (the servers run with `--enable-metrics`):
 `host_capacity` is a storage hit trimmed because the L2 host pool had no room for all of it (the
@@ -70,6 +71,16 @@ class StartedTier:
         if self.tier == "file":
             return sum(1 for _ in self.l3.glob("*.bin")) if self.l3.is_dir() else 0
         return 0
+
+    def usage(self) -> tuple[int, int]:
+        """(blocks, bytes) the L3 holds: the store's own books (ours), the file backend's files
+        and their sizes, (0, 0) for none."""
+        if self.tier == "ours":
+            return store_usage(self.l3)
+        if self.tier == "file" and self.l3.is_dir():
+            sizes = [p.stat().st_size for p in self.l3.glob("*.bin")]
+            return len(sizes), sum(sizes)
+        return 0, 0
 
     def settle(self, quiet_s: float = 3.0, timeout: float = 180.0) -> int:
         """Wait until the L3's block count stops growing (the write-back landed); the count."""
