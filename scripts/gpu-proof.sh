@@ -20,9 +20,14 @@
 #      L3, SGLang's file L3 and ours, each restarted halfway; SGLang's own client, many users on
 #      long shared prefixes, multi-turn), WORKLOAD_ARGS, into $OUT/bench-workload.txt + .json.
 #      Six server starts of the file's model: longer than the proof's few minutes, so opt-in.
+#   6. with --config FILE --unique: `sglang-offload bench workload --unique --tiers none,ours`
+#      from the same file: what the tier costs where no prefix ever repeats (every prompt its own,
+#      so ours writes every page back and serves nothing): ours against no L3 of the same round,
+#      throughput and mean TTFT against the targets (>= 0.97x, <= 1.05x) and the bytes ours wrote,
+#      UNIQUE_ARGS, into $OUT/bench-unique.txt + .json. Two server starts, one round: opt-in too.
 #
-#   bash scripts/gpu-proof.sh [--config FILE [--workload]]   on the GPU machine
-#   bash scripts/gpu-proof.sh --dry-run [--config FILE [--workload]]   anywhere: install into the
+#   bash scripts/gpu-proof.sh [--config FILE [--workload] [--unique]]   on the GPU machine
+#   bash scripts/gpu-proof.sh --dry-run [--config FILE [--workload] [--unique]]   anywhere: install into the
 #                          target, run a tiny model on the CPU, skip the GPU parts with the reason;
 #                          with --config, check the file and print the SGLang command and the bench
 #                          serve (and bench workload) command
@@ -32,19 +37,23 @@
 # context), SERVE_TIMEOUT (seconds, default 1800; each of the two bench serve runs), FP8_LENGTHS
 # (default 131008), WORKLOAD_ARGS (bench workload's options, default
 # 8 shared 32K-token prefixes x 8 users x 3 turns, 16 in flight, L1 128K tokens, L2 1.5x that:
-# below the ~310K-token working set), WORKLOAD_TIMEOUT (seconds, default 5400).
+# below the ~310K-token working set), WORKLOAD_TIMEOUT (seconds, default 5400), UNIQUE_ARGS
+# (default 16 unique prompts of 8,192 tokens, 4 in flight, 16 generated: ~16 GiB written back
+# with Llama-3.1-8B's 128 KiB per token), UNIQUE_TIMEOUT (seconds, default 1200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
 workload=0
+unique=0
 config=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --workload) workload=1 ;;
+    --unique) unique=1 ;;
     --config) [ $# -ge 2 ] || { echo "gpu-proof: error: --config needs a FILE" >&2; exit 2; }
               config="$2"; shift ;;
-    *) echo "gpu-proof: error: unknown argument $1 (use --dry-run, --config FILE, --workload)" >&2; exit 2 ;;
+    *) echo "gpu-proof: error: unknown argument $1 (use --dry-run, --config FILE, --workload, --unique)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -57,8 +66,14 @@ SERVE_TIMEOUT="${SERVE_TIMEOUT:-1800}"
 FP8_LENGTHS="${FP8_LENGTHS:-131008}"
 WORKLOAD_ARGS="${WORKLOAD_ARGS:---groups 8 --users 8 --turns 3 --prefix-tokens 32768 --question-tokens 256 --output-tokens 16 --concurrency 16 --l1-tokens 131072 --l2-ratio 1.5 --seed 1}"
 WORKLOAD_TIMEOUT="${WORKLOAD_TIMEOUT:-5400}"
+UNIQUE_ARGS="${UNIQUE_ARGS:---groups 2 --users 4 --turns 2 --prefix-tokens 8128 --question-tokens 64 --output-tokens 16 --concurrency 4 --seed 1}"
+UNIQUE_TIMEOUT="${UNIQUE_TIMEOUT:-1200}"
 if [ "$workload" = 1 ] && [ -z "$config" ]; then
   echo "gpu-proof: error: --workload needs --config FILE (the deployment its servers start from)" >&2
+  exit 2
+fi
+if [ "$unique" = 1 ] && [ -z "$config" ]; then
+  echo "gpu-proof: error: --unique needs --config FILE (the deployment its servers start from)" >&2
   exit 2
 fi
 WHEELS="${WHEELS:-.whl}"
@@ -101,6 +116,9 @@ fp8_cmd=("$PYTHON" -m offload.cli bench serve --config "$config" --lengths "$FP8
 read -r -a workload_args <<< "$WORKLOAD_ARGS"
 workload_cmd=("$PYTHON" -m offload.cli bench workload --config "$config" "${workload_args[@]}"
               --dir "$CACHE_DIR" --json)
+read -r -a unique_args <<< "$UNIQUE_ARGS"
+unique_cmd=("$PYTHON" -m offload.cli bench workload --config "$config" --unique --tiers none,ours
+            "${unique_args[@]}" --dir "$CACHE_DIR" --json)
 # `bench_step NAME LIMIT CMD...`: one benchmark on the deployment file (needs SGLang and the
 # file's model on local disk); its table to stdout, all of it in $OUT/bench-NAME.txt, the --json
 # object in bench-NAME.json, its log in bench-NAME.log
@@ -139,6 +157,7 @@ if [ "$dry" = 1 ]; then
     say "skip: bench serve (--dry-run); on the GPU machine: ${serve_cmd[*]}"
     say "skip: bench serve-fp8 (--dry-run); on the GPU machine: ${fp8_cmd[*]}"
     [ "$workload" = 1 ] && say "skip: bench workload (--dry-run); on the GPU machine: ${workload_cmd[*]}"
+    [ "$unique" = 1 ] && say "skip: bench unique (--dry-run); on the GPU machine: ${unique_cmd[*]}"
   fi
   exit "$rc"
 fi
@@ -164,5 +183,8 @@ else
 fi
 if [ "$workload" = 1 ]; then   # three tiers, each started twice: only when asked
   bench_step workload "$WORKLOAD_TIMEOUT" "${workload_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
+fi
+if [ "$unique" = 1 ]; then     # no L3 and ours, one start each, every prompt its own
+  bench_step unique "$UNIQUE_TIMEOUT" "${unique_cmd[@]}" || { [ "$rc" = 0 ] && rc=1; }
 fi
 exit "$rc"
