@@ -576,41 +576,31 @@ def inline_secrets(dep: DeploymentConfig) -> list[str]:
     return found
 
 
-def _check_private(path: Path, st: os.stat_result, dep: DeploymentConfig) -> None:
-    """A file holding a secret must be the service user's own private file: the rule of the
-    secret files (`offload.store.secret.read_private_file`, which this module stands below),
-    applied to the very file read (`fstat` of its descriptor): private, owned by the effective
-    uid (a file another user wrote holds a secret they know), not reached by a symbolic link,
-    one name."""
+def _reread_private(path: Path, raw: bytes, dep: DeploymentConfig) -> None:
+    """A file holding a secret must be the service user's own private file: read again by the
+    one loader of secret files (`offload.secret.read_private_file`: owned by the effective uid,
+    no group/other bits, not a symbolic link, one name, in directories only root and the
+    service user can change), which must see the very bytes parsed."""
     secrets = inline_secrets(dep)
     if not secrets:
         return
-    move = ("or move it to a file of its own: offload.store.salt_file, "
-            "offload.redis.password_file")
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError([f"{secrets[0]}: {path} has mode {stat.S_IMODE(st.st_mode):o}, which "
-                           f"lets other users read or change it; run `chmod 600 {path}` (the file "
-                           f"holds the secret {', '.join(secrets)}; {move})"])
-    me = os.geteuid()
-    if st.st_uid != me:
-        raise ConfigError([f"{secrets[0]}: {path} belongs to uid {st.st_uid}, not to the service "
-                           f"user (uid {me}): its secret is known to them; create the file as "
-                           f"uid {me} (the file holds the secret {', '.join(secrets)}; {move})"])
+    from offload.secret import read_private_file
+
+    why = (f" (the file holds the secret {', '.join(secrets)}; or move it to a file of its own: "
+           "offload.store.salt_file, offload.redis.password_file)")
     try:
-        linked = stat.S_ISLNK(os.lstat(path).st_mode)
-    except OSError:
-        linked = True                       # gone or replaced since it was read
-    if linked or st.st_nlink != 1:
-        raise ConfigError([f"{secrets[0]}: {path} is a symbolic link or has another name (a "
-                           "hard link), which lets whoever can write that directory choose what "
-                           f"is read; name the file itself (the file holds the secret "
-                           f"{', '.join(secrets)}; {move})"])
+        again = read_private_file(str(path), secrets[0], MAX_CONFIG_BYTES)
+    except ConfigError as e:
+        raise ConfigError([e.problems[0] + why]) from None
+    if again != raw:
+        raise ConfigError([f"{secrets[0]}: {path} changed while it was read; read it again"
+                           + why])
 
 
 def load_file(path: str | Path) -> DeploymentConfig:
     """`load_text` of a file (UTF-8, at most 4 MiB); a file whose settings hold a secret
     (`inline_secrets`) must be the service user's own private file, as a secret file must
-    (`_check_private`)."""
+    (`_reread_private`)."""
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
@@ -638,7 +628,7 @@ def load_file(path: str | Path) -> DeploymentConfig:
         raise ConfigError([f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                            "save the config file as UTF-8"]) from None
     dep = load_text(text, str(p))
-    _check_private(p, st, dep)
+    _reread_private(p, raw, dep)
     return dep
 
 

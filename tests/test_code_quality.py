@@ -138,7 +138,7 @@ def test_config_imports_no_store() -> None:
 def test_top_level_holds_only_the_shared_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert top == ["__init__.py", "cli.py", "config.py", "errors.py", "keys.py", "metrics.py",
-                   "redact.py"]
+                   "redact.py", "secret.py"]
 
 
 def test_contract_imports_no_sglang() -> None:

@@ -9,7 +9,7 @@ keys file (`docs/deploy/agent.md#per-host-credentials`):
     namespaces = ["*"]                 # every namespace, or 32-hex-digit namespace digests
     salts = ["tenant-a-salt"]          # and/or: namespaces made with one of these tenant salts
 
-Both files are read by the one loader of secret files (`offload.store.secret`: owned by the
+Both files are read by the one loader of secret files (`offload.secret`: owned by the
 service user, not a symbolic link, private, a regular file, bounded in size; each refusal one
 line naming the file and why). Secrets are stripped of surrounding whitespace and need at least
 16 bytes; two hosts may not share a secret (either could act as the other).
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from offload.errors import ConfigError
-from offload.store.secret import MAX_KEYS_FILE_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
+from offload.secret import MAX_KEYS_FILE_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
 
 SECRET_ENV = "SGLANG_OFFLOAD_SECRET"   # the shared secret itself (when no secret file is named)
 
@@ -33,7 +33,7 @@ def load_secret(path: str | None = None, *, env: Mapping[str, str] | None = None
     """The secret from `path` (if given) else from $SGLANG_OFFLOAD_SECRET.
 
     Raises:
-        ConfigError: no secret, a file the loader refuses (`offload.store.secret`), or shorter
+        ConfigError: no secret, a file the loader refuses (`offload.secret`), or shorter
             than 16 bytes.
     """
     env = os.environ if env is None else env

@@ -122,7 +122,7 @@ def resolve_salt(cfg: OffloadConfig) -> OffloadConfig:
     loader) when that is set. Raises ConfigError naming the file."""
     if not cfg.store.salt_file:
         return cfg
-    from offload.store.secret import read_secret_file
+    from offload.secret import read_secret_file
 
     salt = read_secret_file(cfg.store.salt_file, "offload.store.salt_file", min_bytes=1)
     store = dataclasses.replace(cfg.store, salt=salt.decode("utf-8", "replace"), salt_file=None)

@@ -11,7 +11,7 @@ Primitives:
   pseudo file system (proc, sysfs, ...); and, on the
   live machine only (a fixture root's files are not this machine's), a secret file
   (`redis.password_file`, `redis.secret_file`, `agent.secret_file`, `redis.tls_key_file`)
-  the one loader refuses (`offload.store.secret`: missing, a link, another user's, not
+  the one loader refuses (`offload.secret`: missing, a link, another user's, not
   private, too long or too short), and TLS files that cannot be read.
   Warnings (only when `connect` is given, i.e. `detect` on the live machine): a Redis node of
   `redis.url` that does not accept a TCP connection, named by HOST:PORT (never the password).
@@ -74,7 +74,7 @@ def _cache_dir(root: Root, path: str, key: str) -> list[str]:
 
 
 def _secret_files(cfg: OffloadConfig) -> list[str]:
-    from offload.store.secret import MAX_SECRET_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
+    from offload.secret import MAX_SECRET_BYTES, MIN_SECRET_BYTES, read_private_file, read_secret_file
 
     out: list[str] = []
     for setting, path, min_bytes in (

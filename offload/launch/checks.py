@@ -64,7 +64,7 @@ def salt_file_errors(cfg: OffloadConfig) -> list[str]:
     """`store.salt_file` must be a private, readable, non-empty file (live machine only)."""
     if not cfg.store.salt_file:
         return []
-    from offload.store.secret import read_secret_file
+    from offload.secret import read_secret_file
 
     try:
         read_secret_file(cfg.store.salt_file, "offload.store.salt_file", min_bytes=1)

@@ -17,10 +17,10 @@ from offload.config import ConfigError, Size, StoreConfig, load_offload
 from offload.events.chain import Row
 from offload.events.feeds import RedisFeed
 from offload.keys import Namespace
+from offload.secret import read_secret_file
 from offload.store.base import get_bytes
 from offload.store.redis.store import RedisStore
 from offload.store.redis.value import BOUND, HEADER, ValueCodec
-from offload.store.secret import read_secret_file
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 

@@ -4,7 +4,7 @@ Issue 36 item 5: a mode-0600 Redis secret file owned by `nobody`, planted first 
 directory, was accepted (the planter sealed its own block under that key and our tier served it
 as ours); the agent's secret and keys files likewise (a keys file granting `namespaces = ["*"]`).
 The promise (docs/security/redis.md#secrets-on-the-inference-host): every secret or key file
-is read by `offload.store.secret` and refused unless it is a regular file, not a symbolic link,
+is read by `offload.secret` and refused unless it is a regular file, not a symbolic link,
 owned by the effective uid, private, and bounded in size; each refusal is one line naming the
 file and why.
 
@@ -24,9 +24,9 @@ from typing import Callable
 
 import pytest
 
+from offload import secret
 from offload.config import AgentConfig, RedisConfig, StoreConfig, load_offload
 from offload.errors import ConfigError
-from offload.store import secret
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = b"0123456789abcdef0123456789abcdef\n"
@@ -345,7 +345,7 @@ def test_every_kind_of_secret_file_has_a_reader_under_test() -> None:
 
 def test_every_reader_opens_the_file_in_the_loader_only(tmp_path: Path) -> None:
     """Each reader, traced by Python's audit hook: every open of the secret file happens in
-    `offload/store/secret.py` (a reader that opened it itself would be a second loader)."""
+    `offload/secret.py` (a reader that opened it itself would be a second loader)."""
     import sys
 
     seen: list[tuple[str, str]] = []
@@ -369,18 +369,18 @@ def test_every_reader_opens_the_file_in_the_loader_only(tmp_path: Path) -> None:
         finally:
             watching.clear()
         assert any(r == name for r, _f in seen), f"{name}: the file was never opened"
-    loader = str(REPO / "offload" / "store" / "secret.py")
+    loader = str(REPO / "offload" / "secret.py")
     assert [(r, f) for r, f in seen if f != loader] == []
 
 
 def test_no_other_code_reads_a_secret_file() -> None:
     """A function that names a secret-file setting and opens or reads a file is a second
-    loader: only `offload/store/secret.py` may be one. Every function that names one must hand
+    loader: only `offload/secret.py` may be one. Every function that names one must hand
     it to the loader (`read_secret_file`, `read_private_file`, `load_secret`, `load_keys`)
     or only pass it on."""
     offenders = []
     for path in sorted((REPO / "offload").rglob("*.py")):
-        if path == REPO / "offload" / "store" / "secret.py":
+        if path == REPO / "offload" / "secret.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
         for fn in ast.walk(tree):

@@ -13,7 +13,7 @@ Primitives:
   reply allowance); a `run` outside one is bounded by itself (`timeout_s`, 64 MiB of reply).
   A `ProtocolError` from `fn` (a reply stream out of step) is a failure like any other: the
   connection is dropped, so the next call starts in step. Its secret files (`password_file`,
-  `tls_key_file`) are read at construction by the one loader (`offload.store.secret`); OpenSSL
+  `tls_key_file`) are read at construction by the one loader (`offload.secret`); OpenSSL
   is handed the checked copy of the TLS key, never the configured path.
 
 redis-py is imported inside the functions that need it, never at import of `offload`.
@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence, TypeVar, cast
 from offload import redact
 from offload.config import RedisConfig, parse_url
 from offload.errors import ConfigError, StoreError
+from offload.secret import PrivateCopy, read_secret_file
 from offload.store.base import Buffer
 from offload.store.redis.call import (
     CONTROL_RECV_BYTES,
@@ -40,7 +41,6 @@ from offload.store.redis.call import (
     ReplyTooLong,
     call_seconds,
 )
-from offload.store.secret import PrivateCopy, read_secret_file
 
 log = logging.getLogger("offload.store.redis.store")
 T = TypeVar("T")

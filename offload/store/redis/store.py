@@ -38,13 +38,13 @@ from typing import Any, Sequence
 from offload.config import RedisConfig
 from offload.errors import StoreError
 from offload.keys import KEY_BYTES, Namespace
+from offload.secret import read_secret_file
 from offload.store.base import Buffer, StoreStats, all_false, never_raises, total_len
 from offload.store.redis.budget import ADD as _ADD
 from offload.store.redis.budget import TOUCH as _TOUCH
 from offload.store.redis.call import ProtocolError
 from offload.store.redis.link import RedisLink, Vectored
 from offload.store.redis.value import HEADER, ValueCodec
-from offload.store.secret import read_secret_file
 
 log = logging.getLogger("offload.store.redis.store")
 
