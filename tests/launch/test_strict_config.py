@@ -190,3 +190,16 @@ def test_the_tree_launch_hands_the_backend_loads_again(tmp_path: Path, store: di
     f.chmod(0o600)
     assert load_file(f).offload == cfg
     assert settings_from_extra({"config_file": str(f)}) == cfg
+
+
+def test_a_secret_in_a_file_in_a_directory_others_can_change_is_refused(capsys,
+                                                                         tmp_path: Path) -> None:
+    """The config file holding a secret is read by the one loader of secret files, directory walk
+    included: another user who can write the directory could swap the file between runs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                                   # not sticky: others may rename in it
+    path = write(shared, BASE + f"offload:\n  store:\n    salt: {SALT}\n", mode=0o600)
+    line = refused(capsys, path)
+    assert line.startswith("error: offload.store.salt: ") and str(shared) in line, line
+    assert SALT not in line
