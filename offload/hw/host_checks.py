@@ -27,6 +27,7 @@ from typing import Callable
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.hw.fsroot import Root
+from offload.hw.numa import numa_nodes as node_dirs
 from offload.hw.storage import probe_cache_dir
 
 NODE_DIR = "/sys/devices/system/node"
@@ -47,9 +48,7 @@ class HostFindings:
 
 def numa_nodes(root: Root) -> tuple[int, ...] | None:
     """The machine's NUMA nodes (the ones CPU staging pins to), None when not known."""
-    from offload.transfer.cpu_staging import numa_nodes as staging_nodes
-
-    return tuple(staging_nodes(root.path)) if root.isdir(NODE_DIR) else None
+    return tuple(node_dirs(root.path)) if root.isdir(NODE_DIR) else None
 
 
 def _numa(cfg: OffloadConfig, root: Root) -> list[str]:

@@ -2,8 +2,8 @@
 kept on one NUMA node.
 
 Primitives:
-- `node_cpus(node, root)` / `numa_nodes(root)`: CPUs of a NUMA node from
-  `<root>/sys/devices/system/node/nodeN/cpulist` (parsed `0-3,8-11`).
+- `pinning_for(node, root)`: the CPUs the lanes are pinned to (`offload.hw.numa` reads the
+  node's CPU list).
 - `CpuStagingPath(store, numa_node, write_queue_bytes=WRITE_QUEUE_BYTES)`: a `TransferPath`.
   Batches run on two lanes, each one thread pinned (os.sched_setaffinity) to the node's CPUs:
   the read lane (gets, and promotions, which are puts on a get's path) and the write lane (puts).
@@ -32,38 +32,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
+from offload.hw.numa import node_cpus, numa_nodes
 from offload.store.base import BlockStore, Buffer, StoreStats, all_false, never_raises, promote
 from offload.transfer.base import FailureCounts, StoreBookkeeping, with_failures
 
 log = logging.getLogger(__name__)
-
-
-def parse_cpulist(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def numa_nodes(root: str = "/") -> list[int]:
-    base = os.path.join(root, "sys/devices/system/node")
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
-    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
-
-
-def node_cpus(node: int, root: str = "/") -> set[int]:
-    path = os.path.join(root, f"sys/devices/system/node/node{node}/cpulist")
-    try:
-        with open(path) as f:
-            return parse_cpulist(f.read())
-    except (OSError, ValueError):
-        return set()
 
 
 def pinning_for(node: int | None, root: str = "/") -> set[int] | None:

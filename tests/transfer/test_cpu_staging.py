@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 
 from offload.config import Size, StoreConfig
+from offload.hw.numa import node_cpus, numa_nodes, parse_cpulist
 from offload.store.memory.store import MemoryStore
-from offload.transfer.cpu_staging import (
-    CpuStagingPath,
-    node_cpus,
-    numa_nodes,
-    parse_cpulist,
-    pinning_for,
-)
+from offload.transfer.cpu_staging import CpuStagingPath, pinning_for
 
 
 def fake_numa(root: Path, nodes: dict[int, str]) -> str:
