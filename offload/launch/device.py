@@ -1,7 +1,8 @@
 """What works on the device SGLang is given: the flags and environment launch adds, and why.
 
-`choose(values, set_by_user) -> DeviceChoice` is a pure function of SGLang's parse of the
-`sglang:` section (and the extra flags): a key the user set is never overridden, only named.
+`choose(values, set_by_user, prefetch) -> DeviceChoice` is a pure function of SGLang's parse of
+the `sglang:` section (and the extra flags) and the prefetch wait (`offload.launch.prefetch`): a
+key the user set is never overridden, only named.
 
 On `device: cpu` (SGLang 0.5.23, a plain x86 or Arm box, no sgl-kernel CPU build):
 - `SGLANG_USE_CPU_ENGINE=1`: SGLang takes its CPU code paths only with it when torch is a CUDA
@@ -57,17 +58,9 @@ def _pick(values: argparse.Namespace, user: set[str], dest: str, value: str, why
 
 
 def choose(values: argparse.Namespace, set_by_user: set[str],
-           prefetch: PrefetchChoice | None = None) -> DeviceChoice:
-    """The flags and environment for `values.device` (SGLang's parsed arguments); `prefetch`:
-    the prefetch wait (`offload.launch.prefetch.decide`), by default from what the arguments
-    alone say (no configured prefill speed, no GPU name, the default cap)."""
-    if prefetch is None:
-        from offload.config import WorthItConfig
-        from offload.launch.prefetch import decide, recompute_facts
-
-        cfg = WorthItConfig()
-        prefetch = decide(values, set_by_user, {}, recompute_facts(cfg, values, None),
-                          cfg.max_prefetch_wait_s)
+           prefetch: PrefetchChoice) -> DeviceChoice:
+    """The flags and environment for `values.device` (SGLang's parsed arguments), with the
+    prefetch wait `prefetch` (`offload.launch.prefetch.decide`) on every device."""
     device = getattr(values, "device", None)
     if device != "cpu":
         where = device or "auto (SGLang picks cuda where it sees a GPU)"

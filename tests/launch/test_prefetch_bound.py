@@ -213,3 +213,15 @@ def test_a_cap_out_of_range_is_refused(capsys, tmp_path: Path, bad: str) -> None
     assert rc == 2
     assert any(f"offload.worth_it.max_prefetch_wait_s: {float(bad)!r} must be > 0 and at most "
                "3600" in line for line in err), err
+
+
+def test_the_device_choice_carries_the_wait_on_every_device() -> None:
+    from offload.launch.device import choose
+
+    rec = Recompute(None, "t", 16384, "context-length")
+    for device in ("cpu", "cuda", None):
+        values = _values(device=device)
+        wait = decide(values, set(), {}, rec, 30.0)
+        got = choose(values, set(), wait)
+        assert got.extra_config == wait.extra and wait.reason in got.reasons
+        assert "--hicache-storage-prefetch-policy" not in got.argv      # SGLang's default stays
