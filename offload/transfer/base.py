@@ -14,7 +14,9 @@ Primitives:
   turns into `sglang_offload_transfer_failures_total{path, kind}`.
 - `open_path(cfg, decision=None, store=None)`: construct the chosen path. Implementations live in
   their own modules (`PATHS`) and are imported only when chosen, so NIXL / kvikio / torch load only
-  where they are used. `store` is the local block store for cpu / gds (default: `DiskStore`).
+  where they are used. `store` is the local block store for cpu / gds (default:
+  `offload.store.factory.open_disk(cfg.store)`: a `DiskStore`, or a `SpreadStore` over
+  several drives).
 """
 
 from __future__ import annotations
