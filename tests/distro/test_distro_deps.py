@@ -25,7 +25,7 @@ import pytest
 from offload.errors import RunError
 from offload.launch.server import LaunchedServer, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEPS = REPO / "distro" / "sglang-cpu-deps.txt"
 SERVE_DEPS = REPO / "distro" / "sglang-cpu-serve-deps.txt"
 MODULES = ["sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory",

@@ -328,7 +328,7 @@ def test_several_drives_add_their_bandwidth(capsys, tmp_path) -> None:
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text("sglang:\n  model-path: meta-llama/Llama-3.1-70B-Instruct\n  tp-size: 8\n"
                    "offload:\n  store:\n    paths: [/data1/kv, /data4/kv, /mnt/kv4/kv]\n")
-    hosts = Path(__file__).resolve().parent / "fixtures" / "hosts"
+    hosts = Path(__file__).resolve().parents[1] / "fixtures" / "hosts"
     assert main(["plan", "--config", str(cfg), "--root", str(hosts / "dgx-8nvme"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     # three directories, two drives: /data4 and /mnt/kv4 are one device, counted once

@@ -19,7 +19,7 @@ from offload.keys import Namespace
 from offload.store.disk.slab.format import HEADER_BYTES, parse_segment_name
 from offload.store.disk.store import DiskStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 64 << 10
 NS_A = Namespace(model="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16",
                  layout="page_first", page_size=64, tp_rank=0, tp_size=2)

@@ -11,7 +11,7 @@ import pytest
 from offload.cli import COMMANDS, main
 from offload.commands import agent
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from offload.cli import EXIT_PIPE, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ROOT / "tests" / "fixtures" / "hosts"
 
 # --- bad values ------------------------------------------------------------------------------------
