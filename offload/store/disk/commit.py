@@ -59,12 +59,15 @@ class Committer:
                  commit: Callable[[list[tuple[Location, int]], list[Location]], str],
                  done: Callable[[list[Location], list[Location], str], list[Location]],
                  max_bytes: int,
-                 group_s: float = GROUP_S, group_bytes: int = GROUP_BYTES):
+                 group_s: float = GROUP_S, group_bytes: int = GROUP_BYTES,
+                 quiet: Callable[[], object] | None = None):
         """sync([(seg, slot_bytes)]) -> synced?; commit(good [(slot, csum)], slots to free) ->
         '' / BUSY / why it failed; done(committed, lost, why) after each round -> the blocks of
         `committed` that were not stored after all (their slot was taken back: lost, so the next
-        `flush` says False)."""
+        `flush` says False); quiet() before each of a round's flushes (the sync, the commit):
+        waits, bounded, for the reads in flight (`slab/gate.py`)."""
         self._sync, self._commit, self._done = sync, commit, done
+        self._quiet = quiet or (lambda: None)
         self._max = max(1, max_bytes)
         self._group_s, self._group_bytes = group_s, min(group_bytes, self._max)
         self._first_at = 0.0                # when the oldest batch in the queue was submitted
@@ -225,6 +228,7 @@ class Committer:
         locs = [loc for b in batches for loc in b.locs]
         csums = [c for b in batches for c in b.csums]
         free = [loc for b in batches for loc in b.failed]
+        self._quiet()   # a flush queued ahead of a read delays it: after the reads in flight
         synced = self._sync(sorted({(loc.seg, loc.slot_bytes) for loc in locs}))
         good = [(loc, c) for loc, c in zip(locs, csums) if synced.get((loc.seg, loc.slot_bytes))]
         unsynced = [loc for loc in locs if not synced.get((loc.seg, loc.slot_bytes))]
@@ -237,6 +241,7 @@ class Committer:
             free += [loc for loc, _ in good if loc.key in gone]
             good = [(loc, c) for loc, c in good if loc.key not in gone]
         pause = RETRY_S[0]
+        self._quiet()
         while True:
             why = self._commit(good, free + unsynced)
             if why != BUSY or self._closed:   # closed: the flush deadline passed

@@ -81,7 +81,7 @@ class Reads:
                 continue
             jobs.append((i, loc, bufs))
 
-        outcomes = coalesce.read_batch(st.slabs, st.pool, [j[1] for j in jobs],
+        outcomes = coalesce.read_batch(st.slabs, st.read_pool, [j[1] for j in jobs],
                                        [j[2] for j in jobs], st.cfg.io_threads)
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)

@@ -2,7 +2,7 @@
 
 `DiskStore` (`store.py`) is a face over parts — `Reads`, `Writes`, `Finish`, `Slots`, `Admin` —
 each a plain class handed this one object (and the group committer, `commit.py`). The state holds:
-the store's settings and directory, the slab files and I/O pool, the index access (`ix`: writer and
+the store's settings and directory, the slab files and I/O pools (writes, reads), the index access (`ix`: writer and
 reader connections, `disk/index/access.py`), the counters, this process's lease token (`owner`),
 the in-memory key set with its change-log position, the reserved range (`spare.py`) and the slots
 a failed commit or a close gives back (`orphans`, `written_back`).
@@ -44,12 +44,13 @@ class DiskState:
     directory: str
     free_bytes: Callable[[str], int]      # the file system's free bytes under a path
     slabs: slab.SlabFiles
-    pool: Executor                        # the I/O threads
+    pool: Executor                        # the I/O threads of writes and syncs
     stats: StoreStats
     ix: IndexAccess
     owner: str                            # this process's lease token: the owner of its slots
     seq: int                              # the change-log position `keys` is up to date with
     keys: set[bytes]                      # committed blocks (under `lock`)
+    read_pool: Executor                   # the I/O threads of reads: never behind a write
     lock: threading.RLock = field(default_factory=threading.RLock)
     spare: Spare = field(default_factory=Spare)   # reserved slots not written yet (under `lock`)
     orphans: list[Location] = field(default_factory=list)   # pending slots of failed commits

@@ -68,6 +68,7 @@ from offload.store.disk.recovery import Opener
 from offload.store.disk.slab import coalesce, fdcache
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab.format import ReadOutcome
+from offload.store.disk.slab.gate import IoGate
 from offload.store.disk.slots import SlotBooks, Slots
 from offload.store.disk.state import DiskState
 from offload.store.disk.writes import Writes, skipped
@@ -112,29 +113,35 @@ class DiskStore:
 
     def __init__(self, cfg: StoreConfig, *, free_bytes: Callable[[str], int] = fs_free_bytes,
                  lock_timeout_s: float = LOCK_TIMEOUT_S, max_open_slabs: int = slab.MAX_OPEN,
-                 pending_bytes: int = PENDING_BYTES):
+                 pending_bytes: int = PENDING_BYTES, gate: IoGate | None = None):
         self.cfg = cfg
         self.directory = cachedir.prepare(cfg.path)
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise StoreError(f"store.path {cfg.path!r}: directory is not writable")
         self.o_direct = fdcache.probe_o_direct(self.directory, cfg.o_direct)
-        slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off", max_open_slabs)
+        slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off", max_open_slabs,
+                               gate)
         pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
+        # reads on threads of their own: a read's runs never queue behind a write's in a pool
+        # (at the device, the slabs' gate puts them first: `slab/gate.py`)
+        read_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-read")
         self._opener = Opener(self.directory, slabs, cfg.capacity, cfg.segment_size)
         try:
             ix = IndexAccess(self._opener.open, lock_timeout_s)
         except BaseException:
             pool.shutdown(wait=False)
+            read_pool.shutdown(wait=False)
             slabs.close()
             self._opener.close()
             raise
         seq, keys = ix.reader.committed_keys()
         self._state = st = DiskState(cfg, self.directory, free_bytes, slabs, pool,
                                      StoreStats(capacity=cfg.capacity), ix, self._opener.owner,
-                                     seq, set(keys))
+                                     seq, set(keys), read_pool)
         finish = Finish(st)
         self._commits = Committer(lambda segs: coalesce.sync_segments(slabs, pool, segs),
-                                  finish.commit_reserved, finish.committed, pending_bytes)
+                                  finish.commit_reserved, finish.committed, pending_bytes,
+                                  quiet=slabs.gate.quiet)
         self._reads = Reads(st, self._commits)
         self._writes = Writes(st, self._commits)
         self._slots = Slots(st, self._commits, finish)
@@ -260,8 +267,12 @@ class DiskStore:
         s.blocks, s.bytes_used, s.capacity = blocks, used, cap
         s.damaged_rows, s.index_busy = st.ix.bad_rows, st.ix.busy
         s.bytes_reserved = spare
+        gate = st.slabs.gate
         s.extra = {"o_direct": self.o_direct, "directory": self.directory,
-                   "rebuilt_from": self.rebuilt_from}
+                   "rebuilt_from": self.rebuilt_from,
+                   # reads before writes (`slab/gate.py`): write calls held back by a read,
+                   # commit rounds whose flushes waited for reads
+                   "writes_held": gate.writes_held, "flushes_delayed": gate.quiet_waits}
         return s
 
     def close(self) -> None:
@@ -279,6 +290,7 @@ class DiskStore:
             log.warning("could not record last use times or give back reserved slots (the "
                         "next open reclaims them): %s", e)
         st.pool.shutdown(wait=True)
+        st.read_pool.shutdown(wait=True)
         st.slabs.close()
         st.ix.close()
         self._opener.close()   # last: its slots are given back (or left for a reclaim)

@@ -183,7 +183,7 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
     want = len(locs) * first.slot_bytes
     try:
         with slabs.use(first.seg, first.slot_bytes) as fd:
-            n = os.pwritev(fd, iov, first.slot * first.slot_bytes)
+            n = slabs.write_pieces(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
         return [slab.reason(e)] * len(locs)
     if n == want:
@@ -202,7 +202,7 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
         iov.append(hdr)
         iov.extend(d)
     try:
-        with slabs.use(first.seg, first.slot_bytes) as fd:
+        with slabs.use(first.seg, first.slot_bytes) as fd, slabs.gate.reading():
             n = os.preadv(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
         return [slab.read_error(e)] * len(locs)

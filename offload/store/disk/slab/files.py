@@ -11,6 +11,8 @@ Files are created 0600 with O_EXCL and opened with O_NOFOLLOW (`cachedir.open_fi
 refused, never followed. A new slab's name is fsync'ed into the directory before any block in it
 is committed. A freed slot's header stops naming its block (hole punched, else zeroed).
 
+Every read and write call goes through the slabs' `IoGate` (`gate.py`): reads before writes.
+
 Primitives: `SlabFiles` (one directory's slabs: `create`, `use` (an fd), `sync`, `free`,
 `write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; writes
 return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`),
@@ -32,6 +34,7 @@ from typing import ContextManager, Sequence
 from offload.store.base import Buffer
 from offload.store.disk import cachedir
 from offload.store.disk.slab.fdcache import MAX_OPEN, FdCache, SlabMissing
+from offload.store.disk.slab.gate import IoGate
 from offload.store.disk.slab.format import (
     ALIGN,
     HEADER_BYTES,
@@ -49,6 +52,9 @@ from offload.store.disk.slab.format import (
 log = logging.getLogger(__name__)
 
 IOV_MAX = 1024
+# A write call moves at most this much (a run or a large block is cut into pieces of it): a read
+# that arrives while writes run waits at the device behind one piece, not a 16 MiB run.
+WRITE_PIECE_BYTES = 1 << 20
 
 
 def address(buf: Buffer) -> int:
@@ -82,6 +88,30 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return _libc.fallocate(fd, 0x01 | 0x02, offset, length) == 0
+
+
+def cut(iov: Sequence[Buffer], piece: int) -> list[list[Buffer]]:
+    """`iov` as consecutive lists of at most `piece` bytes each (at most IOV_MAX buffers); a
+    buffer is sliced only where it crosses a piece's end."""
+    out: list[list[Buffer]] = [[]]
+    room = piece
+    for b in iov:
+        n = memoryview(b).nbytes
+        if n <= room and len(out[-1]) < IOV_MAX:
+            out[-1].append(b)
+            room -= n
+            continue
+        mv = memoryview(b).cast("B")
+        pos = 0
+        while pos < n:
+            if not room or len(out[-1]) >= IOV_MAX:
+                out.append([])
+                room = piece
+            take = min(room, n - pos)
+            out[-1].append(mv[pos:pos + take] if take < n else b)
+            pos += take
+            room -= take
+    return [p for p in out if p]
 
 
 class HeaderAreas(threading.local):
@@ -147,10 +177,12 @@ def _zeros() -> mmap.mmap:
 class SlabFiles:
     """The slab files of one directory, shared by the threads of one process (fds: `FdCache`)."""
 
-    def __init__(self, directory: str, o_direct: str, max_open: int = MAX_OPEN):
+    def __init__(self, directory: str, o_direct: str, max_open: int = MAX_OPEN,
+                 gate: IoGate | None = None):
         self.directory = directory
         self.fds = FdCache(directory, o_direct, max_open)
         self.headers = HeaderAreas()
+        self.gate = gate or IoGate()   # reads before writes at the device (`gate.py`)
 
     def path(self, seg: int, slot_bytes: int) -> str:
         return self.fds.path(seg, slot_bytes)
@@ -253,8 +285,23 @@ class SlabFiles:
                 bounce[length:size] = bytes(size - length)
             iov = [hdr, memoryview(bounce)[:size]]
             want = HEADER_BYTES + size
-        n = os.pwritev(fd, iov, off)
+        n = self.write_pieces(fd, iov, off)
         return "" if n == want else f"short write ({n} of {want} bytes)"
+
+    def write_pieces(self, fd: int, iov: Sequence[Buffer], off: int,
+                     piece: int = WRITE_PIECE_BYTES) -> int:
+        """`pwritev(fd, iov, off)` as calls of at most `piece` bytes (buffers cut at multiples of
+        `piece`, a multiple of 4 KiB: O_DIRECT alignment kept), each through the gate. Returns the
+        bytes written (less than asked: a call came back short); an error is raised."""
+        done = 0
+        for part in cut(iov, piece):
+            want = sum(memoryview(b).nbytes for b in part)
+            with self.gate.writing(want):
+                n = os.pwritev(fd, part, off + done)
+            done += n
+            if n != want:
+                break
+        return done
 
     def read_block(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
                    csum: int, dests: Sequence[Buffer]) -> ReadOutcome:
@@ -265,7 +312,8 @@ class SlabFiles:
             with self.use(seg, slot_bytes) as fd:
                 off = slot * slot_bytes
                 if aligned(dests) and len(dests) < IOV_MAX:
-                    n = os.preadv(fd, [hdr, *dests], off)
+                    with self.gate.reading():
+                        n = os.preadv(fd, [hdr, *dests], off)
                     if n != HEADER_BYTES + length:
                         return corrupt(f"short read ({n} of {HEADER_BYTES + length} bytes)")
                     data: Sequence[Buffer] = dests
@@ -273,7 +321,8 @@ class SlabFiles:
                 else:
                     size = align_up(length)
                     bounce = self.headers.bounce_of(size)
-                    n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
+                    with self.gate.reading():
+                        n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
                     if n != HEADER_BYTES + size:
                         return corrupt(f"short read ({n} of {HEADER_BYTES + size} bytes)")
                     copy_from = memoryview(bounce)[:length]
@@ -321,7 +370,8 @@ class SlabFiles:
             with self.use(seg, slot_bytes) as fd:
                 hdr = self.headers.write(1)[0]
                 pack_header_into(hdr, key, length, csum, created_ns, kind)
-                n = os.pwritev(fd, [hdr], slot * slot_bytes)
+                with self.gate.writing(HEADER_BYTES):
+                    n = os.pwritev(fd, [hdr], slot * slot_bytes)
             return "" if n == HEADER_BYTES else f"short header write ({n} bytes)"
         except OSError as e:
             return reason(e)
@@ -340,7 +390,9 @@ class SlabFiles:
         hdr = self.headers.read(1)[0]
         try:
             with self.use(seg, slot_bytes) as fd:
-                if os.preadv(fd, [hdr], slot * slot_bytes) != HEADER_BYTES:
+                with self.gate.reading():
+                    n = os.preadv(fd, [hdr], slot * slot_bytes)
+                if n != HEADER_BYTES:
                     return None
         except OSError:
             if errors:
@@ -352,5 +404,5 @@ class SlabFiles:
         self.fds.close()
 
 
-__all__ = ["IOV_MAX", "MAX_OPEN", "MISSING", "HeaderAreas", "SlabFiles", "SlabMissing", "aligned",
-           "punch_hole", "read_error", "reason"]
+__all__ = ["IOV_MAX", "MAX_OPEN", "MISSING", "WRITE_PIECE_BYTES", "HeaderAreas", "SlabFiles",
+           "SlabMissing", "aligned", "cut", "punch_hole", "read_error", "reason"]
