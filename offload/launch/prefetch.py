@@ -25,10 +25,12 @@ Primitives:
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from offload.config import WorthItConfig
+from offload.errors import ConfigError
 
 POLICY = "hicache_storage_prefetch_policy"
 BASE_KEY, PER_KI_KEY = "prefetch_timeout_base", "prefetch_timeout_per_ki_token"
@@ -113,7 +115,13 @@ def _fmt(x: float) -> str:
 
 def decide(values: argparse.Namespace, set_by_user: set[str], user_extra: Mapping[str, Any],
            rec: Recompute, cap_s: float) -> PrefetchChoice:
-    """What launch adds for the prefetch wait (nothing the user set) and why."""
+    """What launch adds for the prefetch wait (nothing the user set) and why. Raises
+    ConfigError for a key of the user's extra config that is not a number (SGLang's too)."""
+    bad = [f"sglang.hicache-storage-backend-extra-config.{k}: {user_extra[k]!r} is not a number "
+           "of seconds" for k in (BASE_KEY, PER_KI_KEY) if k in user_extra
+           and (isinstance(user_extra[k], bool) or not isinstance(user_extra[k], (int, float)))]
+    if bad:
+        raise ConfigError(bad)
     line = wait_line(rec, cap_s)
     policy = getattr(values, POLICY, "timeout")
     if rec.tokens_per_s is None:
@@ -134,7 +142,8 @@ def decide(values: argparse.Namespace, set_by_user: set[str], user_extra: Mappin
             f"{flag} {policy}: set in the config, it {unbounded} (launch would pick timeout with "
             f"{BASE_KEY} 0 and {PER_KI_KEY} {_fmt(line.per_ki_token_s)}: {why})"))
     argv = [] if policy == "timeout" else [flag, "timeout"]
-    picked = {BASE_KEY: line.base_s, PER_KI_KEY: round(line.per_ki_token_s, 6)}
+    # rounded down: the printed figure never waits past the line
+    picked = {BASE_KEY: line.base_s, PER_KI_KEY: math.floor(line.per_ki_token_s * 1e6) / 1e6}
     extra = {k: v for k, v in picked.items() if k not in user_extra}
     base = float(user_extra.get(BASE_KEY, line.base_s))
     per_ki = float(user_extra.get(PER_KI_KEY, line.per_ki_token_s))

@@ -225,3 +225,20 @@ def test_the_device_choice_carries_the_wait_on_every_device() -> None:
         got = choose(values, set(), wait)
         assert got.extra_config == wait.extra and wait.reason in got.reasons
         assert "--hicache-storage-prefetch-policy" not in got.argv      # SGLang's default stays
+
+
+def test_a_key_of_the_extra_config_that_is_no_number_is_refused(capsys, tmp_path: Path) -> None:
+    cfg = CPU.replace("  context-length: 16384\n", "  context-length: 16384\n  "
+                      "hicache-storage-backend-extra-config: '{\"prefetch_timeout_per_ki_token\": "
+                      "\"fast\"}'\n")
+    rc, _out, err = run_cli(capsys, "launch", "--config", str(write(tmp_path, cfg)), "--dry-run",
+                            "--root", str(HOSTS / "cpu-box"))
+    assert rc == 2 and any("sglang.hicache-storage-backend-extra-config.prefetch_timeout_per_ki_"
+                           "token: 'fast' is not a number of seconds" in line for line in err), err
+
+
+def test_the_composed_wait_never_passes_the_line() -> None:
+    """The figure in the extra config is rounded down, never up past the cap."""
+    rec = Recompute(None, "t", 3 * 7 * 1024 + 1, "t")
+    got = decide(_values(), set(), {}, rec, 29.0)
+    assert sglang_wait_s(rec.context, PAGE, 0.0, got.extra["prefetch_timeout_per_ki_token"]) <= 29.0
