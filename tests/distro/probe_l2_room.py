@@ -8,16 +8,22 @@ allocator, `UnifiedRadixCache` (the Rust tree core where it loads) and `init_hic
 twice the device, write_through, `HybridCacheController`, SGLang's `file` L3 on a temporary
 directory, or no L3), then drives it as the scheduler would, by hand:
 
-1. request S (16 pages) finishes: inserted, written through to host and on to the L3, acked; then
-   evicted from device and host, so only the L3 holds it;
-2. requests T1, T2 (12 pages each) finish and are evicted from the device: host-only, their L3
-   write-backs done by the backend but not yet acked to the tree (an ack is drained only at the
-   scheduler's next drain), so their host pages are locked: 9 of 33 host pages free;
-3. S comes back: its prefetch finds 16 pages in the L3; drains run until the load is inserted.
+1. request S finishes: inserted, written through to host and on to the L3, acked; then evicted
+   from device and host, so only the L3 holds it;
+2. the host pool comes under pressure, two ways (`<pressure>`):
+   - `acks` (host twice the device, S 16 pages): requests T1, T2 (12 pages each) finish and are
+     evicted from the device: host-only, their L3 write-backs done by the backend but not yet acked
+     to the tree (an ack is drained only at the scheduler's next drain), so their host pages are
+     locked: 9 of 33 host pages free;
+   - `device` (host as large as the device, S 12 pages): request T (12 pages) finishes and stays on
+     the device, its host copy written to the L3 and acked: 5 of 17 host pages free, the rest a
+     copy of device pages that upstream's write_through eviction never takes;
+3. S comes back: its prefetch finds it all in the L3; drains run until the load is inserted.
 
-`probe()` returns, per cell `<l3>/<prefetch policy>/<wait ticks>`: the tokens of S loaded from the
-L3 (`loaded`), and the host pool's free tokens and the tree's host hit for S at the end (`host`).
-Without an L3 the cell stops after step 2 (`loaded` is None).
+`probe()` returns, per cell `<l3>/<pressure>/<prefetch policy>/<wait ticks>` (ticks `default`, `0`;
+one cell `skip-reclaim` sets SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM=1): the tokens of S loaded
+from the L3 (`loaded`), and the host pool's free tokens and the tree's host hit for S at the end
+(`host`). Without an L3 the cell stops after step 2 (`loaded` is None).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ DEVICE_PAGES = 16
 POLICIES = ("wait_complete", "timeout", "best_effort")
 TICKS = ("default", "0")   # SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS unset, or 0
 ENV_TICKS = "SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS"
+ENV_SKIP_RECLAIM = "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM"   # "skip-reclaim" sets it
 _group_ready = False
 
 
@@ -47,7 +54,7 @@ def _wait_for(cond, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def _build(l3: str, policy: str):
+def _build(l3: str, policy: str, ratio: str):
     """SGLang's cache stack for one cell: (cache, allocator)."""
     global _group_ready
     import torch.distributed as dist
@@ -55,7 +62,7 @@ def _build(l3: str, policy: str):
     from sglang.srt.server_args import prepare_server_args
 
     argv = ["--model-path", "dummy", "--device", "cpu", "--page-size", str(PAGE),
-            "--enable-hierarchical-cache", "--hicache-ratio", "2",
+            "--enable-hierarchical-cache", "--hicache-ratio", ratio,
             "--hicache-write-policy", "write_through",
             "--hicache-storage-prefetch-policy", policy]
     if l3 == "file":
@@ -92,7 +99,7 @@ def _build(l3: str, policy: str):
     return cache, alloc
 
 
-def _cell(l3: str, policy: str, ticks: str) -> dict:
+def _cell(l3: str, pressure: str, policy: str, ticks: str) -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import (
         CacheRequestHandle,
         EvictParams,
@@ -101,11 +108,13 @@ def _cell(l3: str, policy: str, ticks: str) -> dict:
     )
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    if ticks == "default":
-        os.environ.pop(ENV_TICKS, None)
-    else:
+    os.environ.pop(ENV_TICKS, None)
+    os.environ.pop(ENV_SKIP_RECLAIM, None)
+    if ticks == "skip-reclaim":
+        os.environ[ENV_SKIP_RECLAIM] = "1"
+    elif ticks != "default":
         os.environ[ENV_TICKS] = ticks
-    cache, alloc = _build(l3, policy)
+    cache, alloc = _build(l3, policy, "2" if pressure == "acks" else "1")
     cc = cache.cache_controller
     host = cc.mem_pool_host
 
@@ -117,25 +126,32 @@ def _cell(l3: str, policy: str, ticks: str) -> dict:
     def acks_queued() -> bool:
         return cc.ack_backup_queue is None or cc.ack_backup_queue.qsize() >= len(cache.ongoing_backup)
 
+    def settle() -> None:
+        if l3 == "file":
+            _wait_for(acks_queued, "the L3 write-backs")
+            cache.drain_storage_control_queues()
+
     def host_hit(tokens: list[int]) -> int:
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
         return match.device_prefix_len + match.host_hit_length
 
-    s = list(range(1000, 1000 + 16 * PAGE))
+    s = list(range(1000, 1000 + (16 if pressure == "acks" else 12) * PAGE))
     finish(s)
-    if l3 == "file":
-        _wait_for(acks_queued, "S's L3 write-back")
-        cache.drain_storage_control_queues()
+    settle()
     cache.evict(EvictParams(num_tokens=len(s)))
     cache.evict_host(len(s))
-    for first in (5000, 9000):
-        t = list(range(first, first + 12 * PAGE))
-        finish(t)
-        cache.evict(EvictParams(num_tokens=len(t)))
+    if pressure == "acks":      # two host-only requests, their L3 acks not drained yet
+        for first in (5000, 9000):
+            t = list(range(first, first + 12 * PAGE))
+            finish(t)
+            cache.evict(EvictParams(num_tokens=len(t)))
+    else:                       # one request still on the device, its host copy backed up
+        finish(list(range(5000, 5000 + 12 * PAGE)))
+        settle()
     if l3 != "file":
         return {"loaded": None, "host": [host.available_size(), host_hit(s)]}
 
-    _wait_for(acks_queued, "T1 and T2's L3 write-backs")
+    _wait_for(acks_queued, "the L3 write-backs")
     handle = CacheRequestHandle(rid="s", attempt_id=0)
     cache.prefetch_from_storage(handle, cache.tree_core.root_node_handle(), array("q", s), None,
                                 None, matched_prefix_tokens=[])
@@ -152,13 +168,19 @@ def _cell(l3: str, policy: str, ticks: str) -> dict:
 
 def probe() -> dict:
     cells = {}
-    for l3 in ("file", "none"):
+    for l3, pressure in (("file", "acks"), ("file", "device"), ("none", "acks")):
         for policy in POLICIES:
             for ticks in TICKS:
+                name = f"{l3}/{pressure}/{policy}/{ticks}"
                 try:
-                    cells[f"{l3}/{policy}/{ticks}"] = _cell(l3, policy, ticks)
+                    cells[name] = _cell(l3, pressure, policy, ticks)
                 except Exception:  # reported to the test, which shows it
-                    cells[f"{l3}/{policy}/{ticks}"] = {"error": traceback.format_exc(limit=8)}
+                    cells[name] = {"error": traceback.format_exc(limit=8)}
+    name = "file/device/best_effort/skip-reclaim"
+    try:
+        cells[name] = _cell("file", "device", "best_effort", "skip-reclaim")
+    except Exception:  # reported to the test, which shows it
+        cells[name] = {"error": traceback.format_exc(limit=8)}
     return {"cells": cells}
 
 

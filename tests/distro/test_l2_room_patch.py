@@ -7,11 +7,16 @@ patches/series, one against the reference: the same series less 0018 (`distro/sh
 scheduler does: a 16-page L3 hit arrives while 24 of the 33 host pages hold two finished
 requests whose L3 write-backs are done but not yet acked (their pages still locked).
 
-The reference trims the hit to the 9 free pages (144 of 256 tokens loaded, the tail recomputed);
-with 0018, under the policies that hold the request for its load (wait_complete, timeout), the hit
-waits one drain, the acks unlock those pages, evict_host frees them and the whole hit loads. Every
-other cell answers as the reference: best_effort, the wait turned off
-(SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS=0), and HiCache without an L3.
+Two pressures (see the probe): host pages locked by write-backs whose acks are not drained yet
+(`acks`), and host pages that are copies of device pages, write_through (`device`). The reference
+trims the hit to the free host room and recomputes the tail (144 of 256 tokens, 80 of 192). With
+0018: locked pages, under the policies that hold the request for its load (wait_complete,
+timeout), the hit waits one drain, the acks unlock those pages, evict_host frees them and the whole
+hit loads; device copies, under every policy, the least recently used unlocked device pages are
+demoted and their host copies evicted (they are in the L3) and the whole hit loads. Every other
+cell answers as the reference: locked pages under best_effort or with the wait turned off
+(SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS=0), device copies with
+SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM=1, and HiCache without an L3.
 """
 
 from __future__ import annotations
@@ -28,13 +33,21 @@ from tests.distro.conftest import REPO, load_script
 
 HERE = Path(__file__).resolve().parent
 PATCH = "0018"
-HIT, ROOM = 256, 144   # the L3 hit and the host room free when it arrives, in tokens
-CHANGED = ("file/wait_complete/default", "file/timeout/default")
+# cell -> (tokens the reference loads, tokens 0018 loads) where they differ; the hit is 256 tokens
+# (acks) or 192 (device)
+CHANGED = {
+    "file/acks/wait_complete/default": (144, 256),
+    "file/acks/timeout/default": (144, 256),
+    **{f"file/device/{policy}/{ticks}": (80, 192)
+       for policy in ("wait_complete", "timeout", "best_effort") for ticks in ("default", "0")},
+}
 
 
 def _probe(site: Path) -> dict:
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(site))
-    env.pop("SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS", None)
+    for name in ("SGLANG_HICACHE_STORAGE_HIT_HOST_ROOM_WAIT_TICKS",
+                 "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM"):
+        env.pop(name, None)
     result = subprocess.run([sys.executable, str(HERE / "probe_l2_room.py")], capture_output=True,
                             text=True, env=env, timeout=900, cwd=REPO)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("PROBE ")]
@@ -69,26 +82,29 @@ def test_the_series_holds_the_patch(bw) -> None:
 
 
 def test_the_reference_trims_the_hit_to_the_host_room(reference: dict) -> None:
-    """The fault the patch is for: the L3 holds 256 tokens, 144 are loaded, 112 recomputed."""
-    for cell in CHANGED:
-        assert reference[cell]["loaded"] == ROOM, reference[cell]
+    """The fault the patch is for: the L3 holds the whole hit, the host room left is loaded, the
+    tail recomputed."""
+    for cell, (trimmed, _) in CHANGED.items():
+        assert reference[cell]["loaded"] == trimmed, (cell, reference[cell])
 
 
 def test_the_whole_hit_loads_with_the_patch(patched: dict) -> None:
-    for cell in CHANGED:
+    for cell, (_, whole) in CHANGED.items():
         loaded, (host_free, s_in_host) = patched[cell]["loaded"], patched[cell]["host"]
-        assert loaded == HIT, patched[cell]
-        assert s_in_host == HIT                     # inserted in the tree, all of it
-        assert host_free > 0                        # the acked pages were evicted for it
+        assert loaded == whole, (cell, patched[cell])
+        assert s_in_host == whole                   # inserted in the tree, all of it
+        assert host_free > 0                        # room was taken for it, not just found
 
 
 def test_every_other_cell_answers_as_the_reference(patched: dict, reference: dict) -> None:
     assert sorted(patched) == sorted(reference)
-    assert len(patched) == 2 * 3 * 2                # L3 x prefetch policy x wait ticks
+    assert len(patched) == 3 * 3 * 2 + 1            # (L3, pressure) x policy x ticks, + skip
     differ = {cell for cell in patched if patched[cell] != reference[cell]}
     assert differ == set(CHANGED)
-    # best_effort (the request does not wait for its load) and ticks 0 trim as upstream
-    assert all(patched[c]["loaded"] == ROOM for c in patched
-               if c.startswith("file/") and c not in CHANGED)
+    # locked pages: best_effort (the request does not wait for its load) and ticks 0 trim
+    assert all(patched[c]["loaded"] == 144 for c in patched
+               if c.startswith("file/acks/") and c not in CHANGED)
+    # device copies: SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM=1 keeps upstream's eviction
+    assert patched["file/device/best_effort/skip-reclaim"]["loaded"] == 80
     # no L3: the patched code is never reached
     assert all(patched[c]["loaded"] is None for c in patched if c.startswith("none/"))
