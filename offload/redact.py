@@ -95,7 +95,8 @@ def tree(section: str, data: Mapping[str, Any]) -> dict[str, Any]:
 
 def argv(args: list[str], parser: "argparse.ArgumentParser | None" = None) -> list[str]:
     """A command line fit to print: the values of SGLang's secret flags masked. A flag is what
-    SGLang's parser (`parser`, else `offload.launch.argspec.sglang_parser()`) resolves it to:
+    SGLang's parser (`parser`: launch hands `offload.launch.argspec.sglang_parser()`'s; without
+    one, SGLang's own spellings of the secret flags and their prefixes) resolves it to:
     argparse takes a unique prefix of a long flag for it (`--api-k` is `--api-key`); a prefix it
     finds ambiguous is masked if any flag it may mean is a secret."""
     secret = _secret_flags(parser)
@@ -114,13 +115,6 @@ def argv(args: list[str], parser: "argparse.ArgumentParser | None" = None) -> li
 
 def _secret_flags(parser: "argparse.ArgumentParser | None") -> "Callable[[str], bool]":
     """Whether a long flag as typed names a secret, by the parser's own resolution."""
-    if parser is None:
-        try:
-            from offload.launch.argspec import sglang_parser
-
-            parser = sglang_parser()[0]
-        except Exception:  # noqa: BLE001 - without SGLang's parser: SGLang's own spellings
-            parser = None
     dest: dict[str, str] = {"--" + k.replace("_", "-"): k for k in SGLANG_SECRET_KEYS}
     if parser is not None:
         dest = {o: a.dest for a in parser._actions for o in a.option_strings

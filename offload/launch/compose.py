@@ -45,6 +45,7 @@ from offload.config import DeploymentConfig, load_file, to_dict
 from offload.errors import ConfigError, RunError
 from offload.hicache.contract import BACKEND_EXTRA
 from offload.hicache.worth_it import plan_text
+from offload.launch.argspec import sglang_parser
 from offload.launch.device import DeviceChoice, choose
 from offload.launch.interpreter import Interpreter, check_interpreter
 from offload.launch.prefetch import decide as decide_wait
@@ -76,7 +77,8 @@ class LaunchCommand:
     @property
     def command(self) -> str:
         env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.device.env.items())]
-        return " ".join([*env, shlex.join(_redact.argv(self.argv))])   # secrets masked
+        masked = _redact.argv(self.argv, sglang_parser()[0])             # secrets masked
+        return " ".join([*env, shlex.join(masked)])
 
 
 def compose(dep: DeploymentConfig, sg: SglangArgs, path: str, settings_file: str,
@@ -112,7 +114,6 @@ def prepare(config_file: str, extra_argv: list[str] | None = None, root: str = "
     root). Writes nothing but may create the (empty, private) runtime directory."""
     from offload.hw import detect_and_decide
     from offload.hw.live import connect
-    from offload.launch.argspec import sglang_parser
     from offload.launch.checks import deployment_findings, machine_findings
 
     dep = load_file(config_file)
@@ -196,7 +197,7 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
             "warnings": all_warnings(p), "notes": p.notes,
             "sglang_parser": p.sglang.parser_source,
             "config": {"sglang": _redact.tree("sglang", p.config.sglang), "offload": redact(p.offload_tree)},
-            "settings_file": p.settings_file, "argv": _redact.argv(p.argv),
+            "settings_file": p.settings_file, "argv": _redact.argv(p.argv, sglang_parser()[0]),
             "command": p.command}
 
 
