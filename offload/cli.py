@@ -5,7 +5,7 @@ pays for the block store, and `--help` loads nothing heavy). A command module ex
 `add_arguments(parser)` and `run(args) -> int`.
 
 One error path for every command (`main`): a bad option value is argparse's `error:` line (the
-option types in `offload.commands.argtypes` check values while parsing, before any work); a typed
+option types in `offload.argtypes` check values while parsing, before any work); a typed
 error (`offload.errors`) is one `error:` line per problem with its exit code; an OSError names
 the file; anything else is one `error: internal error` line (`-v` logs its traceback). A closed
 stdout (`... | head`) ends the command quietly. Exit codes: 0 ok, 1 a check failed or the run

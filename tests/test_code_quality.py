@@ -2,10 +2,11 @@
 
 ruff (lint + import order) and mypy (the whole package) run with the settings in
 pyproject.toml; argparse lives only in the command modules (and launch/, which reads SGLang's own
-flags); no import cycle between packages; the disk store's two halves stay apart (index/ is SQLite
-only and never imports slab/; slab/ is files only and never imports sqlite3 or index/) and its
-classes are parts, not mixins (none has more than one base class); launch/
-never imports commands/ (it builds a store through offload.store.factory).
+flags); no import cycle between units (top-level modules and packages, lazy imports counted);
+the disk store's two halves stay apart (index/ is SQLite only and never imports slab/; slab/ is
+files only and never imports sqlite3 or index/) and its classes are parts, not mixins (none has
+more than one base class); launch/ never imports commands/ (it builds a store through
+offload.store.factory); `argparse` lives in the command modules, launch/, cli.py and argtypes.py.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_argparse_only_in_the_command_modules() -> None:
     allowed = ("commands", "launch")
     bad = [str(p.relative_to(ROOT)) for p in _modules()
            if "argparse" in _imports(p, runtime=True) and p.relative_to(PKG).parts[0] not in allowed
-           and p.name != "cli.py"]
+           and p.name not in ("cli.py", "argtypes.py")]
     assert not bad, f"argparse imported outside offload/commands and offload/launch: {bad}"
 
 
@@ -137,8 +138,8 @@ def test_config_imports_no_store() -> None:
 
 def test_top_level_holds_only_the_shared_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
-    assert top == ["__init__.py", "cli.py", "config.py", "errors.py", "keys.py", "metrics.py",
-                   "redact.py", "secret.py"]
+    assert top == ["__init__.py", "argtypes.py", "cli.py", "config.py", "errors.py", "keys.py",
+                   "metrics.py", "redact.py", "secret.py"]
 
 
 def test_contract_imports_no_sglang() -> None:
@@ -155,3 +156,47 @@ def test_offload_storage_is_importable_where_users_name_it() -> None:
     from offload.hicache.backend import OffloadStorage as direct
 
     assert OffloadStorage is direct
+
+
+def _unit(module: str) -> str | None:
+    """The unit a module belongs to: a top-level module (`offload.redact`) or a package
+    (`offload.store`, whatever is under it)."""
+    parts = module.split(".")
+    if parts[0] != "offload" or len(parts) < 2:
+        return None
+    name = parts[1]
+    return name if (PKG / name).is_dir() or (PKG / f"{name}.py").is_file() else None
+
+
+def test_no_import_cycle_between_units() -> None:
+    """Zero cycles between the package's units (each top-level module and each package), counting
+    every import that runs, lazy ones inside functions included (only `if TYPE_CHECKING:` is
+    left out): a cycle is a pair of rooms a newcomer cannot read one before the other."""
+    edges: dict[str, dict[str, str]] = {}
+    for p in _modules():
+        me = _unit("offload." + ".".join(p.relative_to(PKG).with_suffix("").parts))
+        for m in _imports(p, runtime=True):
+            other = _unit(m)
+            if me and other and other != me:
+                edges.setdefault(me, {}).setdefault(other, f"{p.relative_to(ROOT)} imports {m}")
+
+    def path(start: str, goal: str) -> list[str] | None:
+        seen, todo = {start}, [[start]]
+        while todo:
+            trail = todo.pop()
+            for nxt in edges.get(trail[-1], {}):
+                if nxt == goal:
+                    return trail + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(trail + [nxt])
+        return None
+
+    cycles = []
+    for a, outs in sorted(edges.items()):
+        for b in sorted(outs):
+            back = path(b, a)
+            if back:
+                cycles.append(" -> ".join([a, *back]) + f" ({outs[b]}; "
+                              + "; ".join(edges[x][y] for x, y in zip(back, back[1:])) + ")")
+    assert not cycles, "import cycles between units:\n" + "\n".join(cycles)

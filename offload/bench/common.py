@@ -3,7 +3,7 @@
 Primitives:
 - `Option(flags, help, ...)`: one command-line option of a benchmark, declared as data; each
   benchmark module lists its own in `OPTIONS` and `offload.commands.bench` turns them into flags
-  (no benchmark imports argparse); its `type` is a check of `offload.commands.argtypes` (a bad
+  (no benchmark imports argparse); its `type` is a check of `offload.argtypes` (a bad
   value is refused while parsing, before any work). `Args`: what `run` receives (one attribute
   per option). `JSON`, `PLOT`, `DIR`: options several benchmarks share.
 - `Outcome(result, rc)`: what a benchmark's `run(args)` returns: the result it printed (drawn by
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
-from offload.commands.argtypes import plot_file, work_dir
+from offload.argtypes import plot_file, work_dir
 
 T = TypeVar("T")
 

@@ -36,10 +36,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from offload import argtypes
 from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome
 from offload.bench.hicache import HEAD_DIM, HEADS, TOKENS
-from offload.commands import argtypes
 
 log = logging.getLogger("offload.bench")
 

@@ -32,9 +32,9 @@ import time
 import uuid
 from typing import Any
 
+from offload import argtypes
 from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
-from offload.commands import argtypes
 from offload.hicache.contract import BACKEND_EXTRA
 
 log = logging.getLogger("offload.bench")

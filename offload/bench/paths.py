@@ -26,8 +26,8 @@ import tempfile
 import time
 from typing import Any
 
+from offload import argtypes
 from offload.bench.common import JSON, Args, Option, Outcome, median_of, timed_cpu
-from offload.commands import argtypes
 from offload.config import Size, StoreConfig, format_size
 from offload.store.base import flush as store_flush
 

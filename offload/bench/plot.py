@@ -12,7 +12,7 @@ Primitives:
 - The drawing: two panels (read, write); lines over a log-2 block-size axis when the result has
   several block sizes, one bar per series (baselines hatched, values written on the bars) when it
   has one (`bench hicache`, a one-size run); matplotlib with the Agg backend (headless), imported
-  only here. `--plot` is checked before a benchmark runs (`offload.commands.argtypes.plot_file`).
+  only here. `--plot` is checked before a benchmark runs (`offload.argtypes.plot_file`).
 - `bench plot RESULT.json --plot out.png`: the same from a saved `--json` result.
 """
 

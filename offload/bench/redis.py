@@ -28,9 +28,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from offload import redact
+from offload import argtypes, redact
 from offload.bench.common import Args, Option, Outcome, timed
-from offload.commands import argtypes
 from offload.config import Size, format_size, load_offload
 from offload.errors import ConfigError, StoreError, UsageError
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from offload.argtypes import count, names, positive, work_dir
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
 from offload.bench.serve_target import (
     has_patch,
@@ -52,7 +53,6 @@ from offload.bench.serve_target import (
     triple_prompts,
     verdict,
 )
-from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
 

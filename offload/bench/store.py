@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from offload import argtypes
 from offload.bench.common import (
     JSON,
     Args,
@@ -38,7 +39,6 @@ from offload.bench.common import (
     scratch,
     timed,
 )
-from offload.commands import argtypes
 from offload.config import Size, StoreConfig, format_size
 
 # The defaults are a quick look (well under a minute on one NVMe); the figures in

@@ -48,11 +48,11 @@ from typing import Any
 
 import yaml
 
+from offload.argtypes import count, names, positive, work_dir
 from offload.bench import workload_client as wc
 from offload.bench.common import JSON, Args, Option, Outcome, drop_tree_cache, median_of, scratch
 from offload.bench.serve import deployment
 from offload.bench.workload_tiers import TIERS, StartedTier, not_loaded, start
-from offload.commands.argtypes import count, names, positive, work_dir
 from offload.errors import RunError, UsageError
 from offload.launch.server import free_port
 

@@ -19,13 +19,13 @@ import sys
 from typing import Any, Sequence
 
 from offload import redact
+from offload.argtypes import arg
 from offload.bench import plot
 from offload.bench.common import PLOT, Option
-from offload.commands.argtypes import arg
 from offload.errors import RunError
 
 log = logging.getLogger("offload.bench")
-# metavar shown by --help for each value check of offload.commands.argtypes
+# metavar shown by --help for each value check of offload.argtypes
 METAVARS = {"count": "N", "natural": "N", "positive": "X", "size": "SIZE", "size_list": "LIST",
             "names": "LIST", "work_dir": "DIR", "plot_file": "OUT.png"}
 

@@ -34,7 +34,7 @@ import time
 import urllib.request
 from typing import Any
 
-from offload.commands.argtypes import arg
+from offload.argtypes import arg
 from offload.config import Size, format_size
 from offload.errors import RunError, StoreError, UsageError
 from offload.store.factory import open_existing

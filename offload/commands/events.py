@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from offload.commands.argtypes import arg, positive
+from offload.argtypes import arg, positive
 from offload.errors import RunError, UsageError
 
 TIERS = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")

@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from offload.commands.argtypes import arg, count, positive
+from offload.argtypes import arg, count, positive
 from offload.config import Size
 from offload.errors import ConfigError, RunError
 from offload.plan.deployment import Deployment, from_config

@@ -34,7 +34,6 @@ from typing import ContextManager, Sequence
 from offload.store.base import Buffer
 from offload.store.disk import cachedir
 from offload.store.disk.slab.fdcache import MAX_OPEN, FdCache, SlabMissing
-from offload.store.disk.slab.gate import IoGate
 from offload.store.disk.slab.format import (
     ALIGN,
     HEADER_BYTES,
@@ -48,6 +47,7 @@ from offload.store.disk.slab.format import (
     unpack_header,
     verify,
 )
+from offload.store.disk.slab.gate import IoGate
 
 log = logging.getLogger(__name__)
 
