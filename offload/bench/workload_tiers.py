@@ -112,19 +112,27 @@ def not_loaded(metrics_text: str) -> dict[str, int]:
     return out
 
 
+def tier_command(tier: str, config: Path, l3: Path) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a baseline tier's server (`none`, `file`): launch's command with
+    the storage backend swapped. The `file` L3 waits for a prefetch as ours does: launch's wait
+    keys (`prefetch_timeout_*`), then the user's own extra-config keys."""
+    from offload.launch.compose import prepare
+
+    plan = prepare(str(config))
+    extra = {**plan.device.extra_config, **plan.sglang.extra_config}
+    return swap_backend(plan.argv, tier, l3, extra), dict(plan.device.env)
+
+
 def start(tier: str, config: Path, l3: Path, log: Path, url: str) -> StartedTier:
     """Start the tier's server from the deployment file `config` (which names `l3` as its store
     for `ours`; `file` writes under `l3`). Not waited for: `server.wait_ready`."""
     if tier == "ours":
         return StartedTier(tier, LaunchedServer.start(config, log, url), l3)
-    from offload.launch.compose import prepare
-
-    plan = prepare(str(config))
-    argv = swap_backend(plan.argv, tier, l3, plan.sglang.extra_config)
+    argv, env = tier_command(tier, config, l3)
     with open(log, "ab") as out:
         out.write(f"bench workload: tier {tier}: {' '.join(argv)}\n".encode())
         out.flush()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **plan.device.env})
+                                env={**os.environ, **env})
     return StartedTier(tier, LaunchedServer(url.rstrip("/"), proc, log), l3)

@@ -162,3 +162,20 @@ def test_storage_hits_sglang_did_not_load_are_read_from_its_metrics() -> None:
     ])
     assert not_loaded(text) == {"total": 4672, "host_capacity": 4544}
     assert not_loaded("") == {"total": 0, "host_capacity": 0}
+
+
+def test_the_file_tier_waits_for_a_prefetch_as_ours_does(tmp_path: Path) -> None:
+    """The `file` L3 gets launch's prefetch wait keys (SGLang's default deadline otherwise, while
+    ours runs launch's), and a key the user set still wins."""
+    from offload.bench.workload_tiers import tier_command
+    from offload.launch.compose import prepare
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text((root / "configs" / "cpu-dev.yaml").read_text())
+    ours = prepare(str(cfg)).device.extra_config
+    assert ours and all(k.startswith("prefetch_timeout_") for k in ours)
+    argv, env = tier_command("file", cfg, tmp_path / "l3")
+    extra = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
+    assert {k: extra[k] for k in ours} == ours and extra["file_storage_path"] == str(tmp_path / "l3")
+    assert env == prepare(str(cfg)).device.env
