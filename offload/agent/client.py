@@ -24,14 +24,24 @@ since the last flush (remembered up to `FLUSH_KEYS`; past that the oldest are as
 stored block holds, `offload.agent.feed`), read by the KV events of every host sharing it.
 
 Failure model (data path, never raises): an unreachable, slow or killed agent makes every call a
-miss (False / 0 / empty stats) within `timeout_s`; the connection is dropped and retried after
-`reconnect_s`, re-sending this host's NIXL metadata and namespaces. Each request carries a budget
-(80% of `timeout_s`) after which the agent stops touching this host's memory for it; the host
-waits for each reply until the request's deadline (`timeout_s` for the whole request).
+miss (False / 0 / empty stats) within `timeout_s`: one deadline per call, covering the wait for a
+free connection, opening it (handshake, HELLO, METADATA, PROVE, namespaces) and every request the
+call makes; the connection is reset and retried after `reconnect_s`, re-sending this host's NIXL
+metadata and namespaces. Each request carries a budget (80% of what is left of the call) after
+which the agent stops touching this host's memory for it.
+
+A GET over NIXL never hands the agent the caller's pages: the agent WRITEs into this store's own
+registered landing area (`offload.agent.landing`), and the host copies each block into the
+caller's pages after a good reply, then checks the agent's checksum on them. So a page reported
+as a miss (False) is never written afterwards by the agent, however late it runs (stopped,
+overloaded, a transfer posted before the deadline and finished after it): the area it may still
+write into is held out of use (`Landing.hold`), and a late WRITE into an extent reused meanwhile
+fails the checksum on the caller's pages (a miss) before it is reported loaded.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -47,6 +57,8 @@ from typing import Any, Callable, Iterator, Sequence
 from offload.agent import protocol, sums
 from offload.agent.access import register_msg
 from offload.agent.conn import AgentConn, ConnHooks, ConnSettings, Down, Refused
+from offload.agent.landing import DEFAULT_BYTES as LANDING_BYTES
+from offload.agent.landing import Landing
 from offload.keys import Namespace
 from offload.store.base import Buffer, StoreStats
 
@@ -62,7 +74,7 @@ class AgentStore:
 
     def __init__(self, address: str, secret: bytes, *, transport: str = "ucx",
                  timeout_s: float = 5.0, reconnect_s: float = 1.0, name: str | None = None,
-                 connections: int = 2):
+                 connections: int = 2, landing_bytes: int = LANDING_BYTES):
         host, _, port = address.rpartition(":")
         self.address = (host.strip("[]"), int(port))
         self.secret = secret
@@ -98,6 +110,8 @@ class AgentStore:
         self._proof_free: list[int] = []
         self._unflushed: dict[bytes, None] = {}      # put True since the last flush, in order
         self._lost = False                            # one of them was found not durable
+        self._landing_bytes = landing_bytes
+        self._landing: Landing | None = None          # where GETs' NIXL WRITEs land
 
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: Any = None) -> "AgentStore":
@@ -131,6 +145,8 @@ class AgentStore:
             if self._nixl is None:
                 self._nixl = nixl_util.make_agent(self.nixl_name)
                 self._register_proof_area()
+                self._landing = Landing(self._landing_bytes)
+                self._regs.append(self._landing.register(self._nixl))
             self._regs.append(self._nixl.register_memory([(addr, size, 0, "")], "DRAM"))
             self._regions.append((addr, addr + size))
         for c in self._conns:     # the next request says hello again, with the new metadata
@@ -229,8 +245,11 @@ class AgentStore:
         self.down_until = time.monotonic() + self.reconnect_s
 
     @contextmanager
-    def _use(self) -> Iterator[AgentConn]:
-        """A free connection (else wait for the next one in turn), held for one call."""
+    def _use(self) -> Iterator[tuple[AgentConn | None, float]]:
+        """A free connection (else wait for the next one in turn, until the call's deadline:
+        None if it passed), held for one call, and the call's deadline (`timeout_s` from now),
+        which every step of the call shares."""
+        deadline = time.monotonic() + self.timeout_s
         for c in self._conns:
             if c.lock.acquire(blocking=False):
                 break
@@ -238,14 +257,18 @@ class AgentStore:
             with self._lock:
                 c = self._conns[self._next % len(self._conns)]
                 self._next += 1
-            c.lock.acquire()
+            if not c.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                yield None, deadline
+                return
         try:
-            yield c
+            yield c, deadline
         finally:
             c.lock.release()
 
-    def _budget_ms(self) -> int:
-        return max(1, int(self.timeout_s * 800))
+    @staticmethod
+    def _budget_ms(deadline: float) -> int:
+        """A request's budget on the agent: 80% of what is left of the call."""
+        return max(1, int((deadline - time.monotonic()) * 800))
 
     # ---------------------------------------------------------------- BlockStore
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
@@ -265,8 +288,8 @@ class AgentStore:
         """Per key, whether the agent stores it durably, once its puts so far were made durable
         or lost (the agent waits for them up to this request's budget); False while down."""
         out: list[bool] = []
-        for n, reply in self._key_chunks(protocol.DURABLE, keys, lambda ks: protocol.Durable(
-                ks, budget_ms=self._budget_ms())):
+        for n, reply in self._key_chunks(protocol.DURABLE, keys, lambda ks, d: protocol.Durable(
+                ks, budget_ms=self._budget_ms(d))):
             flags = reply.ok if reply is not None else []
             out += [bool(f) for f in flags] if len(flags) == n else [False] * n
         return out
@@ -285,9 +308,11 @@ class AgentStore:
     def _blocks(self, op: int, keys: Sequence[bytes], bufs: Sequence[Sequence[Buffer]]
                 ) -> list[bool]:
         ok = [False] * len(keys)
-        with self._use() as c:
+        with self._use() as (c, deadline):
+            if c is None:
+                return ok
             try:
-                info = c.connect()
+                info = c.connect(deadline)
             except Down:
                 return ok
             sizes = [sum(_nbytes(b) for b in bs) for bs in bufs]
@@ -304,30 +329,76 @@ class AgentStore:
                 else:
                     inline_idx.append(i)
             counts = [len(descs.get(i, ())) for i in range(len(keys))]
+            if op == protocol.GET:
+                return self._get_landed(c, deadline, keys, bufs, sizes, nixl_idx, inline_idx,
+                                        descs, info, ok)
             for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys, counts):
                 # A PUT's checksums travel in the MAC'd frame; the agent checks its READ by them.
                 req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                               descs=[descs[i] for i in batch], budget_ms=self._budget_ms(),
-                               sums=[sums.of_regions(descs[i]) for i in batch]
-                               if op == protocol.PUT else None)
-                if not self._send_batch(c, op, req, batch, ok):
+                               descs=[descs[i] for i in batch], budget_ms=self._budget_ms(deadline),
+                               sums=[sums.of_regions(descs[i]) for i in batch])
+                if not self._send_batch(c, deadline, op, req, batch, ok):
                     return ok
-            room = info.max_body - (64 << 10)
-            for batch in protocol.pack(inline_idx, sizes, room, min(info.max_keys, room // 64)):
-                req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                               budget_ms=self._budget_ms())
-                payload = None
-                if op == protocol.PUT:
-                    payload = [memoryview(b).cast("B") for i in batch for b in bufs[i]]
-                if not self._send_batch(c, op, req, batch, ok, payload, bufs):
-                    return ok
+            self._inline(c, deadline, op, keys, bufs, sizes, inline_idx, info, ok)
         return ok
 
-    def _send_batch(self, c: AgentConn, op: int, req: protocol.Blocks, batch: list[int],
-                    ok: list[bool], payload: list[memoryview] | None = None,
-                    bufs: Sequence[Sequence[Buffer]] | None = None) -> bool:
+    def _inline(self, c: AgentConn, deadline: float, op: int, keys: Sequence[bytes],
+                bufs: Sequence[Sequence[Buffer]], sizes: list[int], idx: list[int],
+                info: protocol.HelloReply, ok: list[bool]) -> None:
+        """Blocks `idx` with their bytes on the control connection (a GET's copied into the
+        caller's buffers only from a good reply)."""
+        room = info.max_body - (64 << 10)
+        for batch in protocol.pack(idx, sizes, room, min(info.max_keys, room // 64)):
+            req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
+                           budget_ms=self._budget_ms(deadline))
+            payload = None
+            if op == protocol.PUT:
+                payload = [memoryview(b).cast("B") for i in batch for b in bufs[i]]
+            if not self._send_batch(c, deadline, op, req, batch, ok, payload, bufs):
+                return
+
+    def _get_landed(self, c: AgentConn, deadline: float, keys: Sequence[bytes],
+                    bufs: Sequence[Sequence[Buffer]], sizes: list[int], nixl_idx: list[int],
+                    inline_idx: list[int], descs: dict[int, list[tuple[int, int]]],
+                    info: protocol.HelloReply, ok: list[bool]) -> list[bool]:
+        """A GET: NIXL WRITEs into the landing area only (never into `bufs`), each block copied
+        into its buffers after a good reply (`_land`); blocks the area has no room for now travel
+        inline. The extent of a request given up on is held (`Landing.hold`)."""
+        landing = self._landing
+        cap = NIXL_BATCH_BYTES if landing is None else min(
+            NIXL_BATCH_BYTES, landing.size // len(self._conns))
+        for batch in protocol.pack(nixl_idx, sizes, cap, info.max_keys):
+            total = sum(sizes[i] for i in batch)
+            base = landing.take(total) if landing is not None and total <= cap else None
+            if base is None:
+                inline_idx.extend(batch)
+                continue
+            at, land = base, []
+            for i in batch:
+                land.append([(at, sizes[i])] if sizes[i] else [])
+                at += sizes[i]
+            req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
+                                  descs=land, budget_ms=self._budget_ms(deadline))
+            answered = False
+            try:
+                answered = self._send_batch(c, deadline, protocol.GET, req, batch, ok,
+                                            landed=[descs[i] for i in batch])
+            finally:
+                (landing.give if answered else landing.hold)(base)
+            if not answered:
+                return ok
+        self._inline(c, deadline, protocol.GET, keys, bufs, sizes, sorted(inline_idx), info, ok)
+        return ok
+
+    def _send_batch(self, c: AgentConn, deadline: float, op: int, req: protocol.Blocks,
+                    batch: list[int], ok: list[bool], payload: list[memoryview] | None = None,
+                    bufs: Sequence[Sequence[Buffer]] | None = None,
+                    landed: list[list[tuple[int, int]]] | None = None) -> bool:
+        """Send one batch, set `ok` from its reply; False if the agent did not answer (the
+        connection was reset). With `landed` (a GET through the landing area: the caller's
+        regions of each block), blocks are copied from `req.descs` into them, then checked."""
         try:
-            reply, data = c.request(op, req, payload)
+            reply, data = c.request(op, req, payload, deadline)
         except Refused:
             return True
         except Down:
@@ -349,10 +420,17 @@ class AgentStore:
                         mv[:] = data[off:off + mv.nbytes]
                         off += mv.nbytes
         got = getattr(reply, "sums", None)
-        if op == protocol.GET and req.descs is not None and got is not None:
-            # What NIXL wrote into our memory must have the checksum the agent sent beside it.
+        if op == protocol.GET and req.descs is not None:
+            # Copied into the caller's pages by this host, then checked there: what NIXL wrote
+            # must have the checksum the agent sent beside it (and a late WRITE of an earlier
+            # request into a reused landing extent fails it too).
             for k, f in enumerate(flags):
-                if f and (len(got) != len(flags) or sums.of_regions(req.descs[k]) != got[k]):
+                if not f:
+                    continue
+                dst = landed[k] if landed is not None else req.descs[k]
+                if landed is not None:
+                    _copy(req.descs[k], dst)
+                if got is None or len(got) != len(flags) or sums.of_regions(dst) != got[k]:
                     flags[k] = False
                     with self._lock:
                         self.get_mismatch += 1
@@ -361,17 +439,21 @@ class AgentStore:
         return True
 
     def _key_chunks(self, op: int, keys: Sequence[bytes],
-                    msg: Callable[[list[bytes]], protocol.Msg] = protocol.KeyList
+                    msg: Callable[[list[bytes], float], protocol.Msg] = (
+                        lambda ks, d: protocol.KeyList(ks))
                     ) -> Iterator[tuple[int, Any]]:
-        """Send `op` (`msg` of each chunk) over `keys` in chunks of `protocol.MAX_KEYS` on one
-        connection: per chunk its length and the agent's reply (None while the agent is down)."""
-        with self._use() as c:
+        """Send `op` (`msg(chunk, deadline)` of each chunk) over `keys` in chunks of
+        `protocol.MAX_KEYS` on one connection, all within the call's one deadline: per chunk its
+        length and the agent's reply (None while the agent is down or the deadline passed)."""
+        with self._use() as (c, deadline):
             for start in range(0, len(keys), protocol.MAX_KEYS):
                 chunk = list(keys[start:start + protocol.MAX_KEYS])
-                try:
-                    reply = c.request(op, msg(chunk))[0]
-                except Down:
-                    reply = None
+                reply = None
+                if c is not None:
+                    try:
+                        reply = c.request(op, msg(chunk, deadline), None, deadline)[0]
+                    except Down:
+                        pass
                 yield len(chunk), reply
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -398,13 +480,16 @@ class AgentStore:
         host sharing the agent (ANNOUNCE); per page, recorded (False: the agent does not hold
         the block durably, or is down)."""
         out: list[bool] = []
-        with self._use() as c:
+        with self._use() as (c, deadline):
             for start in range(0, len(pages), protocol.MAX_KEYS):
                 chunk = [(bytes(k), h, p) for k, h, p in pages[start:start + protocol.MAX_KEYS]]
-                try:
-                    reply = c.request(protocol.ANNOUNCE, protocol.Announce(chunk))[0]
-                except Down:
-                    reply = None
+                reply = None
+                if c is not None:
+                    try:
+                        reply = c.request(protocol.ANNOUNCE, protocol.Announce(chunk), None,
+                                          deadline)[0]
+                    except Down:
+                        pass
                 flags = reply.ok if isinstance(reply, protocol.Flags) else []
                 out += [bool(f) for f in flags] if len(flags) == len(chunk) else [False] * len(chunk)
         return out
@@ -413,9 +498,12 @@ class AgentStore:
              ) -> protocol.FeedPage | None:
         """The pages of namespace `ns` announced after cursor `after` (FEED); None while the
         agent is down or refuses (a namespace this host may not use)."""
-        with self._use() as c:
+        with self._use() as (c, deadline):
+            if c is None:
+                return None
             try:
-                reply = c.request(protocol.FEED, protocol.FeedRead(bytes(ns), after, limit))[0]
+                reply = c.request(protocol.FEED, protocol.FeedRead(bytes(ns), after, limit), None,
+                                  deadline)[0]
             except Down:
                 return None
         return reply if isinstance(reply, protocol.FeedPage) else None
@@ -423,9 +511,10 @@ class AgentStore:
     def register_namespace(self, ns: Namespace) -> None:
         with self._lock:
             self._namespaces[ns.digest()] = ns
-        with self._use() as c:
+        with self._use() as (c, deadline):
             try:
-                c.request(protocol.REGISTER_NS, register_msg(ns))
+                if c is not None:
+                    c.request(protocol.REGISTER_NS, register_msg(ns), None, deadline)
             except Down:
                 pass   # sent again on reconnect
 
@@ -437,15 +526,19 @@ class AgentStore:
 
     def stats(self) -> StoreStats:
         names = {f.name for f in dataclasses.fields(StoreStats)} - {"extra"}
-        with self._use() as c:
+        with self._use() as (c, deadline):
             try:
-                fields = c.request(protocol.STATS, protocol.Empty())[0].fields  # type: ignore[attr-defined]
+                if c is None:
+                    raise Down("no connection free before the call's deadline")
+                fields = c.request(protocol.STATS, protocol.Empty(), None,
+                                   deadline)[0].fields  # type: ignore[attr-defined]
             except Down:
                 return StoreStats(extra={"agent": "unreachable"})
         s = StoreStats(**{k: v for k, v in fields.items() if k in names})
         s.extra = {k: v for k, v in fields.items() if k not in names}
         s.extra["agent"] = f"{self.address[0]}:{self.address[1]}"
         s.extra["host_get_mismatch"] = self.get_mismatch
+        s.extra["host_landing_held_bytes"] = self._landing.held() if self._landing else 0
         return s
 
     def close(self) -> None:
@@ -461,7 +554,21 @@ class AgentStore:
                         log.debug("deregistering host memory: %s", e)
                 self._regs.clear()
                 self._regions.clear()
-                self._nixl = self._proof_area = None
+                self._nixl = self._proof_area = self._landing = None
+
+
+def _copy(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> None:
+    """Copy the bytes at regions `src` (this process's memory) into regions `dst`, in order;
+    both add up to the same length (one block)."""
+    si, soff = 0, 0
+    for daddr, dn in dst:
+        while dn:
+            saddr, sn = src[si]
+            k = min(dn, sn - soff)
+            ctypes.memmove(daddr, saddr + soff, k)
+            daddr, dn, soff = daddr + k, dn - k, soff + k
+            if soff == sn:
+                si, soff = si + 1, 0
 
 
 def _nbytes(buf: Any) -> int:

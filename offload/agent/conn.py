@@ -8,10 +8,14 @@ their MACs in), both handed in by the store;
 (handshake, HELLO with this host's NIXL metadata — sent as METADATA after the HELLO when larger
 than the agent's pre-authentication limit — then PROVE: the nonce the agent sent to this host's
 NIXL endpoint, echoed, with the address where its MAC under this connection's key lies for the
-agent to read back; namespaces re-sent) unless open; `.request(op, msg, payload)` sends one
-frame and returns the decoded reply and its payload, all within `timeout_s` (one deadline per
-request, not per `recv`); `.drop()`. Any failure marks the agent down (`hooks.mark_down`) and
-raises `Down`; an ERROR reply raises `Refused` and keeps the connection.
+agent to read back; namespaces re-sent) unless open; `.request(op, msg, payload, deadline)`
+sends one frame and returns the decoded reply and its payload. Everything a call does, opening
+the connection included, runs under the one `deadline` its caller gives (`AgentStore._use`:
+`timeout_s` for the whole call), never one timeout per step; `.drop()`. Any failure marks the
+agent down (`hooks.mark_down`) and raises `Down`; an ERROR reply raises `Refused` and keeps the
+connection. Closing a connection does not withdraw a request: frames the agent has not read
+yet are still read and served (a reset, SO_LINGER 0, does not discard them either: measured on
+loopback, Linux 6.18), which is why a GET never names the caller's pages (`AgentStore`).
 """
 
 from __future__ import annotations
@@ -68,38 +72,43 @@ class AgentConn:
         self.nixl = False                 # the agent moves this connection's bytes by NIXL
         self._req_id = 0
 
-    def connect(self) -> protocol.HelloReply:
-        """Open the connection if needed (lock held); returns the agent's limits."""
+    def connect(self, deadline: float | None = None) -> protocol.HelloReply:
+        """Open the connection if needed (lock held), every step by `deadline` (default:
+        `timeout_s` from now); returns the agent's limits."""
         s, h = self.settings, self.hooks
         if self.ch is not None and self.info is not None:
             return self.info
         if h.is_down():
             raise Down("agent marked down")
+        if deadline is None:
+            deadline = time.monotonic() + s.timeout_s
         try:
-            sock = socket.create_connection(s.address, timeout=s.timeout_s)
+            sock = socket.create_connection(s.address, timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.ch = protocol.handshake_client(sock, s.secret, s.timeout_s)
+            self.ch = protocol.handshake_client(sock, s.secret, _left(deadline))
+            self.ch.io_timeout = s.timeout_s
             md = h.nixl_metadata()
             small = md is not None and len(md) <= HELLO_MD_LIMIT
             info = self._send(protocol.HELLO, protocol.Hello(
-                host=s.host_name, transport=s.transport, nixl_md=md if small else None))[0]
+                host=s.host_name, transport=s.transport, nixl_md=md if small else None),
+                deadline=deadline)[0]
             assert isinstance(info, protocol.HelloReply)
             self.ch.max_body = info.max_body
             self.nixl = info.nixl and small
             if md is not None and not small:
                 try:
-                    self._send(protocol.METADATA, protocol.Metadata(md))
+                    self._send(protocol.METADATA, protocol.Metadata(md), deadline=deadline)
                     self.nixl = True
                 except Refused:
                     self.nixl = False
             if self.nixl:
-                self.nixl = self._prove(info.proof_tag)
+                self.nixl = self._prove(info.proof_tag, deadline)
             if md is not None and not self.nixl:
                 log.warning("agent %s:%d does not move bytes by NIXL; they travel on the "
                             "control connection", *s.address)
             for ns in h.namespaces():
                 try:
-                    self._send(protocol.REGISTER_NS, register_msg(ns))
+                    self._send(protocol.REGISTER_NS, register_msg(ns), deadline=deadline)
                 except Refused:
                     pass             # logged; its keys will be refused too
             self.info = info
@@ -112,9 +121,9 @@ class AgentConn:
             self.fail(e)
             raise Down(str(e)) from None
 
-    def _prove(self, tag: bytes) -> bool:
+    def _prove(self, tag: bytes, deadline: float) -> bool:
         """Echo the nonce the agent sent to this host's NIXL endpoint; True once accepted."""
-        nonces = self.hooks.proof_nonces(tag, time.monotonic() + self.settings.timeout_s)
+        nonces = self.hooks.proof_nonces(tag, deadline)
         if not nonces:
             log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
                         "the control connection", *self.settings.address)
@@ -127,24 +136,30 @@ class AgentConn:
                             "connection", *self.settings.address)
                 return False
             try:
-                self._send(protocol.PROVE, protocol.Prove(nonces, addr))
+                self._send(protocol.PROVE, protocol.Prove(nonces, addr), deadline=deadline)
                 return True
             except Refused:
                 return False
 
-    def request(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
-                ) -> tuple[protocol.Msg, memoryview]:
-        """One request and its reply (lock held). Raises Down / Refused."""
-        self.connect()
-        return self._send(op, msg, payload)
+    def request(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None,
+                deadline: float | None = None) -> tuple[protocol.Msg, memoryview]:
+        """One request and its reply (lock held), opening the connection first if needed, all
+        by `deadline` (default: `timeout_s` from now). Raises Down / Refused."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.timeout_s
+        self.connect(deadline)
+        return self._send(op, msg, payload, deadline)
 
-    def _send(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
-              ) -> tuple[protocol.Msg, memoryview]:
+    def _send(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None,
+              deadline: float | None = None) -> tuple[protocol.Msg, memoryview]:
         ch = self.ch
         if ch is None:
             raise Down("not connected")
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.timeout_s
+        if deadline <= time.monotonic():
+            raise Down("the call's deadline passed")     # nothing sent: the connection stays
         self._req_id += 1
-        deadline = time.monotonic() + self.settings.timeout_s
         try:
             ch.send(op, self._req_id, msg, payload, deadline=deadline)
             frame = ch.recv(deadline=deadline)
@@ -176,3 +191,11 @@ class AgentConn:
     def fail(self, e: BaseException) -> None:
         self.drop()
         self.hooks.mark_down(e)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until `deadline`; TimeoutError (a Down) once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed")
+    return left

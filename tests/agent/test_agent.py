@@ -263,7 +263,7 @@ def test_descriptors_outside_registered_memory_are_refused(agent_factory) -> Non
     try:
         assert store.exists_many([b"x" * 32]) == [False]          # connected, NIXL on
         addr = outside.ctypes.data
-        with store._use() as conn, pytest.raises(Refused, match="outside the memory"):
+        with store._use() as (conn, _), pytest.raises(Refused, match="outside the memory"):
             conn.request(protocol.PUT, protocol.Blocks(keys=[b"x" * 32], sizes=[4096],
                                                        descs=[[(addr, 4096)]]))
         assert store.exists_many([b"x" * 32]) == [False]

@@ -340,7 +340,7 @@ def test_a_host_cannot_touch_another_tenants_namespace(keyed) -> None:
         fake = Namespace(**{**NS_B.__dict__, "salt": "guess"})
         msg = protocol.RegisterNs(digest=NS_B.digest(), model=fake.model, dtype=fake.dtype,
                                   layout=fake.layout, page_size=fake.page_size, salted=True)
-        with a._use() as c:
+        with a._use() as (c, _):
             with pytest.raises(Exception, match="not granted"):
                 c.request(protocol.REGISTER_NS, msg)
         buf = bytearray(8)

@@ -207,7 +207,7 @@ def test_aborted_transfers_never_give_another_tenant_wrong_bytes(tmp_path: Path,
     for s, p in ((attacker, a_pool), (victim, v_pool), (victim, out)):
         s.register_region(p)
     try:
-        attacker._budget_ms = lambda: 1            # type: ignore[method-assign]
+        attacker._budget_ms = lambda _d: 1           # type: ignore[method-assign]
         wrong = 0
         for r in range(6):
             ka = [NS["attacker"].key(f"a{r}-{i}") for i in range(n)]
@@ -307,7 +307,7 @@ def test_aborted_staging_transfer_never_lands_in_a_later_block(tmp_path: Path, a
         budget = s._budget_ms
         wrong = 0
         for r in range(3):
-            s._budget_ms = lambda: 4                       # type: ignore[method-assign]
+            s._budget_ms = lambda _d: 4                      # type: ignore[method-assign]
             s.put_many([NS["victim"].key(f"j{r}-{i}") for i in range(n)],
                        [[memoryview(junk[i * size:(i + 1) * size])] for i in range(n)])
             s._budget_ms = budget                          # type: ignore[method-assign]
