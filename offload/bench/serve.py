@@ -33,6 +33,7 @@ to first token per phase, speed-up over cold).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import statistics
@@ -138,10 +139,16 @@ def deployment(src: str, store: Path, port: int, sglang: dict[str, Any] | None =
     off = doc.get("offload") or {}
     if not isinstance(off, dict) or not isinstance(off.get("store") or {}, dict):
         raise UsageError(f"--config {src}: offload: and offload.store: must be mappings")
-    off["store"] = {**(off.get("store") or {}), "path": str(store)}
+    kept = {k: v for k, v in (off.get("store") or {}).items() if k != "paths"}   # one directory
+    off["store"] = {**kept, "path": str(store)}
     doc["offload"] = off
     out = store.parent / name
-    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # private: the copy may hold the file's secrets (a salt, a Redis password, an admin key),
+    # and launch refuses a config holding one that others can read
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(doc, sort_keys=False))
     return out
 
 

@@ -68,3 +68,20 @@ def test_a_private_server_is_started_from_a_loopback_copy_of_the_deployment(
     assert doc["sglang"]["host"] == "127.0.0.1" and url == f"http://127.0.0.1:{doc['sglang']['port']}"
     assert doc["offload"]["store"]["path"] == str(tmp_path / "store")
     assert log == tmp_path / "server.log"
+
+
+def test_the_benchs_copy_of_a_deployment_loads_under_launchs_strict_rules(tmp_path: Path) -> None:
+    """The copy a bench starts its servers from keeps the file's secrets, so it is private, and
+    names one store directory (a file listing `paths` would become path + paths, refused)."""
+    from offload.bench.serve import deployment
+    from offload.config import load_file
+
+    src = tmp_path / "deploy.yaml"
+    src.write_text("sglang: {model-path: /models/x, admin-api-key: 0123456789abcdef}\n"
+                   "offload: {store: {paths: [/d1/a, /d2/a], salt: tenant-salt-0123}}\n")
+    src.chmod(0o600)
+    out = deployment(str(src), tmp_path / "store", 4321, {"api-key": "fedcba9876543210"})
+    assert out.stat().st_mode & 0o077 == 0
+    cfg = load_file(out)
+    assert cfg.offload.store.directories() == [str(tmp_path / "store")]
+    assert cfg.offload.store.salt == "tenant-salt-0123"
