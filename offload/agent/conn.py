@@ -124,6 +124,10 @@ class AgentConn:
     def _prove(self, tag: bytes, deadline: float) -> bool:
         """Echo the nonce the agent sent to this host's NIXL endpoint; True once accepted."""
         nonces = self.hooks.proof_nonces(tag, deadline)
+        if not nonces and time.monotonic() >= deadline:
+            # The call's deadline, not the agent's answer: the next call connects again (its
+            # metadata checked by then) rather than keep a connection without NIXL.
+            raise Down("the call's deadline passed before the proof notification")
         if not nonces:
             log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
                         "the control connection", *self.settings.address)
