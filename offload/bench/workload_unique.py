@@ -127,15 +127,14 @@ def unique_runs(args: Args, work: Path, tiers: list[str], w: wc.Workload,
                         "model_path", "device", "attention_backend", "page_size",
                         "max_total_num_tokens", "hicache_ratio", "hicache_write_policy")}
                     out["first_pages"] = _first_pages(si, w, work)
-                if tier != "none":
-                    t.settle()              # the warm-up prompt's write-back, not counted
+                # the warm-up prompt's write-back, not counted; every tier waits alike (no L3's
+                # settle is its quiet wait), so none's run does not start sooner after its start
+                t.settle()
                 b0, m0 = t.usage(), _metric(t)
                 res = wc.run_client(t.server.url, w, d / "run.jsonl", d, args.client_timeout)
                 ended = time.monotonic()
-                settle_s = 0.0
-                if tier != "none":
-                    t.settle()
-                    settle_s = max(0.0, time.monotonic() - ended - 3.0)   # less settle's quiet
+                t.settle()
+                settle_s = max(0.0, time.monotonic() - ended - 3.0)   # less settle's quiet
                 b1, m1 = t.usage(), _metric(t)
             except Exception:
                 print(f"--- {t.server.log} (last lines) ---\n{t.server.tail()}", file=sys.stderr)
