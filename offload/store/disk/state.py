@@ -2,8 +2,9 @@
 
 `DiskStore` (`store.py`) is a face over parts — `Reads`, `Writes`, `Finish`, `Slots`, `Admin` —
 each a plain class handed this one object (and the group committer, `commit.py`). The state holds:
-the store's settings and directory, the slab files and I/O pools (writes, reads), the index access (`ix`: writer and
-reader connections, `disk/index/access.py`), the counters, this process's lease token (`owner`),
+the store's settings and directory, the slab files and I/O pools (`pool` for writes and syncs,
+`read_pool` for reads), the index access (`ix`: writer and reader connections,
+`disk/index/access.py`), the counters, this process's lease token (`owner`),
 the in-memory key set with its change-log position, the reserved range (`spare.py`) and the slots
 a failed commit or a close gives back (`orphans`, `written_back`).
 

@@ -6,17 +6,18 @@ group committer's `fdatasync`s; once megabytes of writes are queued there, a rea
 16 MiB writes and a flush in flight). The gate keeps what is queued ahead of a read small:
 
 - `reading()`: a read holds it while its calls run; reads never wait at the gate.
-- `writing(nbytes)`: a write call (one piece of a run: `coalesce.WRITE_PIECE_BYTES`) holds it
-  while it runs. While a read is in flight, a write waits until no other write is, so at most
-  one piece is queued ahead of a read (the floor: writes still progress, one piece at a time);
-  with no read in flight, writes run as the I/O threads allow.
+- `writing(nbytes)`: a write call (at most a piece of a run: `files.WRITE_PIECE_BYTES`) holds it
+  while it runs. While a read is in flight, a write waits until the writes in flight leave room
+  for it under `floor_bytes` (`WRITE_FLOOR_BYTES`, one piece), so about a piece is queued ahead
+  of a read; a write alone in flight always moves (the floor: writes still progress); with no
+  read in flight, writes run as the I/O threads allow.
 - `quiet(timeout)`: the group committer calls it before a round's flushes (the slabs'
   `fdatasync`, the index's synced commit): it waits until no read is in flight, at most
   `timeout` (`QUIET_WAIT_S`; the round then goes on: durability is delayed, never given up).
 
 Nothing here decides what is durable or visible; the gate only orders calls. Primitives:
-`IoGate(quiet_wait_s)` with `reading`, `writing`, `quiet`, `state()` (reads in flight, write
-bytes in flight, writers waiting: for tests and stats).
+`IoGate(floor_bytes, quiet_wait_s)` with `reading`, `writing`, `quiet`, `state()` (reads in
+flight, write bytes in flight, writers waiting: for tests and stats).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from typing import Iterator, NamedTuple
 
 WRITE_FLOOR_BYTES = 1 << 20   # write bytes in flight beside a read (at least one call moves)
-QUIET_WAIT_S = 0.05      # a commit round's flushes wait at most this long for reads to finish
+QUIET_WAIT_S = 0.05           # a commit round's flushes wait at most this long for reads
 
 
 class GateState(NamedTuple):
