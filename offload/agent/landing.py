@@ -11,11 +11,13 @@ builds every GET's descriptors from `Landing.take`.
 
 Primitives: `Landing(size)` (memory only; `register(nixl)` registers it once NIXL is loaded),
 `take(n)` -> the address of `n` free bytes, or None (the caller's blocks then travel on the
-control connection, copied the same way); `give(addr)` once the reply came (the agent has
-answered: its WRITEs for the request are final or it reported them failed); `hold(addr)` once
-the host gave up on the request: the extent is not handed out again for `HOLD_S` (a late WRITE
-lands there, in nothing anyone reads; if one lands later still, in an extent reused meanwhile,
-the checksum check on the caller's pages makes that block a miss). `held()` -> bytes held.
+control connection, copied the same way); `give(addr)` once the reply came (the agent's WRITEs
+of the blocks it reported loaded are done; one it gave up on at its own deadline may still land);
+`hold(addr)` once the host gave up on the request: the extent is not handed out again for
+`HOLD_S`, so a late WRITE lands in nothing anyone reads. A WRITE landing later still, in an
+extent reused meanwhile, can only make a block fail the checksum on the caller's pages (a miss):
+the landing area is never what the promise rests on, the copy after a good reply is.
+`held()` -> bytes held.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ Primitives: `Session(ctx, sock, peer, conn_id).run()` (`ctx`: the agent's
 described with the wire protocol, in `offload.agent.protocol` ("Requests").
 Keys of a namespace the host is not entitled to make the whole request refused (ERROR reply).
 A malformed, unauthenticated, oversized or truncated frame closes this connection only, logged
-with the peer's address. Work stops at the request's deadline (its `budget_ms`) so that nothing is
-written into host memory after the host has given up on the request.
+with the peer's address. Work stops at the request's deadline (its `budget_ms`, counted from when
+the frame is read), which saves work but does not bound when a WRITE already posted lands, nor
+when a frame is read (a stopped agent reads it late): that a page the host reported as a miss is
+never written afterwards is kept by the host, whose GETs name only its own landing area
+(`offload.agent.landing`).
 """
 
 from __future__ import annotations
