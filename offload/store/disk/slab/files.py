@@ -292,12 +292,19 @@ class SlabFiles:
                      piece: int = WRITE_PIECE_BYTES) -> int:
         """`pwritev(fd, iov, off)` as calls of at most `piece` bytes (buffers cut at multiples of
         `piece`, a multiple of 4 KiB: O_DIRECT alignment kept), each through the gate. Returns the
-        bytes written (less than asked: a call came back short); an error is raised."""
+        bytes written, as one `pwritev` would: less than asked when a call came back short or
+        failed after others wrote (ENOSPC partway: the slots written whole are kept); an error
+        of the first call is raised."""
         done = 0
         for part in cut(iov, piece):
             want = sum(memoryview(b).nbytes for b in part)
-            with self.gate.writing(want):
-                n = os.pwritev(fd, part, off + done)
+            try:
+                with self.gate.writing(want):
+                    n = os.pwritev(fd, part, off + done)
+            except OSError:
+                if not done:
+                    raise
+                break
             done += n
             if n != want:
                 break
