@@ -61,3 +61,41 @@ def test_storage_hits_after_the_restart_for_both_l3s_none_without_and_outputs_ag
     assert ag["requests"] == 8 * 6
     assert "bench workload:" in out and "outputs: 48 replies compared" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.yaml"]   # its scratch is gone
+
+
+@needs_serving
+def test_unique_prompts_share_no_page_ours_writes_every_page_and_is_measured_against_none(
+        tmp_path: Path, demo_model: Path) -> None:
+    """`--unique`: two servers (no L3, ours), every prompt its own: nothing is served from any
+    cache, ours writes each prompt's every whole page, and the report holds ours / none."""
+    cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
+    proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "bench", "workload",
+                             "--config", str(cfg), "--unique", "--tiers", "none,ours",
+                             "--groups", "2", "--users", "2", "--turns", "1", "--prefix-tokens",
+                             "256", "--question-tokens", "16", "--output-tokens", "4",
+                             "--concurrency", "2", "--seed", "11", "--dir", str(tmp_path),
+                             "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "UCX_MODULES": "^ib"})
+    try:
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(120)
+    assert proc.returncode == 0, (out[-3000:], err[-5000:])
+    result = json.loads(out[out.index("{\n"):])
+    assert result["mode"] == "unique" and result["first_pages"]["shared_pairs"] == 0
+    assert result["first_pages"]["prompt_tokens"] == [272]
+    for run in result["runs"]:
+        assert run["requests"] == 4 and run["failed"] == 0, run
+        assert run["cached_tokens"] == 0, run                 # no prompt found another's page
+    ours = next(r for r in result["runs"] if r["tier"] == "ours")
+    assert ours["l3"]["blocks"] == 4 * (272 // 64)            # every whole page, none shared
+    assert ours["l3"]["bytes"] > 0
+    assert next(r for r in result["runs"] if r["tier"] == "none")["l3"]["bytes"] == 0
+    ratio = result["ratios"]["ours/none"]
+    assert set(ratio["targets"]) == {"requests_per_s", "tokens_per_s", "ttft_mean"}
+    assert len(ratio["rounds"]) == 1
+    assert "ours/none (median of 1 round" in out and "no prefix repeats: 0 pairs" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.yaml"]
