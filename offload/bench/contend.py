@@ -16,11 +16,12 @@ Ours goes through SGLang's own storage factory (`StorageBackendFactory.create_ba
    store's capacity holds the read pages and a few batches, so the write-back also evicts.
 
 Each read's latency is the whole call; the figures are p50 / p90 per phase, the writer's GB/s,
-the pages the write-back had refused (the cpu path's bounded write lane) and any read that
-missed. Target: ours beside the write-back <= 2 x raw beside the writer + 20 ms (p90);
-`ratio` is ours over that limit (<= 1 meets it), `--check` exits 1 when it is missed. Every page
-read is checked against what was written (outside the timings). On a file system without
-O_DIRECT (tmpfs) both sides use buffered I/O.
+the pages the write-back had refused (the cpu path's bounded write lane), any read that
+missed, and the disk store's own counts of write calls held back by a read and commit rounds
+whose flushes waited for reads (`offload/store/disk/slab/gate.py`). Target: ours beside the
+write-back <= 2 x raw beside the writer + 20 ms (p90); `ratio` is ours over that limit (<= 1
+meets it), `--check` exits 1 when it is missed. Every page read is checked against what was
+written (outside the timings). On a file system without O_DIRECT both sides use buffered I/O.
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ def bench_ours(root: str, args: Args) -> dict[str, Any]:
             lat, more = sample(read, args.seconds)
         out["beside"] = {**summary(lat), **w.figures()}
         out["read_misses"] = missed + more
+        extra = backend.store.stats().extra   # the disk store's reads-first gate, if it has one
+        out["writes_held"] = extra.get("writes_held")
+        out["flushes_delayed"] = extra.get("flushes_delayed")
         if page_digests(pool) != want:
             raise RuntimeError("offload: pages read back differ from those written")
         return out
@@ -287,6 +291,9 @@ def _table(out: dict[str, Any]) -> None:
             print(f"{name + ', ' + what:36} {r['p50_ms']:8.1f} {r['p90_ms']:8.1f} "
                   f"{r['reads']:6d} {gbps}")
     o, t = out["offload"], out["target"]
+    if o.get("writes_held") is not None:
+        print(f"the store's write calls held back by a read {o['writes_held']}, commit rounds "
+              f"that waited for reads {o['flushes_delayed']}")
     if o["read_misses"] or o["beside"]["write_refused_pages"]:
         print(f"read misses {o['read_misses']}, write-back pages refused "
               f"{o['beside']['write_refused_pages']}")
