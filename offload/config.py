@@ -165,7 +165,8 @@ class AgentConfig:
                                    "SGLANG_OFFLOAD_SECRET)", default=None)
     host_name: str | None = _doc("this host's name in the agent's keys file (per-host credentials; "
                                  "secret_file then holds this host's own secret)", default=None)
-    timeout_s: float = _doc("give up on one call (waiting for a connection, connecting and its requests together) after this many seconds", default=5.0)
+    timeout_s: float = _doc("give up on one call (waiting for a connection, connecting and "
+                            "its requests together) after this many seconds", default=5.0)
     limits: AgentLimitsConfig = field(default_factory=AgentLimitsConfig)
 
 

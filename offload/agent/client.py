@@ -370,7 +370,7 @@ class AgentStore:
         for batch in protocol.pack(nixl_idx, sizes, cap, info.max_keys):
             total = sum(sizes[i] for i in batch)
             base = landing.take(total) if landing is not None and total <= cap else None
-            if base is None:
+            if landing is None or base is None:
                 inline_idx.extend(batch)
                 continue
             at, land = base, []
