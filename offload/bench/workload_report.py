@@ -111,10 +111,10 @@ def print_unique(result: dict[str, Any]) -> None:
         rows += [(t, "median", s) for t, s in result.get("summary", {}).items()]
     for tier, rnd, s in rows:
         t, th, l3 = s["ttft_ms"], s["throughput"], s["l3"]
-        print(f"{tier:6} {rnd:>6} {s['requests']:>5} {_f(t['mean'], '.0f'):>9} "
+        print(f"{tier:6} {rnd:>6} {_f(s['requests'], '.0f'):>5} {_f(t['mean'], '.0f'):>9} "
               f"{_f(t['p50'], '.0f'):>7} {_f(t['p90'], '.0f'):>7} "
               f"{_f(th['requests_per_s'], '.2f'):>6} {_f(th['tokens_per_s'], '.0f'):>8} "
-              f"{s['cached_tokens']:>7} {_mb(l3['bytes']):>8} {_f(l3['blocks'], '.0f'):>7} "
+              f"{_f(s['cached_tokens'], '.0f'):>7} {_mb(l3['bytes']):>8} {_f(l3['blocks'], '.0f'):>7} "
               f"{_f(l3['settle_s'], '.1f'):>7}")
     for key, r in result.get("ratios", {}).items():
         m, tg = r["median"], r["targets"]
