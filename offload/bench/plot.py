@@ -49,7 +49,7 @@ def kind_of(result: dict[str, Any]) -> str:
     if not isinstance(result, dict):
         raise OffloadError("not a bench result: expected a JSON object, the --json output of "
                            "bench store, paths, hicache, redis or serve")
-    if result.get("mode") in ("restart", "sweep") and isinstance(result.get("workload"), dict):
+    if result.get("mode") in ("restart", "sweep", "unique") and isinstance(result.get("workload"), dict):
         return "workload"
     if result.get("bench") == "contend" and isinstance(result.get("target"), dict):
         return "contend"

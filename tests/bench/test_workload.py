@@ -139,7 +139,8 @@ def test_a_saved_result_plots(tmp_path: Path) -> None:
         "ttft_target_ms": 5.0, "max_users": {"none": 1},
         "steps": {"none": [[{"users": 1, "ttft_ms": {"p90": 2.0}},
                             {"users": 2, "ttft_ms": {"p90": 6.0}}]]}}}
-    for name, result in (("restart", restart), ("sweep", sweep)):
+    unique = {"mode": "unique", "workload": {}, "summary": {t: cell for t in ("none", "ours")}}
+    for name, result in (("restart", restart), ("sweep", sweep), ("unique", unique)):
         assert plot.kind_of(result) == "workload"
         out = tmp_path / f"{name}.png"
         assert plot.draw(result, str(out)) == str(out) and out.stat().st_size > 0
