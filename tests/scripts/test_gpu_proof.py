@@ -131,6 +131,7 @@ def test_fp8_summary_sets_bf16_and_fp8_side_by_side(tmp_path: Path) -> None:
     (["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: no such file"),
     (["--fast"], "unknown argument --fast"),
     (["--workload"], "--workload needs --config FILE"),
+    (["--unique"], "--unique needs --config FILE"),
 ])
 def test_gpu_proof_bad_arguments_are_one_error_line(argv: list[str], expected: str,
                                                      tmp_path: Path) -> None:
