@@ -1,0 +1,59 @@
+"""Red-team of issue 36's change (the landing area, one deadline per call): holes proven against a
+real agent process on loopback (NIXL over UCX, UCX_MODULES=^ib), each marked xfail(strict) until
+fixed, so the suite stays green and a fix turns it into a failure to un-mark.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from offload.agent.client import AgentStore
+from offload.keys import Namespace
+from tests.agent.conftest import SECRET, needs_nixl
+
+NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=64)
+
+
+@needs_nixl
+@pytest.mark.xfail(strict=True, reason=(
+    "5dcca80: `AgentConn._prove` raises Down whenever the call's deadline passes without a proof "
+    "notification, and `proof_nonces` returns [] only then, so the inline fallback below it is "
+    "dead: a host the agent's NIXL notifications cannot reach misses every call after waiting "
+    "its whole timeout_s (no mark_down, no back-off), where 91598c4 moved the bytes inline"))
+def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_connection(
+        agent_factory) -> None:
+    """The agent cannot reach this host's NIXL endpoint (a route or firewall between the DPU and
+    the host's UCX address): its proof notifications never arrive. The connection must still
+    serve the cache, its bytes on the control connection (what conn.py logs it does). The
+    unreachable path cannot be built on a shared loopback machine without a firewall rule, so
+    the host's NIXL agent here drops the notifications it receives (the one thing injected)."""
+    agent = agent_factory("--memory")
+    size, n = 64 << 10, 4
+    keys = [NS.key(f"noproof-{i}") for i in range(n)]
+    src = np.frombuffer(os.urandom(n * size), np.uint8).copy()
+    dst = np.zeros(n * size, np.uint8)
+    s = AgentStore(agent.address, SECRET, timeout_s=1.0, reconnect_s=0.2, connections=1)
+    s.register_region(src)
+    s.register_region(dst)
+    assert s._nixl is not None
+    s._nixl.get_new_notifs = lambda: {}          # the agent's notifications never arrive
+
+    def views(a: np.ndarray) -> list[list[memoryview]]:
+        return [[memoryview(a[i * size:(i + 1) * size])] for i in range(n)]
+
+    try:
+        # Measured: 8 of 8 rounds missed both calls, each after its whole 1.0 s (91598c4: the
+        # first put missed, every later call was True on the control connection).
+        stored = False
+        for _ in range(4):
+            if s.put_many(keys, views(src)) == [True] * n:
+                stored = True
+                break
+        assert stored, "every put missed: no connection ever falls back to inline bytes"
+        assert s.get_many(keys, views(dst)) == [True] * n
+        assert np.array_equal(src, dst)
+    finally:
+        s.close()
