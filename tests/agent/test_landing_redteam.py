@@ -12,7 +12,7 @@ import pytest
 
 from offload.agent.client import AgentStore
 from offload.keys import Namespace
-from tests.agent.conftest import SECRET, needs_nixl
+from tests.agent.conftest import SECRET, needs_nixl, wait_for
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=64)
 
@@ -98,5 +98,43 @@ def test_put_many_shares_one_deadline_with_the_durable_it_sends(agent_factory, m
         ops = [op for op, _ in seen]
         assert protocol.PUT in ops and protocol.DURABLE in ops, ops
         assert len({d for _, d in seen}) == 1, f"{len({d for _, d in seen})} deadlines in one call"
+    finally:
+        s.close()
+
+
+@needs_nixl
+@pytest.mark.xfail(strict=True, reason=(
+    "`AgentStore._use` with every connection busy waits for the next one in turn only, until the "
+    "call's deadline: a connection freed meanwhile is not taken, so the call misses while one is "
+    "idle (a GET stuck on one connection makes the next call behind it miss)"))
+def test_a_call_takes_the_first_connection_freed_before_its_deadline(agent_factory) -> None:
+    """Both connections busy; the second is freed soon after a call starts waiting, the first
+    stays held past the call's deadline. The call should run on the freed one."""
+    import threading
+
+    agent = agent_factory("--memory")
+    s = AgentStore(agent.address, SECRET, timeout_s=2.0, reconnect_s=0.2, connections=2)
+    key = NS.key("first-free")
+    try:
+        blk = b"y" * 4096
+        assert wait_for(lambda: s.put_many([key], [[blk]]) == [True], 120)
+        c0, c1 = s._conns
+        s._next = 0                                  # the next in turn is the first
+        out: list[list[bool]] = []
+        with c0.lock:
+            c1.lock.acquire()
+            t = threading.Thread(target=lambda: out.append(s.exists_many([key])))
+            t.start()
+            waiting = threading.Event()
+            # The call is past its non-blocking tries once it bumped `_next`.
+            for _ in range(1000):
+                if s._next == 1:
+                    waiting.set()
+                    break
+                threading.Event().wait(0.01)
+            c1.lock.release()                        # a connection is free long before the deadline
+            t.join(120)
+        assert waiting.is_set()
+        assert out == [[True]], "the call missed while a connection was free"
     finally:
         s.close()
