@@ -100,7 +100,7 @@ class AgentStore:
                           proof_area=self.proof_area)
         # Several connections so that a prefetch (get) need not wait behind a backup (put).
         self._conns = [AgentConn(settings, hooks) for _ in range(max(1, connections))]
-        self._next = 0
+        self._released = threading.Condition()   # signalled when a connection is released
         self._nixl: Any = None
         self._regions: list[tuple[int, int]] = []   # registered [start, end)
         self._regs: list[Any] = []
@@ -152,6 +152,8 @@ class AgentStore:
         for c in self._conns:     # the next request says hello again, with the new metadata
             with c.lock:
                 c.drop()
+        with self._released:
+            self._released.notify_all()
         self.down_until = 0.0
 
     def _register_proof_area(self) -> None:
@@ -245,25 +247,29 @@ class AgentStore:
         self.down_until = time.monotonic() + self.reconnect_s
 
     @contextmanager
-    def _use(self) -> Iterator[tuple[AgentConn | None, float]]:
-        """A free connection (else wait for the next one in turn, until the call's deadline:
-        None if it passed), held for one call, and the call's deadline (`timeout_s` from now),
-        which every step of the call shares."""
-        deadline = time.monotonic() + self.timeout_s
-        for c in self._conns:
-            if c.lock.acquire(blocking=False):
-                break
-        else:
-            with self._lock:
-                c = self._conns[self._next % len(self._conns)]
-                self._next += 1
-            if not c.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                yield None, deadline
-                return
+    def _use(self, deadline: float | None = None) -> Iterator[tuple[AgentConn | None, float]]:
+        """A free connection (else the first one released, waited for until the call's
+        deadline: None if it passed), held for one call, and the call's deadline (`timeout_s`
+        from now unless the caller's call already has one), which every step of the call shares."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        got: AgentConn | None = None
+        with self._released:
+            while got is None:
+                got = next((c for c in self._conns if c.lock.acquire(blocking=False)), None)
+                left = deadline - time.monotonic()
+                if got is None and (left <= 0 or not self._released.wait(left)):
+                    got = next((c for c in self._conns if c.lock.acquire(blocking=False)), None)
+                    break
+        if got is None:
+            yield None, deadline
+            return
         try:
-            yield c, deadline
+            yield got, deadline
         finally:
-            c.lock.release()
+            with self._released:
+                got.lock.release()
+                self._released.notify()
 
     @staticmethod
     def _budget_ms(deadline: float) -> int:
@@ -272,24 +278,27 @@ class AgentStore:
 
     # ---------------------------------------------------------------- BlockStore
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
-        """True: the agent has the block, durable soon (`durable`, `flush`)."""
-        ok = self._blocks(protocol.PUT, keys, blocks)
+        """True: the agent has the block, durable soon (`durable`, `flush`). One deadline for
+        the PUT and the durability check of older puts it may make."""
+        deadline = time.monotonic() + self.timeout_s
+        ok = self._blocks(protocol.PUT, keys, blocks, deadline)
         with self._lock:
             self._unflushed.update((bytes(k), None) for k, f in zip(keys, ok) if f)
             full = len(self._unflushed) > FLUSH_KEYS       # ask about the oldest now
             old = list(itertools.islice(self._unflushed, protocol.MAX_KEYS)) if full else []
             for k in old:
                 del self._unflushed[k]
-        if old and not all(self.durable(old)):
+        if old and not all(self.durable(old, deadline)):
             self._lost = True
         return ok
 
-    def durable(self, keys: Sequence[bytes]) -> list[bool]:
+    def durable(self, keys: Sequence[bytes], deadline: float | None = None) -> list[bool]:
         """Per key, whether the agent stores it durably, once its puts so far were made durable
-        or lost (the agent waits for them up to this request's budget); False while down."""
+        or lost (the agent waits for them up to this request's budget); False while down or
+        past `deadline` (a call's own, else `timeout_s` from now)."""
         out: list[bool] = []
         for n, reply in self._key_chunks(protocol.DURABLE, keys, lambda ks, d: protocol.Durable(
-                ks, budget_ms=self._budget_ms(d))):
+                ks, budget_ms=self._budget_ms(d)), deadline):
             flags = reply.ok if reply is not None else []
             out += [bool(f) for f in flags] if len(flags) == n else [False] * n
         return out
@@ -305,10 +314,10 @@ class AgentStore:
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
         return self._blocks(protocol.GET, keys, dests)
 
-    def _blocks(self, op: int, keys: Sequence[bytes], bufs: Sequence[Sequence[Buffer]]
-                ) -> list[bool]:
+    def _blocks(self, op: int, keys: Sequence[bytes], bufs: Sequence[Sequence[Buffer]],
+                deadline: float | None = None) -> list[bool]:
         ok = [False] * len(keys)
-        with self._use() as (c, deadline):
+        with self._use(deadline) as (c, deadline):
             if c is None:
                 return ok
             try:
@@ -440,12 +449,12 @@ class AgentStore:
 
     def _key_chunks(self, op: int, keys: Sequence[bytes],
                     msg: Callable[[list[bytes], float], protocol.Msg] = (
-                        lambda ks, d: protocol.KeyList(ks))
-                    ) -> Iterator[tuple[int, Any]]:
+                        lambda ks, d: protocol.KeyList(ks)),
+                    deadline: float | None = None) -> Iterator[tuple[int, Any]]:
         """Send `op` (`msg(chunk, deadline)` of each chunk) over `keys` in chunks of
         `protocol.MAX_KEYS` on one connection, all within the call's one deadline: per chunk its
         length and the agent's reply (None while the agent is down or the deadline passed)."""
-        with self._use() as (c, deadline):
+        with self._use(deadline) as (c, deadline):
             for start in range(0, len(keys), protocol.MAX_KEYS):
                 chunk = list(keys[start:start + protocol.MAX_KEYS])
                 reply = None
@@ -538,7 +547,8 @@ class AgentStore:
         s.extra = {k: v for k, v in fields.items() if k not in names}
         s.extra["agent"] = f"{self.address[0]}:{self.address[1]}"
         s.extra["host_get_mismatch"] = self.get_mismatch
-        s.extra["host_landing_held_bytes"] = self._landing.held() if self._landing else 0
+        landing = self._landing                 # read once: close() may drop it meanwhile
+        s.extra["host_landing_held_bytes"] = landing.held() if landing else 0
         return s
 
     def close(self) -> None:

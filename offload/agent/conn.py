@@ -70,6 +70,7 @@ class AgentConn:
         self.ch: protocol.Channel | None = None
         self.info: protocol.HelloReply | None = None
         self.nixl = False                 # the agent moves this connection's bytes by NIXL
+        self._proof_missed = False        # the last proof's notification never came
         self._req_id = 0
 
     def connect(self, deadline: float | None = None) -> protocol.HelloReply:
@@ -124,10 +125,13 @@ class AgentConn:
     def _prove(self, tag: bytes, deadline: float) -> bool:
         """Echo the nonce the agent sent to this host's NIXL endpoint; True once accepted."""
         nonces = self.hooks.proof_nonces(tag, deadline)
-        if not nonces and time.monotonic() >= deadline:
+        if not nonces and time.monotonic() >= deadline and not self._proof_missed:
             # The call's deadline, not the agent's answer: the next call connects again (its
-            # metadata checked by then) rather than keep a connection without NIXL.
+            # metadata checked by then) rather than keep a connection without NIXL. Only once in
+            # a row: where no notification can reach this host, every call would miss whole.
+            self._proof_missed = True
             raise Down("the call's deadline passed before the proof notification")
+        self._proof_missed = bool(not nonces)
         if not nonces:
             log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
                         "the control connection", *self.settings.address)

@@ -1,6 +1,7 @@
 """Red-team of issue 36's change (the landing area, one deadline per call): holes proven against a
-real agent process on loopback (NIXL over UCX, UCX_MODULES=^ib), each marked xfail(strict) until
-fixed, so the suite stays green and a fix turns it into a failure to un-mark.
+real agent process on loopback (NIXL over UCX, UCX_MODULES=^ib), each failing before its fix: a
+proof notification that never arrives (every call missed its whole timeout_s), put_many's DURABLE
+with a deadline of its own, a call waiting for one busy connection while another was freed.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 
 from offload.agent.client import AgentStore
 from offload.keys import Namespace
@@ -18,11 +18,6 @@ NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=64)
 
 
 @needs_nixl
-@pytest.mark.xfail(strict=True, reason=(
-    "5dcca80: `AgentConn._prove` raises Down whenever the call's deadline passes without a proof "
-    "notification, and `proof_nonces` returns [] only then, so the inline fallback below it is "
-    "dead: a host the agent's NIXL notifications cannot reach misses every call after waiting "
-    "its whole timeout_s (no mark_down, no back-off), where 91598c4 moved the bytes inline"))
 def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_connection(
         agent_factory) -> None:
     """The agent cannot reach this host's NIXL endpoint (a route or firewall between the DPU and
@@ -60,10 +55,6 @@ def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_conne
 
 
 @needs_nixl
-@pytest.mark.xfail(strict=True, reason=(
-    "put_many is two calls, each with its own timeout_s: `_blocks` (PUT) then `durable(old)` "
-    "(DURABLE) once more than FLUSH_KEYS keys are unflushed; measured: 1.70 s with timeout_s "
-    "1.0, the agent stopped 0.7 s during the PUT and again as the DURABLE went out"))
 def test_put_many_shares_one_deadline_with_the_durable_it_sends(agent_factory, monkeypatch
                                                                 ) -> None:
     """Every request of one call carries the call's one deadline (docs/security/agent.md): the
@@ -103,38 +94,28 @@ def test_put_many_shares_one_deadline_with_the_durable_it_sends(agent_factory, m
 
 
 @needs_nixl
-@pytest.mark.xfail(strict=True, reason=(
-    "`AgentStore._use` with every connection busy waits for the next one in turn only, until the "
-    "call's deadline: a connection freed meanwhile is not taken, so the call misses while one is "
-    "idle (a GET stuck on one connection makes the next call behind it miss)"))
 def test_a_call_takes_the_first_connection_freed_before_its_deadline(agent_factory) -> None:
     """Both connections busy; the second is freed soon after a call starts waiting, the first
     stays held past the call's deadline. The call should run on the freed one."""
     import threading
 
     agent = agent_factory("--memory")
-    s = AgentStore(agent.address, SECRET, timeout_s=2.0, reconnect_s=0.2, connections=2)
+    s = AgentStore(agent.address, SECRET, timeout_s=10.0, reconnect_s=0.2, connections=2)
     key = NS.key("first-free")
     try:
         blk = b"y" * 4096
         assert wait_for(lambda: s.put_many([key], [[blk]]) == [True], 120)
         c0, c1 = s._conns
-        s._next = 0                                  # the next in turn is the first
         out: list[list[bool]] = []
         with c0.lock:
             c1.lock.acquire()
             t = threading.Thread(target=lambda: out.append(s.exists_many([key])))
             t.start()
-            waiting = threading.Event()
-            # The call is past its non-blocking tries once it bumped `_next`.
-            for _ in range(1000):
-                if s._next == 1:
-                    waiting.set()
-                    break
-                threading.Event().wait(0.01)
-            c1.lock.release()                        # a connection is free long before the deadline
+            threading.Event().wait(0.3)              # the call is waiting for a connection
+            with s._released:                        # released as a call's end releases it
+                c1.lock.release()
+                s._released.notify()
             t.join(120)
-        assert waiting.is_set()
         assert out == [[True]], "the call missed while a connection was free"
     finally:
         s.close()
