@@ -35,6 +35,10 @@ log = logging.getLogger("offload.agent.client")
 HELLO_MD_LIMIT = protocol.PRE_AUTH_MAX_BODY - 4096   # larger NIXL metadata goes in a METADATA
 
 
+REPROVE_FIRST_S = 1.0      # a connection left inline by a missing proof notification proves again
+REPROVE_MAX_S = 300.0      # after this long at most (doubling from REPROVE_FIRST_S)
+
+
 class Down(Exception):
     """The agent cannot be used right now (the call is a miss)."""
 
@@ -70,7 +74,8 @@ class AgentConn:
         self.ch: protocol.Channel | None = None
         self.info: protocol.HelloReply | None = None
         self.nixl = False                 # the agent moves this connection's bytes by NIXL
-        self._proof_missed = False        # the last proof's notification never came
+        self._reprove_at: float | None = None   # when to reconnect to prove NIXL again
+        self._reprove_gap = REPROVE_FIRST_S
         self._req_id = 0
 
     def connect(self, deadline: float | None = None) -> protocol.HelloReply:
@@ -78,7 +83,9 @@ class AgentConn:
         `timeout_s` from now); returns the agent's limits."""
         s, h = self.settings, self.hooks
         if self.ch is not None and self.info is not None:
-            return self.info
+            if self.nixl or self._reprove_at is None or time.monotonic() < self._reprove_at:
+                return self.info
+            self.drop()                   # inline since a proof found no notification: prove again
         if h.is_down():
             raise Down("agent marked down")
         if deadline is None:
@@ -124,18 +131,20 @@ class AgentConn:
 
     def _prove(self, tag: bytes, deadline: float) -> bool:
         """Echo the nonce the agent sent to this host's NIXL endpoint; True once accepted."""
-        nonces = self.hooks.proof_nonces(tag, deadline)
-        if not nonces and time.monotonic() >= deadline and not self._proof_missed:
-            # The call's deadline, not the agent's answer: the next call connects again (its
-            # metadata checked by then) rather than keep a connection without NIXL. Only once in
-            # a row: where no notification can reach this host, every call would miss whole.
-            self._proof_missed = True
-            raise Down("the call's deadline passed before the proof notification")
-        self._proof_missed = bool(not nonces)
+        now = time.monotonic()
+        # Half of what is left of the call: a connection without NIXL still opens in this call.
+        nonces = self.hooks.proof_nonces(tag, now + max(0.0, deadline - now) / 2)
         if not nonces:
+            # No notification yet (the agent's first check of our metadata may be slow, or its
+            # notifications cannot reach this host): bytes travel on the control connection, and
+            # a later call connects again to prove (after 1 s, then twice as long each time).
+            self._reprove_at = time.monotonic() + self._reprove_gap
+            self._reprove_gap = min(self._reprove_gap * 2, REPROVE_MAX_S)
             log.warning("agent %s:%d: no proof notification arrived by NIXL; bytes travel on "
-                        "the control connection", *self.settings.address)
+                        "the control connection (proving again in %.0f s)",
+                        *self.settings.address, self._reprove_at - time.monotonic())
             return False
+        self._reprove_at, self._reprove_gap = None, REPROVE_FIRST_S
         nonces = nonces[-protocol.MAX_PROOF_NONCES:]
         assert self.ch is not None
         with self.hooks.proof_area([self.ch.proof(n) for n in nonces]) as addr:

@@ -34,6 +34,7 @@ def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_conne
     s.register_region(src)
     s.register_region(dst)
     assert s._nixl is not None
+    real_notifs = s._nixl.get_new_notifs
     s._nixl.get_new_notifs = lambda: {}          # the agent's notifications never arrive
 
     def views(a: np.ndarray) -> list[list[memoryview]]:
@@ -50,6 +51,10 @@ def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_conne
         assert stored, "every put missed: no connection ever falls back to inline bytes"
         assert s.get_many(keys, views(dst)) == [True] * n
         assert np.array_equal(src, dst)
+        assert not s._conns[0].nixl
+        # The notifications reach the host again: a later call proves again and moves by NIXL.
+        s._nixl.get_new_notifs = real_notifs
+        assert wait_for(lambda: s.exists_many(keys) == [True] * n and s._conns[0].nixl, 60)
     finally:
         s.close()
 
