@@ -30,7 +30,7 @@ def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_conne
     keys = [NS.key(f"noproof-{i}") for i in range(n)]
     src = np.frombuffer(os.urandom(n * size), np.uint8).copy()
     dst = np.zeros(n * size, np.uint8)
-    s = AgentStore(agent.address, SECRET, timeout_s=1.0, reconnect_s=0.2, connections=1)
+    s = AgentStore(agent.address, SECRET, timeout_s=3.0, reconnect_s=0.2, connections=1)
     s.register_region(src)
     s.register_region(dst)
     assert s._nixl is not None
@@ -44,7 +44,7 @@ def test_a_proof_notification_that_never_arrives_falls_back_to_the_control_conne
         # Measured: 8 of 8 rounds missed both calls, each after its whole 1.0 s (91598c4: the
         # first put missed, every later call was True on the control connection).
         stored = False
-        for _ in range(4):
+        for _ in range(6):                       # a loaded box may miss the first few
             if s.put_many(keys, views(src)) == [True] * n:
                 stored = True
                 break
