@@ -40,6 +40,16 @@ def load_script(path: Path, name: str) -> ModuleType:
 PROBES = ["imports", "cache_salt", "offload_backend"]  # offload_backend last: it stubs a module
 
 
+def site_without(tmp_path_factory: pytest.TempPathFactory, patch: str) -> Path:
+    """An unpacked SGLang with the series less `patch` (distro/shadow_tree.py): the reference a
+    patch's failing-without test probes."""
+    shadow = load_script(REPO / "distro" / "shadow_tree.py", "sglang_offload_shadow_tree")
+    out = tmp_path_factory.mktemp(f"without-{patch}") / "tree"
+    applied = shadow.build(out, [patch])
+    assert not any(p.name.startswith(patch) for p in applied)
+    return out
+
+
 def run_probes(site: Path | None = None, names: list[str] = PROBES) -> dict:
     """Run tests/distro/run_probes.py with this .venv's Python; `site` first on sys.path if given."""
     env = dict(os.environ)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distro.conftest import REPO, load_script
+from tests.distro.conftest import REPO, site_without
 
 HERE = Path(__file__).resolve().parent
 PATCH = "0017"
@@ -43,11 +43,7 @@ def _probe(site: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    shadow = load_script(REPO / "distro" / "shadow_tree.py", "sglang_offload_shadow_tree")
-    out = tmp_path_factory.mktemp("without-0017") / "tree"
-    applied = shadow.build(out, [PATCH])
-    assert not any(p.name.startswith(PATCH) for p in applied)
-    return out
+    return site_without(tmp_path_factory, PATCH)
 
 
 @pytest.fixture(scope="module")
