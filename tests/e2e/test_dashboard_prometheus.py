@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pytest
 
 from offload.launch.server import LaunchedServer, free_port, wait_store
-from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt
+from tests.e2e.conftest import PAGE, flush_l1_l2, full_pages, needs_serving, prompt
 
 pytestmark = [needs_serving, pytest.mark.timeout(1200), pytest.mark.skipif(
     shutil.which("prometheus") is None,
@@ -108,8 +108,7 @@ def test_every_panel_returns_data_and_cached_tokens_agree_with_the_requests(
         replies.append(s.generate(text))                      # L1
         pages = full_pages(replies[0].prompt_tokens) // PAGE
         assert wait_store(store, pages) >= pages
-        req = urllib.request.Request(s.url + "/flush_cache", data=b"", method="POST")
-        urllib.request.urlopen(req, timeout=60).read()
+        flush_l1_l2(s)
         replies.append(s.generate(text))                      # L3
         assert replies[2].details.get("storage", 0) > 0, [r.details for r in replies]
         want = {src: sum(int(r.details.get(src, 0)) for r in replies)

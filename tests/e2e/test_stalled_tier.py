@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from offload.launch.server import LaunchedServer
-from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt, wait_metric
+from tests.e2e.conftest import PAGE, flush_l1_l2, full_pages, needs_serving, prompt, wait_metric
 
 pytestmark = [needs_serving, pytest.mark.timeout(1200)]
 TOKENS = 1200
@@ -31,12 +30,6 @@ AGENT_TIMEOUT_S = 600     # the backend's own bound on one agent request: past R
 READ_TIMEOUT_S = 240      # the stalled request must answer within this (no byte for longer fails)
 CAP_S = 120               # launch's cap: 7.5 s per 1K tokens at the 16K context, ~9 s here
 
-
-def _flush(s: LaunchedServer) -> None:
-    """SGLang's /flush_cache: L1 and L2 emptied (the server is idle), L3 kept."""
-    req = urllib.request.Request(s.url + "/flush_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
 
 
 def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
@@ -61,12 +54,12 @@ def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
         pages = full_pages(cold.prompt_tokens) // PAGE
         assert wait_metric(s, "sglang_offload_pool_pages_total", 'direction="write"',
                            pages) >= pages
-        _flush(s)
+        flush_l1_l2(s)
         hit = s.generate(text)                               # from the agent, inside the deadline
         assert hit.output_ids == cold.output_ids and hit.text == cold.text
         assert hit.cached_tokens == full_pages(cold.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
-        _flush(s)
+        flush_l1_l2(s)
         os.kill(agent.proc.pid, signal.SIGSTOP)              # the tier hangs
         stopped = True
         miss = s.generate(text, timeout=READ_TIMEOUT_S)
