@@ -45,7 +45,7 @@ def raw_all(dirs: list[str], total: int) -> tuple[float, float]:
 
 def bench_spread(roots: list[str], size: int, total: int, batch: int, threads: int
                  ) -> dict[str, Any]:
-    from offload.store.spread import SpreadStore
+    from offload.store.disk.spread import SpreadStore
 
     dirs = [os.path.join(r, f"spread-{size}") for r in roots]
     n = max(batch, total // size)

@@ -2,7 +2,7 @@
 (its recorded capacity kept), or the DRAM tier.
 
 Primitives: `open_disk(StoreConfig)` -> `DiskStore` (one directory) or `SpreadStore` (the drives of
-`offload.store.paths`: `offload/store/spread.py`); `open_existing(directory)` -> `DiskStore` with
+`offload.store.paths`: `offload/store/disk/spread.py`); `open_existing(directory)` -> `DiskStore` with
 the capacity recorded in its index (`cache` commands, `launch`'s store usage); `stored_capacity(dir)`;
 `open_memory(capacity, reserve)` -> `MemoryStore`. The tiers are imported on call (no native module
 and no SQLite connection at import). Errors: `UsageError` for a path that is not a cache directory,
@@ -21,9 +21,9 @@ from offload.config import Size, StoreConfig, format_size
 from offload.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
+    from offload.store.disk.spread import SpreadStore
     from offload.store.disk.store import DiskStore
     from offload.store.memory.store import MemoryStore
-    from offload.store.spread import SpreadStore
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def open_disk(cfg: StoreConfig) -> DiskStore | SpreadStore:
     directories of `paths` when it names several."""
     dirs = cfg.directories()
     if len(dirs) > 1:
-        from offload.store.spread import SpreadStore
+        from offload.store.disk.spread import SpreadStore
 
         return SpreadStore(cfg)
     from offload.store.disk.store import DiskStore

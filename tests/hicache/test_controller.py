@@ -6,14 +6,12 @@ MLA; a corrupted block on disk is a miss through the whole path.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from offload.keys import block_key
-from offload.store.disk.slab import format as slot_format
 from tests.hicache import controller_harness as ch
 from tests.hicache import hicache_pools as hp
+from tests.store.stores import corrupt_block
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,28 +56,6 @@ def test_backup_then_prefetch_is_byte_identical(tmp_path, layout, mla):
         ctrl.detach_storage_backend()
 
 
-def _corrupt_block(store_dir: str, key: bytes) -> bool:
-    """Flip one data byte of the block stored under `key` (found by its slot header)."""
-    for name in os.listdir(store_dir):
-        parsed = slot_format.parse_segment_name(name)
-        if parsed is None:
-            continue
-        _, slot_bytes = parsed
-        path = os.path.join(store_dir, name)
-        with open(path, "r+b") as f:
-            size = os.path.getsize(path)
-            for off in range(0, size, slot_bytes):
-                f.seek(off)
-                h = slot_format.unpack_header(f.read(slot_format.HEADER_BYTES))
-                if h is not None and h.key == key:
-                    f.seek(off + slot_format.HEADER_BYTES + 100)
-                    b = f.read(1)
-                    f.seek(off + slot_format.HEADER_BYTES + 100)
-                    f.write(bytes([b[0] ^ 0xFF]))
-                    return True
-    return False
-
-
 def test_corrupt_block_is_a_miss_through_the_controller(tmp_path):
     _, host, ctrl = _setup(tmp_path, "page_first", mla=False)
     try:
@@ -89,7 +65,7 @@ def test_corrupt_block_is_a_miss_through_the_controller(tmp_path):
         assert ch.backup(ctrl, src, tokens) == len(tokens)
         backend = ctrl.storage_backend
         third = block_key(backend.namespace.digest(), ch.page_hashes(tokens)[2])
-        assert _corrupt_block(str(tmp_path / "store"), third)
+        assert corrupt_block(str(tmp_path / "store"), third)
 
         # The index still lists the block, so the hit query finds 5 pages; the load stops at
         # the corrupt third page (verified checksum), and the first two pages are exact.
@@ -141,7 +117,7 @@ def test_a_store_over_several_drives_through_the_controller(tmp_path):
     ctrl = ch.make_controller(kv, host, extra)
     try:
         from offload.events import _parts
-        from offload.store.spread import SpreadStore
+        from offload.store.disk.spread import SpreadStore
 
         assert any(isinstance(p, SpreadStore) for p in _parts(ctrl.storage_backend.store))
         hp.fill(host, seed=11)

@@ -158,7 +158,7 @@ def test_tier_stats_come_from_the_stores_not_their_class_names():
 
 def test_each_drive_of_a_spread_store_has_its_state(tmp_path):
     from offload.config import Size, StoreConfig
-    from offload.store.spread import SpreadStore
+    from offload.store.disk.spread import SpreadStore
 
     dirs = [tmp_path / f"nvme{i}" for i in range(2)]
     reg = CollectorRegistry()

@@ -56,7 +56,7 @@ class TestSpreadContract(StoreContract):
     persistent = True
 
     def _open(self) -> BlockStore:
-        from offload.store.spread import SpreadStore
+        from offload.store.disk.spread import SpreadStore
 
         dirs = tuple(str(self.path / f"drive{i}") for i in range(3))
         return SpreadStore(StoreConfig(paths=dirs, capacity=Size(96 << 20), min_free=Size(0),

@@ -272,6 +272,10 @@ class SpreadStore:
         with self._lock:
             return [dataclasses.replace(d) for d in self._drives]
 
+    def parts(self) -> Sequence[DiskStore]:
+        """The stores of the drives in service (`offload.store.base.Composite`)."""
+        return self.drive_stores()
+
     def drive_stores(self) -> list[DiskStore]:
         """The stores of the drives in service (events, tools)."""
         with self._lock:
