@@ -17,6 +17,15 @@ background (the disk store); `durable(store, keys, ok)` narrows such flags to wh
 (a server's acknowledgement to its client). A store that writes some puts later says what waits
 (`HasBacklog.backlog()`: per tier, `Backlog(pages, bytes)`).
 
+What a store can do beyond `BlockStore` is declared, never probed by attribute name: each optional
+ability is a `runtime_checkable` Protocol here (`SlotStore`, `Durable`, `Promotable`, `Flushable`,
+`HasBacklog`, `RegistersRegions`, `CommitsNow`), asked with `isinstance`. A store made of other
+stores (a tiered store, a transfer path over its block store, a spread store over its drives) is a
+`Composite`: `parts()` names its inner stores, as zarr's wrapper stores do. `walk(store)` is the one
+way through that graph (the store, then its parts, breadth first, each once) and `find(store, P)`
+the stores on it that implement `P` (events find the disk stores under a path, the agent's acks a
+store's `Durable`).
+
 `never_raises(what, miss)` is the one way a data-path method keeps that promise: an exception
 becomes `miss(*args)` (e.g. all False), logged with its traceback the first time at each site and
 then counted, with a summary line at most once a minute.
@@ -30,7 +39,18 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, NamedTuple, Protocol, Sequence, TypeVar, Union, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Literal,
+    NamedTuple,
+    Protocol,
+    Sequence,
+    TypeVar,
+    Union,
+    cast,
+    runtime_checkable,
+)
 
 from offload.keys import Namespace
 
@@ -58,6 +78,7 @@ class StoreStats:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+@runtime_checkable
 class BlockStore(Protocol):
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Buffer]]) -> list[bool]:
         """Store blocks; a key already stored is a success without a write.
@@ -229,6 +250,55 @@ class RegistersRegions(Protocol):
 
     def register_region(self, buffer: Any) -> None:
         ...
+
+
+@runtime_checkable
+class CommitsNow(Protocol):
+    """A store that groups its background commits (`DiskStore`'s group commit) and can be told to
+    commit what is pending at once (a waiter that cannot wait for the next round)."""
+
+    def commit_now(self) -> None:
+        ...
+
+
+@runtime_checkable
+class Composite(Protocol):
+    """A store made of other stores (zarr's wrapper stores are the model): a tiered store (its
+    local and shared tiers), a transfer path (the block store it moves bytes for), a spread store
+    (each drive's store in service). `parts()` are the inner stores, in the composite's order;
+    `walk` and `find` below are the way through them."""
+
+    def parts(self) -> Sequence[BlockStore]:
+        ...
+
+
+Cap = TypeVar("Cap")
+
+
+def walk(store: object) -> list[object]:
+    """`store` and every store it is made of (`Composite.parts`, recursively): breadth first, the
+    outermost first, each store once however often it is reached."""
+    out: list[object] = []
+    todo: list[object] = [store]
+    while todo:
+        s = todo.pop(0)
+        if any(s is o for o in out):
+            continue
+        out.append(s)
+        if isinstance(s, Composite):
+            todo += list(s.parts())
+    return out
+
+
+def find(store: object, capability: Callable[..., Cap]) -> list[Cap]:
+    """The stores of `walk(store)` that are instances of `capability` (a class, or a
+    `runtime_checkable` Protocol such as `Durable`), outermost first.
+
+    `capability` is typed as a callable because mypy accepts no Protocol for `type[Cap]`; a
+    Protocol that is not runtime-checkable raises TypeError (a programming error, found at once)."""
+    if not isinstance(capability, type):
+        raise TypeError(f"find() takes a class or a runtime-checkable Protocol, not {capability!r}")
+    return [cast(Cap, s) for s in walk(store) if isinstance(s, capability)]
 
 
 def leading_hits(store: BlockStore, keys: Sequence[bytes]) -> int:

@@ -113,6 +113,10 @@ class TieredStore:
                          "promotion_failures": 0, "shared_writes": 0, "shared_write_failures": 0,
                          "uploads_queued": 0, "uploads_dropped": 0}
 
+    def parts(self) -> Sequence[BlockStore]:
+        """The local tier, then the shared one (`offload.store.base.Composite`)."""
+        return [self.local, self.shared]
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n

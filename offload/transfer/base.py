@@ -117,6 +117,10 @@ class StoreBookkeeping:
 
     store: BlockStore
 
+    def parts(self) -> Sequence[BlockStore]:
+        """The block store this path moves bytes for (`offload.store.base.Composite`)."""
+        return [self.store]
+
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.store.exists_many(keys)
 

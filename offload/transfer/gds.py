@@ -92,6 +92,10 @@ class GdsPath(StoreBookkeeping):
         self._lock = threading.Lock()
         self.failures = FailureCounts()
 
+    def parts(self) -> Sequence[BlockStore]:
+        """The store's slab files, and the path taking what cuFile cannot (`Composite`)."""
+        return [self.store, self.fallback]
+
     @classmethod
     def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None) -> "GdsPath":
         ok, why = gds_really_available(decision)
