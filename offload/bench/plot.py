@@ -126,7 +126,7 @@ def draw(result: dict[str, Any], out: str, title: str | None = None) -> str:
 
     kind = kind_of(result)
     if kind == "workload":
-        from offload.bench.workload_plot import workload_figure
+        from offload.bench.workload.plot import workload_figure
 
         fig = workload_figure(result, title)
     elif kind == "contend":

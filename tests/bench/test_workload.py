@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from offload import cli
-from offload.bench import workload_client as wc
-from offload.bench.workload_margin import margin_at, messages
-from offload.bench.workload_tiers import swap_backend
+from offload.bench.workload import client as wc
+from offload.bench.workload.margin import margin_at, messages
+from offload.bench.workload.tiers import swap_backend
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DEPS = REPO / "distro" / "sglang-bench-deps.txt"
@@ -147,7 +147,7 @@ def test_a_saved_result_plots(tmp_path: Path) -> None:
 
 
 def test_storage_hits_sglang_did_not_load_are_read_from_its_metrics() -> None:
-    from offload.bench.workload_tiers import not_loaded
+    from offload.bench.workload.tiers import not_loaded
 
     text = "\n".join([
         "# HELP sglang:storage_prefetch_unfulfilled_tokens_total Storage hits not loaded",
@@ -168,7 +168,7 @@ def test_storage_hits_sglang_did_not_load_are_read_from_its_metrics() -> None:
 def test_the_file_tier_waits_for_a_prefetch_as_ours_does(tmp_path: Path) -> None:
     """The `file` L3 gets launch's prefetch wait keys (SGLang's default deadline otherwise, while
     ours runs launch's), and a key the user set still wins."""
-    from offload.bench.workload_tiers import tier_command
+    from offload.bench.workload.tiers import tier_command
     from offload.launch.compose import prepare
 
     root = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from offload import cli
-from offload.bench import workload_client as wc
-from offload.bench import workload_unique as wu
-from offload.bench.workload_report import print_result
+from offload.bench.workload import client as wc
+from offload.bench.workload import unique as wu
+from offload.bench.workload.report import print_result
 
 PAGE = 64
 

@@ -1,6 +1,6 @@
 """The unique-prompt run of `bench workload --unique`: what the tier costs where nothing repeats.
 
-Every request is a prompt of its own: SGLang's client (`offload.bench.workload_client`) with
+Every request is a prompt of its own: SGLang's client (`offload.bench.workload.client`) with
 its generated-shared-prefix dataset cut to one prompt per group and one turn, sent as token ids
 (`--tokenize-prompt`, native `/generate`: no chat template puts the same tokens in front of
 every prompt), as many requests as the standard run (groups x users x turns), each of
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from offload.bench import workload_client as wc
 from offload.bench.common import Args, median_of
+from offload.bench.workload import client as wc
 
 # key -> (bound, value): ours / none of the same round, median over rounds (issue 35 item 5)
 TARGETS: dict[str, tuple[str, float]] = {"requests_per_s": ("at_least", 0.97),

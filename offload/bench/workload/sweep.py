@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from offload.bench import workload_client as wc
 from offload.bench.common import Args
+from offload.bench.workload import client as wc
 
 
 def sweep(args: Args, work: Path, tiers: list[str], over: dict[str, Any], w: wc.Workload,

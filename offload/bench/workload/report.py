@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload.bench.workload_tiers import STORAGE_NAMES
+from offload.bench.workload.tiers import STORAGE_NAMES
 
 
 def _f(v: Any, fmt: str) -> str:

@@ -3,7 +3,7 @@
 - `Workload`: the generated-shared-prefix workload (`groups` shared prefixes of `prefix` tokens,
   `users` conversations per prefix, `turns` turns of `question` new tokens and `output` generated
   tokens each, `concurrency` users in flight, `seed`); `unique`: instead as many single-turn
-  requests, each a prompt of its own sent as token ids (`offload.bench.workload_unique`).
+  requests, each a prompt of its own sent as token ids (`offload.bench.workload.unique`).
 - `run_client(url, workload, out_file, work)`: `python -m sglang.benchmark.serving --backend
   sglang-oai-chat --dataset-name generated-shared-prefix --gsp-num-turns T --cache-report
   --output-details ...` against the server, in a child process (its output goes to a log beside
@@ -46,7 +46,7 @@ class Workload:
     output: int
     concurrency: int
     seed: int
-    unique: bool = False      # every request a prompt of its own (`offload.bench.workload_unique`)
+    unique: bool = False      # every request a prompt of its own (`offload.bench.workload.unique`)
 
     @property
     def conversations(self) -> int:

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from offload.bench.workload_client import Workload
+from offload.bench.workload.client import Workload
 
 
 def conversations(model: str, w: Workload, scratch: Path) -> list[list[str]]:
