@@ -11,7 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pytest
+
+from tests.agent.tenants import NS, PAGE, SECRETS, host, keys_file
 
 os.environ.setdefault("UCX_MODULES", "^ib")
 SECRET = b"test-secret-0123456789abcdef"
@@ -117,3 +120,25 @@ def recording_sends() -> Iterator[list[bytes]]:
         yield sent
     finally:
         protocol.send_parts = real
+
+
+@pytest.fixture
+def tenants(tmp_path: Path, agent_factory):
+    """An agent serving two tenants; the victim's page stored from its registered pool by
+    NIXL, its endpoint proven: (agent, victim, pool, its NIXL metadata). The victim still
+    reads its page back at teardown."""
+    agent = agent_factory("--memory", "--keys-file", str(keys_file(tmp_path, SECRETS)))
+    victim = host(agent, "victim")
+    pool = np.frombuffer(os.urandom(16 * PAGE), np.uint8).copy()
+    victim.register_region(pool)
+    k = NS["victim"].key("v0")
+    assert victim.put_many([k], [[memoryview(pool[:PAGE])]]) == [True]
+    assert victim._conns[0].nixl, "the victim's own endpoint was not proven"
+    md = victim.nixl_metadata()
+    assert md is not None
+    yield agent, victim, pool, md
+    # The victim keeps its service throughout.
+    out = np.zeros(PAGE, np.uint8)
+    assert victim.get_many([k], [[memoryview(out)]]) == [True]
+    assert np.array_equal(out, pool[:PAGE])
+    victim.close()

@@ -22,7 +22,7 @@ from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store.disk.slab import coalesce
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 BLOCK = 64 << 10

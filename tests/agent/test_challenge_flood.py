@@ -20,24 +20,8 @@ import numpy as np
 from offload.agent import protocol
 from offload.agent.rate import PER_ENDPOINT
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file, renamed
+from tests.agent.tenants import COUNTER, NS, SECRETS, Raw, host, keys_file, renamed
 
-# The victim's endpoint: a NIXL agent that counts the notifications it receives until stdin
-# closes, then prints the count.
-COUNTER = """
-import sys, threading, time
-from offload.agent import nixl_util
-a = nixl_util.make_agent("victim/endpoint")
-print(a.get_agent_metadata().hex(), flush=True)
-n, done = 0, threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-while not done.is_set():
-    n += sum(len(m) for m in a.get_new_notifs().values())
-    time.sleep(0.01)
-time.sleep(0.5)
-n += sum(len(m) for m in a.get_new_notifs().values())
-print(n, flush=True)
-"""
 FLOOD = 300
 
 

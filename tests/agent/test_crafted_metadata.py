@@ -16,7 +16,7 @@ import numpy as np
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file, renamed
+from tests.agent.tenants import NS, SECRETS, Raw, host, keys_file, renamed
 
 PAGE = 4096
 CONN = b"|t" + (3).to_bytes(8, "little") + b"UCX|c"

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
-from tests.agent.test_isolation import NS, SECRETS, Raw, keys_file
-from tests.agent.test_memory_charge import rss, stats
+from tests.agent.tenants import NS, SECRETS, Raw, keys_file, rss, stats
 
 # A host process with one NIXL endpoint and registered memory: prints its metadata and the
 # memory's address; then per line "note TAG" the nonce of the proof notification under TAG,

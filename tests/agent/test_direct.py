@@ -7,7 +7,7 @@ import pytest
 
 from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_agent import DIM, HEADS, LAYERS, PAGE_TOKENS, client, host_pool, keys, page
+from tests.agent.pages import DIM, HEADS, LAYERS, PAGE_TOKENS, client, host_pool, keys, page
 
 
 def _roundtrip(store, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

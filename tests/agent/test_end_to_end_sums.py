@@ -28,7 +28,7 @@ from offload.agent.server import AgentServer
 from offload.keys import Namespace
 from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import SECRET, needs_nixl
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 SIZE, N = 64 << 10, 4

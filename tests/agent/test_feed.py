@@ -21,9 +21,8 @@ from offload.events.feeds import AgentFeed
 from offload.events.sources import SharedSource
 from offload.keys import Namespace
 from tests.agent.conftest import SECRET, wait_for
-from tests.agent.test_isolation import NS as TENANT_NS
-from tests.agent.test_isolation import SECRETS, Raw, host, keys_file
-from tests.agent.test_security import closed_by_peer
+from tests.agent.tenants import NS as TENANT_NS
+from tests.agent.tenants import SECRETS, Raw, closed_by_peer, host, keys_file
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 

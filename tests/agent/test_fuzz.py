@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from offload.agent import protocol
 from offload.agent.client import AgentStore
 from tests.agent.conftest import SECRET
-from tests.agent.test_hardening import send_meta
+from tests.agent.tenants import send_meta
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -23,6 +23,7 @@ from offload.agent import protocol
 from offload.agent.client import AgentStore
 from offload.keys import Namespace
 from tests.agent.conftest import SECRET, needs_nixl, recording_sends, wait_for
+from tests.agent.tenants import send_meta
 
 KEY = b"K" * 32
 
@@ -75,16 +76,6 @@ def raw(agent, host: str = "raw", secret: bytes = SECRET, md: bytes | None = Non
     ch.send(protocol.HELLO, 1, protocol.Hello(host=host, transport="ucx" if md else "tcp",
                                               nixl_md=md))
     return ch, ch.recv().decode(protocol.HelloReply)
-
-
-def send_meta(ch: protocol.Channel, op: int, req_id: int, meta: bytes) -> None:
-    """An authenticated frame with hand-made msgpack meta (what a buggy or hostile host sends)."""
-    parts = [protocol.META_LEN.pack(len(meta)), meta]
-    ch._send_seq += 1
-    header = protocol.HEADER.pack(protocol.FRAME_MAGIC, protocol.VERSION, op, 0, req_id,
-                                  ch._send_seq, sum(len(p) for p in parts))
-    protocol.send_parts(ch.sock, [header, *parts, ch._mac(ch._out_dir, header, *parts)],
-                        time.monotonic() + 30)
 
 
 # ------------------------------------------------------------------ unauthenticated floods

@@ -13,80 +13,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from offload.agent import protocol
 from offload.agent.access import register_msg
-from offload.agent.client import AgentStore
 from offload.keys import Namespace
 from tests.agent.conftest import needs_nixl, wait_for
-
-SECRETS = {"victim": "v" * 32, "attacker": "a" * 32}
-NS = {h: Namespace(model="m", dtype="bf16", layout="page_first", page_size=16, salt=f"salt-{h}")
-      for h in SECRETS}
-PAGE = 4096
-
-
-def keys_file(tmp_path: Path, hosts: dict[str, str]) -> Path:
-    keys = tmp_path / "keys.toml"
-    keys.write_text("".join(f'[hosts.{h}]\nsecret = "{s}"\nsalts = ["salt-{h}"]\n\n'
-                            for h, s in hosts.items()))
-    keys.chmod(0o600)
-    return keys
-
-
-def host(agent, name: str, transport: str = "ucx", **kw) -> AgentStore:
-    s = AgentStore(agent.address, SECRETS[name].encode(), transport=transport, name=name,
-                   timeout_s=kw.pop("timeout_s", 5), reconnect_s=0.1, **kw)
-    s.register_namespace(NS[name])
-    return s
-
-
-def renamed(md: bytes, name: str) -> bytes:
-    """NIXL metadata with only its agent-name field changed (`nixl_util.metadata_name`)."""
-    prefix = b"nixlSerDes|Agent"
-    n = int.from_bytes(md[len(prefix):len(prefix) + 8], "little")
-    return prefix + len(name).to_bytes(8, "little") + name.encode() + md[len(prefix) + 8 + n:]
-
-
-class Raw:
-    """An authenticated connection driven by hand (what a hostile host sends)."""
-
-    def __init__(self, agent, name: str, md: bytes | None):
-        sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-        self.ch = protocol.handshake_client(sock, SECRETS[name].encode(), io_timeout=5)
-        self.req = 0
-        self.info = self.call(protocol.HELLO, protocol.Hello(
-            host=name, transport="ucx" if md else "tcp", nixl_md=md))[0]
-        self.call(protocol.REGISTER_NS, register_msg(NS[name]))
-
-    def call(self, op: int, msg: protocol.Msg, payload: list[memoryview] | None = None
-             ) -> tuple[protocol.Msg, memoryview]:
-        self.req += 1
-        self.ch.send(op, self.req, msg, payload)
-        frame = self.ch.recv()
-        if frame.op == protocol.ERROR | protocol.REPLY:
-            return frame.decode(protocol.ErrorReply), frame.payload
-        return frame.decode(protocol.REPLY_TYPES[op]), frame.payload
-
-
-@pytest.fixture
-def tenants(tmp_path: Path, agent_factory):
-    agent = agent_factory("--memory", "--keys-file", str(keys_file(tmp_path, SECRETS)))
-    victim = host(agent, "victim")
-    pool = np.frombuffer(os.urandom(16 * PAGE), np.uint8).copy()
-    victim.register_region(pool)
-    k = NS["victim"].key("v0")
-    assert victim.put_many([k], [[memoryview(pool[:PAGE])]]) == [True]
-    assert victim._conns[0].nixl, "the victim's own endpoint was not proven"
-    md = victim.nixl_metadata()
-    assert md is not None
-    yield agent, victim, pool, md
-    # The victim keeps its service throughout.
-    out = np.zeros(PAGE, np.uint8)
-    assert victim.get_many([k], [[memoryview(out)]]) == [True]
-    assert np.array_equal(out, pool[:PAGE])
-    victim.close()
+from tests.agent.tenants import NS, PAGE, SECRETS, Raw, host, keys_file, renamed
 
 
 def refused_or_false(reply: protocol.Msg) -> bool:

@@ -22,8 +22,7 @@ import numpy as np
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
-from tests.agent.test_isolation import NS, SECRETS, host, keys_file
-from tests.agent.test_quarantine_bound import STALLED_HOST, stalled_attacker
+from tests.agent.tenants import NS, SECRETS, STALLED_HOST, host, keys_file, stalled_attacker
 
 BLOCK, BLOCKS = 256 << 10, 16
 

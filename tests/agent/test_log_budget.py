@@ -17,7 +17,7 @@ from pathlib import Path
 
 from offload.agent import protocol
 from tests.agent.conftest import wait_for
-from tests.agent.test_isolation import SECRETS, Raw, keys_file
+from tests.agent.tenants import SECRETS, Raw, keys_file
 
 CHURN = 400
 

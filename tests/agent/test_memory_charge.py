@@ -20,23 +20,10 @@ import pytest
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
-from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file
+from tests.agent.tenants import NS, SECRETS, Raw, host, keys_file, rss, stats
 
 PAGE = 4096
 MIB = 1 << 20
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def stats(raw: Raw) -> dict[str, int | float | str]:
-    reply = raw.call(protocol.STATS, protocol.Empty())[0]
-    assert isinstance(reply, protocol.StatsReply)
-    return reply.fields
 
 
 def test_unread_inline_replies_are_charged_to_their_key(tmp_path: Path, agent_factory) -> None:

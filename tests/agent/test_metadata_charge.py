@@ -17,8 +17,7 @@ from pathlib import Path
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
-from tests.agent.test_isolation import SECRETS, Raw, keys_file, renamed
-from tests.agent.test_memory_charge import rss, stats
+from tests.agent.tenants import SECRETS, Raw, keys_file, renamed, rss, stats
 
 REGIONS = 20_000
 CONNS = 12                 # within the (key, endpoint) challenge burst of 16

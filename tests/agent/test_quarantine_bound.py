@@ -18,47 +18,11 @@ import numpy as np
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file
-
-# A host process owning a NIXL endpoint with registered memory: prints its metadata and address,
-# then the notification it receives (the proof nonce), then writes the proof's MAC it is given
-# at that address.
-STALLED_HOST = """
-import sys, time
-import numpy as np
-from offload.agent import nixl_util
-a = nixl_util.make_agent("attacker")
-buf = np.full(int(sys.argv[1]), 0xEE, np.uint8)
-a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-print(a.get_agent_metadata().hex(), buf.ctypes.data, flush=True)
-notes = []
-while not notes:
-    notes = [bytes(m) for msgs in a.get_new_notifs().values() for m in msgs]
-    time.sleep(0.01)
-print(notes[0].hex(), flush=True)
-buf[:32] = np.frombuffer(bytes.fromhex(sys.stdin.readline()), np.uint8)
-print("ok", flush=True)
-time.sleep(600)
-"""
+from tests.agent.tenants import NS, SECRETS, STALLED_HOST, host, keys_file, stalled_attacker
 
 BLOCK, BLOCKS = 1 << 20, 4
 
 
-def stalled_attacker(agent, child: subprocess.Popen) -> tuple[Raw, int]:
-    """The attacker's authenticated connection, its endpoint (a STALLED_HOST child) proven;
-    and the address of the child's registered memory."""
-    assert child.stdout is not None and child.stdin is not None
-    md, addr_s = child.stdout.readline().split()
-    raw = Raw(agent, "attacker", bytes.fromhex(md))
-    assert isinstance(raw.info, protocol.HelloReply) and raw.info.nixl
-    note = bytes.fromhex(child.stdout.readline().strip())
-    nonce = note[len(protocol.PROOF_MAGIC) + protocol.PROOF_TAG_BYTES:]
-    child.stdin.write(raw.ch.proof(nonce).hex() + "\n")
-    child.stdin.flush()
-    assert child.stdout.readline().strip() == "ok"
-    addr = int(addr_s)
-    assert raw.call(protocol.PROVE, protocol.Prove([nonce], addr))[0] == protocol.Empty()
-    return raw, addr
 LIMIT = 4 << 20
 
 

@@ -14,6 +14,7 @@ import pytest
 from offload.agent import protocol
 from offload.agent.client import AgentStore
 from tests.agent.conftest import SECRET, recording_sends, wait_for
+from tests.agent.tenants import closed_by_peer
 
 KEY = b"K" * 32
 
@@ -45,14 +46,6 @@ def good(agent) -> Bystander:
 def raw(agent, secret: bytes = SECRET) -> protocol.Channel:
     sock = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
     return protocol.handshake_client(sock, secret, io_timeout=5)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    sock.settimeout(5)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def hello(ch: protocol.Channel) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
-from tests.agent.test_isolation import NS, PAGE, Raw, tenants  # noqa: F401 - the fixture
+from tests.agent.tenants import NS, PAGE, Raw
 
 # The attacker's host process: its own NIXL agent; maps memory of its own at the address it is
 # given (the victim's pool), fills it with 0x41 and writes the proof's MAC at that address.

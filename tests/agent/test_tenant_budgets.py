@@ -28,8 +28,7 @@ from offload.agent.feed import PER_TENANT
 from offload.agent.rate import ENDPOINT_RATE, KEY_RATE, PER_ENDPOINT
 from offload.keys import Namespace
 from tests.agent.conftest import needs_nixl, wait_for
-from tests.agent.test_challenge_flood import COUNTER
-from tests.agent.test_isolation import NS, SECRETS, Raw, host, keys_file, renamed
+from tests.agent.tenants import COUNTER, NS, SECRETS, Raw, host, keys_file, renamed
 
 PAGE = 4096
 STALE = """

@@ -121,9 +121,9 @@ def test_read_failures_are_misses(tmp_path, monkeypatch):
     b, host = _backend(tmp_path)
     hp.fill(host, 4)
     assert all(b.batch_set_v1(KEYS[:3], _idx(0, 3)))
-    mem.fail_reads.add(b._keys([KEYS[1]])[0])
+    mem.fail_reads.add(b.block_keys([KEYS[1]])[0])
     assert b.batch_get_v1(KEYS[:3], _idx(5, 3)) == [True, False, True]
-    mem.fail_writes.add(b._keys([KEYS[5]])[0])
+    mem.fail_writes.add(b.block_keys([KEYS[5]])[0])
     assert b.batch_set_v1(KEYS[4:6], _idx(0, 2)) == [True, False]
 
     broken = _BrokenStore()

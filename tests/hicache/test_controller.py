@@ -116,10 +116,10 @@ def test_a_store_over_several_drives_through_the_controller(tmp_path):
     extra["offload"]["store"]["paths"] = drives
     ctrl = ch.make_controller(kv, host, extra)
     try:
-        from offload.events import _parts
+        from offload.store.base import find
         from offload.store.disk.spread import SpreadStore
 
-        assert any(isinstance(p, SpreadStore) for p in _parts(ctrl.storage_backend.store))
+        assert find(ctrl.storage_backend.store, SpreadStore)
         hp.fill(host, seed=11)
         n_pages = 24
         src = host.alloc(n_pages * hp.PAGE)

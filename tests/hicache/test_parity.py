@@ -228,17 +228,17 @@ def test_a_late_sidecar_that_cannot_be_stored_is_a_miss_not_an_error(tmp_path, c
 
 @pytest.mark.parametrize("family", ["draft", "mamba", "dsv4"])
 def test_clear_leaves_no_block_of_any_pool(tmp_path, family):
-    from tests.hicache.test_pools import _attach, _transfers, _write
+    from tests.hicache.pool_io import attach, transfers, write
 
-    backend, anchor, pools = _attach(family, hp.extra(str(tmp_path / "kv")))
+    backend, anchor, pools = attach(family, hp.extra(str(tmp_path / "kv")))
     keys = ps.keys(N)
     try:
-        _write(backend, anchor, pools, keys)
-        every = backend._keys(keys) + [k for p in backend.pools.values() for k in p.keys(keys)]
+        write(backend, anchor, pools, keys)
+        every = backend.block_keys(keys) + [k for p in backend.pools.values() for k in p.keys(keys)]
         assert any(backend.store.exists_many(every))
         assert backend.clear() is True
         assert not any(backend.store.exists_many(every))
-        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
         assert res.restorable_prefix_pages == []
     finally:
         backend.close()

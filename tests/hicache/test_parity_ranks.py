@@ -171,10 +171,10 @@ def test_l3_object_layout_is_the_same_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("family", ["swa", "mamba", "indexer"])
 def test_l3_layout_with_sidecars_merges_across_ranks(tmp_path, family):
-    from tests.hicache.test_pools import _attach
+    from tests.hicache.pool_io import attach
 
     extra = hp.extra(str(tmp_path / "kv"))
-    ranks = [_attach(family, extra, tp_rank=r, tp_size=2)[0] for r in (0, 1)]
+    ranks = [attach(family, extra, tp_rank=r, tp_size=2)[0] for r in (0, 1)]
     try:
         layouts = [b.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=2,
                                                page_size=b.mem_pool_host.page_size)
@@ -206,7 +206,7 @@ def test_mla_host_dedup_replica_reports_the_source_ranks_blocks(tmp_path):
     assert empty.kv_buffer is None
     b1 = ps.attach(ps.storage_config(extra, mla=True, tp_rank=1, tp_size=2), empty)
     try:
-        assert b1.namespace == b0.namespace and not b1.logical_anchor
+        assert b1.namespace == b0.namespace and not b1.state.logical_anchor
         assert b1.batch_get_v1(keys, ps.idx(0, N)) == [False] * N
         assert b0.batch_set_v1(keys[:3], ps.idx(0, 3)) == [True] * 3
         hp.durable(b0)

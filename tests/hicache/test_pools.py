@@ -19,8 +19,9 @@ hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 from tests.agent.conftest import agent_factory  # noqa: E402,F401
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import pool_families as pf  # noqa: E402
-from tests.hicache.test_controller import _corrupt_block  # noqa: E402
+from tests.hicache.pool_io import attach, transfers, write  # noqa: E402
 from tests.store.redis_fixtures import redis_factory, redis_server  # noqa: E402,F401
+from tests.store.stores import corrupt_block  # noqa: E402
 
 PT, PN, PP = hs.PoolTransfer, hs.PoolName, hs.PoolHitPolicy
 N = 6   # pages written per test
@@ -28,49 +29,6 @@ N = 6   # pages written per test
 
 def _keys(n: int = N, tag: str = "") -> list[str]:
     return [f"{tag}{i:060x}".rjust(64, "0") for i in range(1, n + 1)]
-
-
-def _attach(family: str, sc_extra: dict, *, layout: str = "page_first", **sc: Any
-            ) -> tuple[Any, Any, dict]:
-    anchor, pools = pf.build(family, layout)
-    mla = family == "indexer" or sc.pop("mla", False)
-    cfg = hp.storage_config(sc_extra, mla=mla, layout=layout, **sc)
-    backend = hp.make_backend(cfg, anchor)
-    for name, (pool, *_rest) in pools.items():
-        backend.register_mem_host_pool_v2(pool, name)
-    backend.on_host_pools_registered()
-    return backend, anchor, pools
-
-
-def _transfers(pools: dict, keys: list[str], first_page: int, *, query: bool = False
-               ) -> list[Any]:
-    """The PoolTransfers SGLang builds: KV-derived sidecars reuse the KV page indices;
-    TRAILING_PAGES pools carry the last `trailing` keys in their own slots."""
-    out = []
-    for name, (pool, policy, from_pool, trailing) in pools.items():
-        ks = keys[-trailing:] if trailing else keys
-        if query:
-            out.append(PT(name=name, keys=ks, hit_policy=policy, indices_from_pool=from_pool))
-            continue
-        ps = pool.page_size
-        start = (first_page if from_pool is not None else first_page % 8) * ps
-        idx = torch.arange(start, start + len(ks) * ps)
-        out.append(PT(name=name, host_indices=idx, keys=ks, hit_policy=policy,
-                      indices_from_pool=from_pool))
-    return out
-
-
-def _write(backend: Any, anchor: Any, pools: dict, keys: list[str], first_page: int = 0) -> None:
-    P = anchor.page_size
-    if getattr(anchor, "kv_buffer", None) is not None:
-        pf.fill_any(anchor, 5)
-        idx = torch.arange(first_page * P, (first_page + len(keys)) * P)
-        assert backend.batch_set_v1(keys, idx) == [True] * len(keys)
-    for pool, *_ in pools.values():
-        pf.fill_any(pool, 7)
-    res = backend.batch_set_v2(_transfers(pools, keys, first_page))
-    for t in _transfers(pools, keys, first_page):
-        assert res[t.name] == [True] * len(t.keys), t.name
 
 
 def _snapshot(pools: dict, transfers: list[Any]) -> dict:
@@ -92,24 +50,24 @@ def _store_extra(kind: str, tmp_path, request) -> dict:
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_family_round_trip_across_a_restart(family, tier, tmp_path, request):
     extra = _store_extra(tier, tmp_path, request)
-    backend, anchor, pools = _attach(family, extra)
+    backend, anchor, pools = attach(family, extra)
     keys = _keys()
     try:
-        _write(backend, anchor, pools, keys)
-        want = _snapshot(pools, _transfers(pools, keys, 0))
+        write(backend, anchor, pools, keys)
+        want = _snapshot(pools, transfers(pools, keys, 0))
     finally:
         backend.close()
     if tier == "redis":   # the Redis tier alone must serve: drop the local disk
         import shutil
 
         shutil.rmtree(tmp_path / "kv")
-    backend, anchor, pools = _attach(family, extra)   # a new process: fresh, zeroed pools
+    backend, anchor, pools = attach(family, extra)   # a new process: fresh, zeroed pools
     try:
-        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
         trailing = any(t for *_, t in pools.values())   # a window only at the end: N alone
         assert res.kv_hit_pages == N
         assert res.restorable_prefix_pages == ([N] if trailing else list(range(1, N + 1)))
-        tr = _transfers(pools, keys, 8)
+        tr = transfers(pools, keys, 8)
         got = backend.batch_get_v2(tr)
         assert all(v == [True] * len(t.keys) for t, v in zip(tr, got.values()))
         assert _snapshot(pools, tr) == want
@@ -119,7 +77,7 @@ def test_family_round_trip_across_a_restart(family, tier, tmp_path, request):
 
 def test_trailing_pool_restorable_lengths_have_holes(tmp_path):
     """MAMBA (1 trailing page) stored at pages 3 and 6 only: restorable are exactly 3 and 6."""
-    backend, anchor, pools = _attach("mamba", hp.extra(str(tmp_path)))
+    backend, anchor, pools = attach("mamba", hp.extra(str(tmp_path)))
     keys = _keys()
     try:
         pf.fill_any(anchor, 1)
@@ -137,14 +95,14 @@ def test_trailing_pool_restorable_lengths_have_holes(tmp_path):
 
 
 def test_sidecar_never_inferred_from_kv_and_eviction_is_a_gap(tmp_path):
-    backend, anchor, pools = _attach("indexer", hp.extra(str(tmp_path)))
+    backend, anchor, pools = attach("indexer", hp.extra(str(tmp_path)))
     keys = _keys()
     try:
-        _write(backend, anchor, pools, keys)
+        write(backend, anchor, pools, keys)
         extra_keys = _keys(8)
         pf.fill_any(anchor, 2)   # two more KV pages, written without their indexer pages
         backend.batch_set_v1(extra_keys[N:], torch.arange(N * 64, 8 * 64))
-        q = _transfers(pools, extra_keys, 0, query=True)
+        q = transfers(pools, extra_keys, 0, query=True)
         res = backend.batch_exists_v2(extra_keys, q)
         assert res.kv_hit_pages == N and res.extra_pool_hit_pages[PN.KV] == 8
         # evict the indexer page of page 3: exists sees the gap at once
@@ -158,21 +116,21 @@ def test_sidecar_never_inferred_from_kv_and_eviction_is_a_gap(tmp_path):
 
 def test_damaged_sidecar_page_stops_the_restorable_prefix(tmp_path):
     store_dir = str(tmp_path / "kv")
-    backend, anchor, pools = _attach("draft", hp.extra(store_dir))
+    backend, anchor, pools = attach("draft", hp.extra(store_dir))
     keys = _keys()
     try:
-        _write(backend, anchor, pools, keys)
+        write(backend, anchor, pools, keys)
         bad = backend.pools["draft"].keys([keys[3]])[0]
     finally:
         backend.close()
-    assert _corrupt_block(store_dir, bad)
-    backend, anchor, pools = _attach("draft", hp.extra(store_dir))
+    assert corrupt_block(store_dir, bad)
+    backend, anchor, pools = attach("draft", hp.extra(store_dir))
     try:
-        tr = _transfers(pools, keys, 8)
+        tr = transfers(pools, keys, 8)
         got = backend.batch_get_v2(tr)[PN.DRAFT]
         assert got == [True, True, True, False, True, True]   # never served, counted as a miss
         assert hs.count_pool_hits({"draft": got}) == {"draft": 3}
-        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
         assert res.restorable_prefix_pages == [1, 2, 3]      # the bad block was deleted
     finally:
         backend.close()
@@ -182,8 +140,8 @@ def test_mla_ranks_share_the_indexer_and_own_their_mamba_state(tmp_path):
     """Rank 0 writes the shared INDEXER; rank 1 (non-writer) writes nothing shared, but its
     own MAMBA pool is really written, under its own namespace."""
     extra = hp.extra(str(tmp_path))
-    b0, a0, p0 = _attach("indexer", extra, tp_rank=0, tp_size=2)
-    b1, a1, p1 = _attach("indexer", extra, tp_rank=1, tp_size=2)
+    b0, a0, p0 = attach("indexer", extra, tp_rank=0, tp_size=2)
+    b1, a1, p1 = attach("indexer", extra, tp_rank=1, tp_size=2)
     m0, m1 = pf._mamba(), pf._mamba()
     b0.register_mem_host_pool_v2(m0, PN.MAMBA)   # a dynamic sidecar, after the attach
     b1.register_mem_host_pool_v2(m1, PN.MAMBA)
@@ -191,15 +149,15 @@ def test_mla_ranks_share_the_indexer_and_own_their_mamba_state(tmp_path):
     try:
         assert b1.pools["indexer"].digest == b0.pools["indexer"].digest
         assert b1.pools["mamba"].digest != b0.pools["mamba"].digest
-        assert b1.batch_set_v2(_transfers(p1, keys, 0))[PN.INDEXER] == [False, False]
-        _write(b0, a0, p0, keys)
+        assert b1.batch_set_v2(transfers(p1, keys, 0))[PN.INDEXER] == [False, False]
+        write(b0, a0, p0, keys)
         hp.durable(b0)
-        assert b1.batch_set_v2(_transfers(p1, keys, 0))[PN.INDEXER] == [True, True]
+        assert b1.batch_set_v2(transfers(p1, keys, 0))[PN.INDEXER] == [True, True]
         pf.fill_any(m1, 9)
         mt = [PT(name=PN.MAMBA, host_indices=torch.tensor([4]), keys=[keys[-1]],
                  hit_policy=PP.TRAILING_PAGES)]
         assert b1.batch_set_v2(mt)[PN.MAMBA] == [True]          # the non-writer really writes
-        q = _transfers(p0, keys, 0, query=True) + [
+        q = transfers(p0, keys, 0, query=True) + [
             PT(name=PN.MAMBA, keys=[keys[-1]], hit_policy=PP.TRAILING_PAGES)]
         assert b1.batch_exists_v2(keys, q).restorable_prefix_pages == [2]
         assert b0.batch_exists_v2(keys, q).restorable_prefix_pages == []   # rank 0 has no state
@@ -210,12 +168,12 @@ def test_mla_ranks_share_the_indexer_and_own_their_mamba_state(tmp_path):
 
 def test_worth_it_cuts_the_final_count_and_the_restorable_lengths(tmp_path):
     extra = hp.extra(str(tmp_path), worth_it={"prefill_tokens_per_s": 1e12})
-    backend, anchor, pools = _attach("swa", extra)
+    backend, anchor, pools = attach("swa", extra)
     keys = _keys()
     try:
-        _write(backend, anchor, pools, keys)
+        write(backend, anchor, pools, keys)
         backend.worth.observe(1, 1.0)   # a tier at 1 byte/s: never worth loading
-        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
         assert res.kv_hit_pages == 0 and res.restorable_prefix_pages == []
     finally:
         backend.close()
@@ -229,15 +187,15 @@ class _Broken:
 
 
 def test_no_v2_call_raises_into_sglang(tmp_path):
-    backend, anchor, pools = _attach("mamba", hp.extra(str(tmp_path)))
+    backend, anchor, pools = attach("mamba", hp.extra(str(tmp_path)))
     keys = _keys(2)
     real = backend.store
     backend.store = _Broken()
     try:
-        tr = _transfers(pools, keys, 0)
+        tr = transfers(pools, keys, 0)
         assert backend.batch_set_v2(tr) == {PN.MAMBA: [False]}
         assert backend.batch_get_v2(tr) == {PN.MAMBA: [False]}
-        res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+        res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
         assert res.kv_hit_pages == 0 and not res.restorable_prefix_pages
         bad = [PT(name=PN.MAMBA, host_indices=torch.arange(3), keys=keys)]   # wrong length
         backend.store = real
@@ -253,9 +211,9 @@ def test_pool_namespaces_are_described_for_cache_stats(tmp_path):
     from offload.commands.cache import describe
     from offload.store.factory import open_existing
 
-    backend, anchor, pools = _attach("mamba", hp.extra(str(tmp_path)))
+    backend, anchor, pools = attach("mamba", hp.extra(str(tmp_path)))
     try:
-        _write(backend, anchor, pools, _keys(2))
+        write(backend, anchor, pools, _keys(2))
     finally:
         backend.close()
     store = open_existing(str(tmp_path))
@@ -289,17 +247,17 @@ def test_pools_through_the_dpu_agent(request, tmp_path, monkeypatch):
                      agent={"address": agent.address, "transport": "ucx", "timeout_s": 5})
     keys = _keys()
     for family in ("draft", "mamba"):
-        backend, anchor, pools = _attach(family, extra)
+        backend, anchor, pools = attach(family, extra)
         try:
-            _write(backend, anchor, pools, keys)
-            want = _snapshot(pools, _transfers(pools, keys, 0))
+            write(backend, anchor, pools, keys)
+            want = _snapshot(pools, transfers(pools, keys, 0))
         finally:
             backend.close()
-        backend, anchor, pools = _attach(family, extra)
+        backend, anchor, pools = attach(family, extra)
         try:
-            res = backend.batch_exists_v2(keys, _transfers(pools, keys, 0, query=True))
+            res = backend.batch_exists_v2(keys, transfers(pools, keys, 0, query=True))
             assert res.kv_hit_pages == N
-            tr = _transfers(pools, keys, 8)
+            tr = transfers(pools, keys, 8)
             assert all(all(v) for v in backend.batch_get_v2(tr).values())
             assert _snapshot(pools, tr) == want
         finally:
@@ -315,11 +273,11 @@ def test_metrics_label_the_pool(tmp_path):
                                          {"pool": pool, "direction": direction}) or 0.0
 
     before = {(p, d): pages(p, d) for p in ("kv", "draft") for d in ("read", "write")}
-    backend, anchor, pools = _attach("draft", hp.extra(str(tmp_path / "kv")))
+    backend, anchor, pools = attach("draft", hp.extra(str(tmp_path / "kv")))
     keys = _keys()
     try:
-        _write(backend, anchor, pools, keys)
-        tr = [t for t in _transfers(pools, keys, 8) if str(t.name) != "kv"]
+        write(backend, anchor, pools, keys)
+        tr = [t for t in transfers(pools, keys, 8) if str(t.name) != "kv"]
         backend.batch_get_v2(tr)
     finally:
         backend.close()

@@ -71,7 +71,7 @@ class Pair:
         if os.path.exists(path):
             os.remove(path)
         pool = self.ours.pools.get(str(name.value))
-        bkey = pool.keys([key])[0] if pool is not None else self.ours._keys([key])[0]
+        bkey = pool.keys([key])[0] if pool is not None else self.ours.block_keys([key])[0]
         self.ours.store.delete_many([bkey])
 
 

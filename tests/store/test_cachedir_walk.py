@@ -18,7 +18,7 @@ import pytest
 from offload.errors import StoreError
 from offload.store.disk import cachedir
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 SETPRIV = shutil.which("setpriv")
 

@@ -7,43 +7,14 @@ import mmap
 import os
 import random
 import sqlite3
-import subprocess
-import sys
 
 import pytest
 
-from offload.config import Size, StoreConfig
 from offload.errors import StoreError
 from offload.keys import Namespace
 from offload.store.base import get_bytes, leading_hits
-from offload.store.disk.store import DiskStore
 from tests.store.blocks import NS, data, key
-
-WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
-
-
-STORE_ARGS = ("lock_timeout_s", "max_open_slabs", "free_bytes", "pending_bytes")
-
-
-def open_store(path, capacity=1 << 30, **kw) -> DiskStore:
-    """A DiskStore on `path`; keyword arguments go to StoreConfig, or to DiskStore for its own."""
-    own = {k: kw.pop(k) for k in STORE_ARGS if k in kw}
-    return DiskStore(StoreConfig(path=str(path), capacity=Size(capacity), min_free=Size(0), **kw),
-                     **own)
-
-
-def index_rows(directory, table: str = "blocks") -> int:
-    """Rows of one table of the store's index, read by a connection of the test's own."""
-    db = sqlite3.connect(os.path.join(directory, "index.db"))
-    try:
-        return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-    finally:
-        db.close()
-
-
-def worker(mode: str, directory, **opts) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, mode, str(directory), json.dumps(opts)],
-                            stdout=subprocess.PIPE, text=True)
+from tests.store.stores import open_store, worker
 
 
 @pytest.mark.parametrize("size", [1, 1000, 4096, 256 << 10, (1 << 20) + 3, 8 << 20])

@@ -17,7 +17,7 @@ from offload.store.disk.slab import coalesce
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 SIZE = 256 << 10
 

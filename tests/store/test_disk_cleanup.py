@@ -8,43 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 
-from offload.store.base import get_bytes
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import index_rows, open_store
-from tests.store.test_disk_rebuild import damage
+from tests.store.rows import HOSTILE, SIZE, edit_rows, exact, put
+from tests.store.stores import damage_index as damage
+from tests.store.stores import index_rows, open_store
 
-SIZE = 16 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def put(s, ids, size=SIZE) -> list[bool]:
-    ks = [key(i) for i in ids]
-    ok = s.put_many(ks, [[data(k, size)] for k in ks])
-    s.flush()
-    return ok
-
-
-def exact(s, ids) -> list[bool]:
-    return [get_bytes(s, key(i), SIZE) == data(key(i), SIZE) for i in ids]
-
-
-def edit_rows(d, updates: dict[int, tuple[str, object]]) -> None:
-    """Damage index rows as another writer or a bit flip could: block id -> (column, value)."""
-    db = sqlite3.connect(d / "index.db")
-    with db:
-        for i, (col, value) in updates.items():
-            db.execute(f"UPDATE blocks SET {col}=? WHERE key=?", (value, key(i)))
-    db.close()
-
-
-HOSTILE = {1: ("length", 1 << 42), 2: ("length", -1), 3: ("slot", 1 << 50), 4: ("length", "abc"),
-           5: ("slot_bytes", 12345), 6: ("seg", 3.5)}
 
 
 def test_hostile_rows_are_a_miss_for_that_block_only_and_dropped(tmp_path):
@@ -100,7 +74,7 @@ import os, sys
 sys.path.insert(0, sys.argv[2])
 from offload.store.base import get_bytes
 from tests.store.blocks import key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 with open_store(sys.argv[1]) as s:
     print("ready", flush=True)
     while not os.path.exists(sys.argv[4]):
@@ -132,8 +106,8 @@ def test_reput_race_under_two_processes_loses_no_acknowledged_block(tmp_path):
 EMFILE = """
 import json, os, resource, sys
 sys.path.insert(0, sys.argv[2])
-from tests.store.test_disk_cleanup import put
-from tests.store.test_disk import open_store
+from tests.store.rows import put
+from tests.store.stores import open_store
 from tests.store.blocks import key
 slot = int(sys.argv[3])
 with open_store(sys.argv[1], segment_size=slot) as s:       # a slab per block

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from offload.metrics import StoreWatch, TierMetrics
 from offload.store.disk.index.db import Location
 from tests.store.blocks import key
-from tests.store.test_disk import open_store
-from tests.store.test_disk_cleanup import HOSTILE, SIZE, edit_rows, exact, put
+from tests.store.rows import HOSTILE, SIZE, edit_rows, exact, put
+from tests.store.stores import open_store
 
 
 def test_a_corrupt_read_of_a_kept_row_leaves_the_key_stored(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ import pytest
 
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZE = 16 << 10

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
 import signal
-import subprocess
 import time
-from typing import Iterator
 
 import pytest
 
 from offload.store.base import get_bytes
 from offload.store.disk.store import DiskStore
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store, worker
+from tests.store.stores import open_store, small_tmpfs, worker
 
 SIZE = 24 << 10
 
@@ -171,20 +168,6 @@ def test_four_processes_stay_under_one_cap(tmp_path):
             for i in range(100 * w, 100 * w + 60):
                 got = get_bytes(s, key(i), size)
                 assert got is None or got == data(key(i), size)
-
-
-@contextlib.contextmanager
-def small_tmpfs(mnt, size: str) -> Iterator:
-    """A real tmpfs of `size` (e.g. "8m") mounted at `mnt`: writes hit a real ENOSPC."""
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 HERE = Path(__file__).resolve().parent
 ROOT = str(HERE.parents[1])

@@ -22,7 +22,7 @@ import struct
 import subprocess
 import sys
 
-from tests.store.test_disk_shared_dir import ENV, SIZE
+from tests.store.sharers import ENV, SIZE
 
 _FLOCK = struct.Struct("hhxxxxqqi4x")
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)

@@ -15,9 +15,9 @@ import sys
 import time
 
 from tests.store.blocks import key
-from tests.store.test_disk import open_store
-from tests.store.test_disk_shared_dir import ENV, SIZE, cache_stats, durable_blocks, line, lost, proc
-from tests.store.test_disk_shared_dir import _damage_a_page_nobody_writes as damage_the_index
+from tests.store.sharers import ENV, SIZE, cache_stats, durable_blocks, line, lost, proc
+from tests.store.sharers import damage_a_page_nobody_writes as damage_the_index
+from tests.store.stores import open_store
 
 OLD = time.time() - 30 * 86400   # a month ago: what an age-based cleaner deletes
 

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 KEYS = st.integers(min_value=0, max_value=15)
 SIZES = st.sampled_from([1, 4096, 5000, 12288])

@@ -11,8 +11,8 @@ import sqlite3
 from offload.store.disk import writes as disk_write
 from offload.store.disk.index.db import Index
 from tests.store.blocks import key
-from tests.store.test_disk import index_rows, open_store, worker
-from tests.store.test_disk_write_path import SIZE, exact, put
+from tests.store.stores import index_rows, open_store, worker
+from tests.store.writes import SIZE, exact, put
 
 SLOT = SIZE + 4096
 

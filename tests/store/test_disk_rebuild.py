@@ -17,8 +17,8 @@ from offload.store.disk import recovery
 from offload.store.disk.index.db import Index
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
-from tests.store.test_disk_recovery import _damage_index as damage
+from tests.store.stores import damage_index as damage
+from tests.store.stores import open_store
 
 SIZE = 16 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
@@ -30,7 +30,7 @@ KILLER = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[3])
 from offload.store.disk import recovery
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 def step(name):
     if name == sys.argv[2]:
         os.kill(os.getpid(), signal.SIGKILL)

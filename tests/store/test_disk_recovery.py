@@ -12,7 +12,7 @@ from offload.store.disk import cachedir
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import damage_index, open_store
 
 SIZE = 64 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
@@ -120,13 +120,6 @@ def test_truncated_slab_is_a_miss_and_dropped(tmp_path):
 
 # ---- deleted blocks through a rebuild -----------------------------------------------------------
 
-def _damage_index(d) -> None:
-    for suffix in ("-wal", "-shm"):
-        if os.path.exists(f"{d}/index.db{suffix}"):
-            os.unlink(f"{d}/index.db{suffix}")
-    with open(d / "index.db", "r+b") as f:
-        f.write(os.urandom(4096))
-
 
 def test_rebuild_does_not_resurrect_deleted_blocks_without_hole_punching(tmp_path, monkeypatch):
     monkeypatch.setattr(slab, "punch_hole", lambda fd, off, n: False)  # e.g. a file system without
@@ -137,7 +130,7 @@ def test_rebuild_does_not_resurrect_deleted_blocks_without_hole_punching(tmp_pat
         s.evict_to(s.stats().bytes_used - SLOT)  # the least recently used one goes too
         kept = [i for i in range(6) if s.exists_many([key(i)])[0]]
     assert len(kept) == 3
-    _damage_index(d)
+    damage_index(d)
     with open_store(d) as s:
         assert s.rebuilt_from
         assert [i for i in range(6) if s.exists_many([key(i)])[0]] == kept

@@ -19,7 +19,7 @@ from offload.errors import StoreError
 from offload.store.base import get_bytes
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 SIZE = 64 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
-from tests.store.test_disk_shared_dir import line, proc
+from tests.store.sharers import line, proc
+from tests.store.stores import open_store
 
 KiB = 1 << 10
 

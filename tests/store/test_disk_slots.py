@@ -7,7 +7,7 @@ import os
 from offload.store.base import Slot, SlotStore, get_bytes
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 
 
 def _write_like_gds(slot, payload: bytes) -> None:

@@ -18,10 +18,8 @@ from offload.store.disk import recovery
 from offload.store.disk import writes as disk_write
 from offload.store.disk.index.db import Index
 from tests.store.blocks import data, key
-from tests.store.test_disk import open_store, worker
-from tests.store.test_disk_faults import small_tmpfs
-
-SIZE = 64 << 10
+from tests.store.stores import open_store, small_tmpfs, worker
+from tests.store.writes import SIZE, exact, put
 
 HOLDER = """
 import select, sqlite3, sys
@@ -31,17 +29,6 @@ print("held", flush=True)
 select.select([sys.stdin], [], [], 60)   # until told, or a minute: then the transaction ends
 db.execute("COMMIT")
 """
-
-
-def put(s, ids, size=SIZE) -> list[bool]:
-    ks = [key(i) for i in ids]
-    return s.put_many(ks, [[data(k, size)] for k in ks])
-
-
-def exact(s, ids, size=SIZE) -> bool:
-    bufs = [bytearray(size) for _ in ids]
-    ok = s.get_many([key(i) for i in ids], [[b] for b in bufs])
-    return all(ok) and all(bytes(b) == data(key(i), size) for i, b in zip(ids, bufs))
 
 
 def hold_write_transaction(index_path) -> subprocess.Popen:
@@ -317,7 +304,7 @@ def test_the_first_put_imports_no_numpy(tmp_path):
     code = f"""
 import mmap, sys
 sys.path.insert(0, {os.getcwd()!r})
-from tests.store.test_disk import open_store
+from tests.store.stores import open_store
 with open_store({str(tmp_path)!r}) as s:
     m = mmap.mmap(-1, 4 << 20)
     assert s.put_many([bytes(range(32))], [[memoryview(m)]]) == [True]

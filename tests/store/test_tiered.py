@@ -75,7 +75,7 @@ def test_a_promotion_through_the_cpu_path_reaches_the_disk_stores_promotion(
     transfer path over a disk store, and a promoted block goes to the disk store's
     `promote_many` (the read's wait), not its `put_many`."""
     from offload.transfer.cpu_staging import CpuStagingPath
-    from tests.store.test_disk import open_store
+    from tests.store.stores import open_store
 
     disk = open_store(tmp_path / "local")
     calls: list[str] = []

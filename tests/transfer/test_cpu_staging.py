@@ -12,14 +12,7 @@ from offload.config import Size, StoreConfig
 from offload.hw.numa import node_cpus, numa_nodes, parse_cpulist
 from offload.store.memory.store import MemoryStore
 from offload.transfer.cpu_staging import CpuStagingPath, pinning_for
-
-
-def fake_numa(root: Path, nodes: dict[int, str]) -> str:
-    for n, cpus in nodes.items():
-        d = root / f"sys/devices/system/node/node{n}"
-        d.mkdir(parents=True)
-        (d / "cpulist").write_text(cpus + "\n")
-    return str(root)
+from tests.transfer.numa import fake_numa
 
 
 def test_parse_cpulist() -> None:

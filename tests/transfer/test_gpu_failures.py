@@ -293,7 +293,7 @@ def agent_rig(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     from offload.keys import Namespace
     from offload.store.memory.store import MemoryStore
     from tests.agent.conftest import SECRET
-    from tests.store.test_disk import open_store
+    from tests.store.stores import open_store
 
     monkeypatch.setenv("UCX_MODULES", "^ib")
     errors = NixlErrors(monkeypatch)

@@ -177,7 +177,7 @@ def test_a_put_that_fits_the_bound_queues_behind_the_running_one(rig) -> None:
 
 
 def test_both_lanes_are_pinned_to_the_node(tmp_path: Path) -> None:
-    from tests.transfer.test_cpu_staging import fake_numa
+    from tests.transfer.numa import fake_numa
 
     mine = sorted(os.sched_getaffinity(0))
     root = fake_numa(tmp_path, {0: str(mine[0]), 1: ",".join(map(str, mine[1:])) or "999"})
