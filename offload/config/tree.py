@@ -53,6 +53,10 @@ class StoreConfig:
     o_direct: OnOffAuto = _doc("O_DIRECT I/O: on (fail if refused), off, auto (fall back, logged)",
                                default="auto")
     io_threads: int = _doc("I/O threads per process keeping the device queue busy", default=8)
+    page_cache: Size = _doc(
+        "with O_DIRECT: bytes of the most recently written and read blocks left in the kernel's "
+        "page cache, per process and directory, so a restarted server reads them warm; 0 = pure "
+        "O_DIRECT", default=Size(1 << 30))
     salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier); "
                      "a secret: printed as ***; a config file holding it must be mode 600",
                      default="")

@@ -2,10 +2,11 @@
 
 `Reads(state, commits)`: `exists_many` (the key set, refreshed from the change log, or in flight in
 this process), `get_many` (a key in flight waits for its commit; locate in the index -> the I/O
-threads read header + data straight into the caller's buffers -> the header must match the index
-and the data its checksum, else the block is deleted and it is a miss), `flush_touches` (record
-last use times; a get does it at most every `TOUCH_FLUSH_S`, never waiting for the index). The
-face (`store.py`) guards the public calls (`never_raises`).
+threads read header + data straight into the caller's buffers, from the page cache where the
+kernel holds the whole block (`slab/pagecache.py`, counted in `reads_cached`) -> the header must
+match the index and the data its checksum, else the block is deleted and it is a miss),
+`flush_touches` (record last use times; a get does it at most every `TOUCH_FLUSH_S`, never waiting
+for the index). The face (`store.py`) guards the public calls (`never_raises`).
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ class Reads:
         result = [False] * len(keys)
         corrupt: list[Location] = list(bad_sizes)
         why = {loc.key: "corrupt: slot header disagrees with the index" for loc in bad_sizes}
-        nbytes = 0
+        nbytes = cached = 0
         for (i, loc, _), got in zip(jobs, outcomes):
             if got.ok:
                 result[i] = True
                 nbytes += loc.length
+                cached += got.cached
             elif got.corrupt:   # or reused under this read: `_write_after_get`
                 corrupt.append(loc)
                 why[loc.key] = got.reason
@@ -101,6 +103,7 @@ class Reads:
             st.stats.hits += hits
             st.stats.misses += len(keys) - hits
             st.stats.bytes_read += nbytes
+            st.reads_cached += cached
             st.keys.difference_update(unknown)
             self._touched.update(k for k, ok in zip(keys, result) if ok)
             due = time.monotonic() - self._last_touch_flush > TOUCH_FLUSH_S

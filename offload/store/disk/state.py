@@ -5,7 +5,8 @@ each a plain class handed this one object (and the group committer, `commit.py`)
 the store's settings and directory, the slab files and I/O pools (`pool` for writes and syncs,
 `read_pool` for reads), the index access (`ix`: writer and reader connections,
 `disk/index/access.py`), the counters, this process's lease token (`owner`),
-the in-memory key set with its change-log position, the reserved range (`spare.py`) and the slots
+the in-memory key set with its change-log position, the hits served from the page cache
+(`reads_cached`, `slab/pagecache.py`), the reserved range (`spare.py`) and the slots
 a failed commit or a close gives back (`orphans`, `written_back`).
 
 Locks: `lock` (an RLock) guards the key set, the counters that several threads bump, the range and
@@ -57,6 +58,7 @@ class DiskState:
     orphans: list[Location] = field(default_factory=list)   # pending slots of failed commits
     written_back: list[Location] = field(default_factory=list)   # written slots to give back
     refreshed: float = field(default_factory=time.monotonic)   # the last key-set refresh
+    reads_cached: int = 0                 # hits served from the page cache (under `lock`)
 
     def free_slot(self, f: Freed) -> None:
         self.slabs.free(f.seg, f.slot_bytes, f.slot)

@@ -120,7 +120,7 @@ class DiskStore:
             raise StoreError(f"store.path {cfg.path!r}: directory is not writable")
         self.o_direct = fdcache.probe_o_direct(self.directory, cfg.o_direct)
         slabs = slab.SlabFiles(self.directory, "on" if self.o_direct else "off", max_open_slabs,
-                               gate)
+                               gate, cfg.page_cache)
         pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
         # reads on threads of their own: a read's runs never queue behind a write's in a pool
         # (at the device, the slabs' gate puts them first: `slab/gate.py`)
@@ -268,7 +268,11 @@ class DiskStore:
         s.damaged_rows, s.index_busy = st.ix.bad_rows, st.ix.busy
         s.bytes_reserved = spare
         gate = st.slabs.gate
+        cache = st.slabs.cache
         s.extra = {"o_direct": self.o_direct, "directory": self.directory,
+                   # the page-cache share (`slab/pagecache.py`): hits served from it, bytes kept
+                   "reads_cached": st.reads_cached,
+                   "page_cache_held": cache.held() if cache is not None else 0,
                    "rebuilt_from": self.rebuilt_from,
                    # reads before writes (`slab/gate.py`): write calls held back by a read,
                    # commit rounds whose flushes waited for reads

@@ -14,11 +14,14 @@ the group committer syncs), `sync_segments`, and `read_batch` (read + verify on 
 one result per block, never raising; built on `plan_runs(locations)` -> lists of locations to
 move together, `ramp` (the first run of a write cut into growing pieces) and `write_run` /
 `read_run`. A batch that is a single run (a single piece, for writes) runs in the caller's thread
-(no hand-off).
+(no hand-off). With a page-cache budget (`pagecache.py`), `read_batch` first asks which blocks
+the kernel holds whole: those are read through the buffered fd (a block that fails its checks
+there is read again with O_DIRECT, so only verified bytes are ever served), the rest as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Executor, Future, wait
 from typing import Callable, Sequence, TypeVar
@@ -156,19 +159,40 @@ def read_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                dests: Sequence[Sequence[Buffer]], threads: int) -> list[ReadOutcome]:
     """Read and verify every block into its destination: one `ReadOutcome` per block."""
 
-    def read(run: list[int]) -> list[ReadOutcome]:
+    def read(run: list[int], buffered: bool = False) -> list[ReadOutcome]:
         if len(run) > 1:
-            return read_run(slabs, [locs[i] for i in run], [dests[i] for i in run])
+            return read_run(slabs, [locs[i] for i in run], [dests[i] for i in run], buffered)
         loc = locs[run[0]]
         return [slabs.read_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, loc.length,
-                                 loc.csum, dests[run[0]])]
+                                 loc.csum, dests[run[0]], buffered)]
 
-    plan = plan_runs(locs, dests, threads)
     out = [slot_format.READ_OK] * len(locs)
+    todo = list(range(len(locs)))
+    if slabs.cache is not None:   # what the kernel holds whole: read buffered, no device I/O
+        hot = [i for i in todo
+               if slabs.cached_slot(locs[i].seg, locs[i].slot_bytes, locs[i].slot, locs[i].length)]
+        if hot:
+            hot_plan = _sub_runs(locs, dests, hot, threads)
+            for run, res in zip(hot_plan, _map(pool, lambda r: read(r, True), hot_plan)):
+                for i, got in zip(run, res):
+                    out[i] = got
+            # a block that failed there (changed under the read, or damaged in the cache) is
+            # read again from the device: a miss or a re-read, never unverified bytes
+            todo = [i for i in todo if not out[i].ok or not out[i].cached]
+    plan = _sub_runs(locs, dests, todo, threads)
     for run, res in zip(plan, _map(pool, read, plan)):
         for i, got in zip(run, res):
             out[i] = got
     return out
+
+
+def _sub_runs(locs: Sequence[Location], dests: Sequence[Sequence[Buffer]], which: list[int],
+              threads: int) -> list[list[int]]:
+    """`plan_runs` over the blocks `which` (indices into `locs`)."""
+    if not which:
+        return []
+    plan = plan_runs([locs[i] for i in which], [dests[i] for i in which], threads)
+    return [[which[j] for j in run] for run in plan]
 
 
 def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
@@ -182,27 +206,31 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
         iov.extend(b)
     want = len(locs) * first.slot_bytes
     try:
-        with slabs.use(first.seg, first.slot_bytes) as fd:
+        with slabs.use(first.seg, first.slot_bytes, slabs.cache is not None) as fd:
             n = slabs.write_pieces(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
         return [slab.reason(e)] * len(locs)
+    whole = n // first.slot_bytes  # the slots fully written before a short write stopped
+    for loc in locs[:whole]:
+        slabs.kept(loc.seg, loc.slot_bytes, loc.slot, loc.length)
     if n == want:
         return [""] * len(locs)
-    whole = n // first.slot_bytes  # the slots fully written before the short write stopped
     return ["" if j < whole else f"short write ({n} of {want} bytes)" for j in range(len(locs))]
 
 
 def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
-             dests: Sequence[Sequence[Buffer]]) -> list[ReadOutcome]:
-    """Read consecutive slots in one call, then verify each block. One outcome per block."""
+             dests: Sequence[Sequence[Buffer]], buffered: bool = False) -> list[ReadOutcome]:
+    """Read consecutive slots in one call, then verify each block. One outcome per block
+    (`buffered`: from the page cache, past the gate)."""
     first = locs[0]
     hdrs = slabs.headers.read(len(locs))
     iov: list[Buffer] = []
     for hdr, d in zip(hdrs, dests):
         iov.append(hdr)
         iov.extend(d)
+    gate = contextlib.nullcontext() if buffered else slabs.gate.reading()
     try:
-        with slabs.use(first.seg, first.slot_bytes) as fd, slabs.gate.reading():
+        with slabs.use(first.seg, first.slot_bytes, buffered) as fd, gate:
             n = os.preadv(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
         return [slab.read_error(e)] * len(locs)
@@ -211,5 +239,9 @@ def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],
         if n < (j + 1) * first.slot_bytes:
             out.append(slot_format.corrupt(f"short read ({n} bytes for {len(locs)} slots)"))
             continue
-        out.append(slot_format.verify(hdr, loc.key, loc.length, loc.csum, d))
+        got = slot_format.verify(hdr, loc.key, loc.length, loc.csum, d)
+        if got.ok and buffered:
+            slabs.kept(loc.seg, loc.slot_bytes, loc.slot, loc.length)
+            got = slot_format.READ_CACHED
+        out.append(got)
     return out

@@ -7,7 +7,8 @@ allows it (in `auto` mode a refusal switches to buffered I/O, logged once). A fi
 remembered (`take_missing`) so the store drops its segment from the index.
 
 Primitives: `probe_o_direct(directory, mode)`; `FdCache(directory, o_direct, max_open)` with
-`use(seg, slot_bytes)` (a context holding the fd open), `forget`, `has_missing`, `take_missing`,
+`use(seg, slot_bytes, buffered=False)` (a context holding the fd open; `buffered`: a second fd of
+the file without O_DIRECT, for the page-cache share: `pagecache.py`), `forget`, `has_missing`, `take_missing`,
 `mark_missing`, `open_count`, `close`; `SlabMissing`.
 """
 
@@ -74,17 +75,18 @@ class FdCache:
         self.direct_ok: bool | None = None if o_direct == "auto" else o_direct == "on"
         self.fallback_reason = ""
         self.max_open = max(1, max_open)
-        self._fds: OrderedDict[tuple[int, int], _Fd] = OrderedDict()  # (seg, slot_bytes) -> fd
+        # (seg, slot_bytes, buffered) -> fd
+        self._fds: OrderedDict[tuple[int, int, bool], _Fd] = OrderedDict()
         self._missing: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
     def path(self, seg: int, slot_bytes: int) -> str:
         return os.path.join(self.directory, segment_name(seg, slot_bytes))
 
-    def _open(self, seg: int, slot_bytes: int) -> int:
+    def _open(self, seg: int, slot_bytes: int, buffered: bool = False) -> int:
         path = self.path(seg, slot_bytes)
         try:
-            if self.direct_ok is not False:
+            if self.direct_ok is not False and not buffered:
                 try:
                     fd = cachedir.open_file(path, os.O_RDWR | os.O_DIRECT)
                     self.direct_ok = True
@@ -101,13 +103,14 @@ class FdCache:
             raise SlabMissing(errno.ENOENT, "slab file missing", path) from None
 
     @contextlib.contextmanager
-    def use(self, seg: int, slot_bytes: int) -> Iterator[int]:
-        """The segment's fd, held open until the block leaves."""
-        k = (seg, slot_bytes)
+    def use(self, seg: int, slot_bytes: int, buffered: bool = False) -> Iterator[int]:
+        """The segment's fd, held open until the block leaves (`buffered`: one without
+        O_DIRECT)."""
+        k = (seg, slot_bytes, buffered and self.direct_ok is not False)
         with self._lock:
             ent = self._fds.get(k)
             if ent is None:
-                ent = self._fds[k] = _Fd(self._open(seg, slot_bytes))
+                ent = self._fds[k] = _Fd(self._open(seg, slot_bytes, k[2]))
                 self._trim()
             else:
                 self._fds.move_to_end(k)
@@ -130,11 +133,12 @@ class FdCache:
     def forget(self, seg: int, slot_bytes: int) -> None:
         """Close a segment's fd (its file was found missing or dropped)."""
         with self._lock:
-            old = self._fds.pop((seg, slot_bytes), None)
-            if old is not None:
-                old.evicted = True
-                if old.refs == 0:
-                    os.close(old.fd)
+            for buffered in (False, True):
+                old = self._fds.pop((seg, slot_bytes, buffered), None)
+                if old is not None:
+                    old.evicted = True
+                    if old.refs == 0:
+                        os.close(old.fd)
 
     def gone(self, seg: int, slot_bytes: int) -> bool:
         """Whether the segment's slab file was deleted (`fstat` of its fd: no link left; or its

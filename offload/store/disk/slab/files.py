@@ -12,15 +12,20 @@ refused, never followed. A new slab's name is fsync'ed into the directory before
 is committed. A freed slot's header stops naming its block (hole punched, else zeroed).
 
 Every read and write call goes through the slabs' `IoGate` (`gate.py`): reads before writes.
+With a page-cache budget (`store.page_cache`, O_DIRECT on) blocks are written through a buffered
+fd and the newest stay in the page cache up to the budget; a read of a slot the kernel holds whole
+goes through the buffered fd without the gate (`pagecache.py`), verified as any other.
 
 Primitives: `SlabFiles` (one directory's slabs: `create`, `use` (an fd), `sync`, `free`,
 `write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; writes
 return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`),
-`HeaderAreas` (per-thread header buffers), `aligned`, `reason`, `read_error`.
+`cached_slot` (whether a slot is in the page cache, no I/O), `kept`, `HeaderAreas` (per-thread
+header buffers), `aligned`, `reason`, `read_error`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -33,10 +38,12 @@ from typing import ContextManager, Sequence
 
 from offload.store.base import Buffer
 from offload.store.disk import cachedir
+from offload.store.disk.slab import pagecache
 from offload.store.disk.slab.fdcache import MAX_OPEN, FdCache, SlabMissing
 from offload.store.disk.slab.format import (
     ALIGN,
     HEADER_BYTES,
+    READ_CACHED,
     READ_OK,
     Header,
     ReadOutcome,
@@ -178,18 +185,45 @@ class SlabFiles:
     """The slab files of one directory, shared by the threads of one process (fds: `FdCache`)."""
 
     def __init__(self, directory: str, o_direct: str, max_open: int = MAX_OPEN,
-                 gate: IoGate | None = None):
+                 gate: IoGate | None = None, page_cache: int = 0):
         self.directory = directory
         self.fds = FdCache(directory, o_direct, max_open)
         self.headers = HeaderAreas()
         self.gate = gate or IoGate()   # reads before writes at the device (`gate.py`)
+        # the page-cache share (`pagecache.py`): only beside O_DIRECT (buffered I/O caches all)
+        self.cache = (pagecache.PageCache(page_cache, self._drop)
+                      if page_cache > 0 and o_direct == "on" else None)
 
     def path(self, seg: int, slot_bytes: int) -> str:
         return self.fds.path(seg, slot_bytes)
 
-    def use(self, seg: int, slot_bytes: int) -> ContextManager[int]:
-        """The segment's fd, held open until the block leaves."""
-        return self.fds.use(seg, slot_bytes)
+    def use(self, seg: int, slot_bytes: int, buffered: bool = False) -> ContextManager[int]:
+        """The segment's fd, held open until the block leaves (`buffered`: without O_DIRECT)."""
+        return self.fds.use(seg, slot_bytes, buffered)
+
+    def _drop(self, seg: int, slot_bytes: int, off: int, n: int) -> None:
+        """A slot past the page-cache budget: written back and dropped from the page cache."""
+        try:
+            with self.use(seg, slot_bytes) as fd:
+                pagecache.drop(fd, off, n)
+        except OSError:   # a slab gone holds nothing cached
+            pass
+
+    def kept(self, seg: int, slot_bytes: int, slot: int, length: int) -> None:
+        """A block now in the page cache (written or read buffered): the budget's newest."""
+        if self.cache is not None:
+            self.cache.keep(seg, slot_bytes, slot, HEADER_BYTES + align_up(length))
+
+    def cached_slot(self, seg: int, slot_bytes: int, slot: int, length: int) -> bool:
+        """Whether the kernel holds a block's whole range (header and data) in the page cache,
+        asked without I/O; False without a budget or without `cachestat`."""
+        if self.cache is None:
+            return False
+        try:
+            with self.use(seg, slot_bytes) as fd:
+                return pagecache.cached(fd, slot * slot_bytes, HEADER_BYTES + length) is True
+        except OSError:
+            return False
 
     def forget(self, seg: int, slot_bytes: int) -> None:
         self.fds.forget(seg, slot_bytes)
@@ -259,10 +293,13 @@ class SlabFiles:
                     bufs: Sequence[Buffer], length: int, csum: int, created_ns: int) -> str:
         """Write one block into its slot. Returns '' on success, else the reason."""
         try:
-            with self.use(seg, slot_bytes) as fd:
-                return self._write(fd, slot * slot_bytes, key, bufs, length, csum, created_ns)
+            with self.use(seg, slot_bytes, self.cache is not None) as fd:
+                err = self._write(fd, slot * slot_bytes, key, bufs, length, csum, created_ns)
         except OSError as e:
             return reason(e)
+        if not err:
+            self.kept(seg, slot_bytes, slot, length)
+        return err
 
     def _write(self, fd: int, off: int, key: bytes, bufs: Sequence[Buffer], length: int, csum: int,
                created_ns: int) -> str:
@@ -311,15 +348,17 @@ class SlabFiles:
         return done
 
     def read_block(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
-                   csum: int, dests: Sequence[Buffer]) -> ReadOutcome:
+                   csum: int, dests: Sequence[Buffer], buffered: bool = False) -> ReadOutcome:
         """Read and verify one block into `dests` (`ReadOutcome`: corrupt means the stored block
-        is bad, or its slot was reused under the read)."""
+        is bad, or its slot was reused under the read). `buffered`: from the page cache (a slot
+        `cached_slot` found whole), past the gate; verified the same way."""
         hdr = self.headers.read(1)[0]
+        gate = contextlib.nullcontext if buffered else self.gate.reading
         try:
-            with self.use(seg, slot_bytes) as fd:
+            with self.use(seg, slot_bytes, buffered) as fd:
                 off = slot * slot_bytes
                 if aligned(dests) and len(dests) < IOV_MAX:
-                    with self.gate.reading():
+                    with gate():
                         n = os.preadv(fd, [hdr, *dests], off)
                     if n != HEADER_BYTES + length:
                         return corrupt(f"short read ({n} of {HEADER_BYTES + length} bytes)")
@@ -328,7 +367,7 @@ class SlabFiles:
                 else:
                     size = align_up(length)
                     bounce = self.headers.bounce_of(size)
-                    with self.gate.reading():
+                    with gate():
                         n = os.preadv(fd, [hdr, memoryview(bounce)[:size]], off)
                     if n != HEADER_BYTES + size:
                         return corrupt(f"short read ({n} of {HEADER_BYTES + size} bytes)")
@@ -347,6 +386,9 @@ class SlabFiles:
                 mv = memoryview(b).cast("B")
                 mv[:] = copy_from[pos:pos + mv.nbytes]
                 pos += mv.nbytes
+        if buffered:
+            self.kept(seg, slot_bytes, slot, length)
+            return READ_CACHED
         return READ_OK
 
     def allocated_slots(self, seg: int, slot_bytes: int, nslots: int) -> set[int]:

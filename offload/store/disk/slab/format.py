@@ -95,9 +95,11 @@ def unpack_header(raw: Buffer) -> Header | None:
 class ReadOutcome:
     """What one block's read came to: `ok` (read and verified), `corrupt` (the stored block is
     bad, or another process reused its slot under the read: the caller tells which), or `failed`
-    (an I/O error: a miss, the block kept). `reason` is the text for logs and `cache verify`."""
+    (an I/O error: a miss, the block kept). `reason` is the text for logs and `cache verify`;
+    `cached`: served from the page cache (`pagecache.py`), verified the same way."""
     kind: Literal["ok", "corrupt", "failed"]
     reason: str = ""
+    cached: bool = False
 
     @property
     def ok(self) -> bool:
@@ -109,6 +111,7 @@ class ReadOutcome:
 
 
 READ_OK = ReadOutcome("ok")
+READ_CACHED = ReadOutcome("ok", "page cache", cached=True)
 
 
 def corrupt(why: str) -> ReadOutcome:

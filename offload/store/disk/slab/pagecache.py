@@ -1,0 +1,130 @@
+"""The bounded share of the kernel's page cache a disk store's slabs may hold (`store.page_cache`).
+
+With O_DIRECT nothing of ours stays in the page cache, so a restarted server reads every block from
+the device. With a budget, the slots most recently written (and read) stay cached up to that many
+bytes: blocks are written through a buffered fd (durability unchanged: the committer's fdatasync
+of the slab, on any fd of the file, covers them), and beyond the budget the oldest slots are
+written back (`sync_file_range`, so no dirty page outlives its slot's place in the budget) and
+dropped (`posix_fadvise(DONTNEED)`). A read asks the kernel, without any I/O, whether a slot's
+whole range is cached (`cachestat(2)`, Linux 6.5+; unavailable: every read is O_DIRECT) and only
+then reads it buffered; the caller verifies the bytes exactly as an O_DIRECT read's.
+
+Primitives: `cached(fd, off, n)` (True / False / None = cachestat unavailable), `cached_bytes(fd)`,
+`PageCache(budget, evict)` with `keep(seg, slot_bytes, slot, nbytes)` (a slot now cached: the
+oldest beyond the budget handed to `evict`), `held()`; `drop(fd, off, n)` (the `evict` the slabs
+use). The budget is per process and per directory; clean pages another process left behind (a
+restart) are the kernel's to reclaim, and are served while they last.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import threading
+from collections import OrderedDict
+from typing import Callable
+
+PAGE = 4096
+# cachestat(2): one number on every architecture (new system calls share the table from 424 on)
+SYS_CACHESTAT = 451
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64),
+                ("nr_writeback", ctypes.c_uint64), ("nr_evicted", ctypes.c_uint64),
+                ("nr_recently_evicted", ctypes.c_uint64)]
+
+
+_libc: ctypes.CDLL | None = None
+_usable: bool | None = None   # cachestat answered once (True) or was refused (False)
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.syscall.restype = ctypes.c_long
+        lib.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_uint]
+        _libc = lib
+    return _libc
+
+
+def _stat(fd: int, off: int, n: int) -> _Stat | None:
+    """cachestat of [off, off+n) (n=0: to the end of the file); None where the kernel has none."""
+    global _usable
+    if _usable is False or platform.system() != "Linux":
+        return None
+    rng, st = _Range(off, n), _Stat()
+    r = _lib().syscall(ctypes.c_long(SYS_CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng),
+                       ctypes.byref(st), ctypes.c_uint(0))
+    if r != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+            _usable = False   # an older kernel or a seccomp filter: O_DIRECT for every read
+        return None
+    _usable = True
+    return st
+
+
+def cached(fd: int, off: int, n: int) -> bool | None:
+    """Whether every page of [off, off+n) is in the page cache (no I/O); None: no cachestat."""
+    first, last = off // PAGE, (off + n + PAGE - 1) // PAGE
+    st = _stat(fd, first * PAGE, (last - first) * PAGE)
+    return None if st is None else st.nr_cache >= last - first
+
+
+def cached_bytes(fd: int) -> int | None:
+    """Bytes of a whole file in the page cache (None: no cachestat)."""
+    st = _stat(fd, 0, 0)
+    return None if st is None else st.nr_cache * PAGE
+
+
+def drop(fd: int, off: int, n: int) -> None:
+    """Write [off, off+n) back (data only, no metadata: the commit's fdatasync still makes it
+    durable) and drop it from the page cache."""
+    _lib().sync_file_range(fd, off, n, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
+    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+
+
+Slot = tuple[int, int, int]   # (seg, slot_bytes, slot)
+
+
+class PageCache:
+    """The slots this process left cached, oldest first, at most `budget` bytes of them."""
+
+    def __init__(self, budget: int, evict: Callable[[int, int, int, int], None]):
+        self.budget = budget
+        self._evict = evict          # (seg, slot_bytes, offset, nbytes): write back and drop
+        self._slots: OrderedDict[Slot, int] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def keep(self, seg: int, slot_bytes: int, slot: int, nbytes: int) -> None:
+        """A slot now in the page cache (written or read buffered): the newest; the oldest beyond
+        the budget are dropped (on the calling thread: a writer's, or a reader's)."""
+        out: list[tuple[Slot, int]] = []
+        with self._lock:
+            k = (seg, slot_bytes, slot)
+            self._bytes += nbytes - self._slots.pop(k, 0)
+            self._slots[k] = nbytes
+            while self._bytes > self.budget and self._slots:
+                old, n = self._slots.popitem(last=False)
+                self._bytes -= n
+                out.append((old, n))
+        for (s, sb, sl), n in out:
+            self._evict(s, sb, sl * sb, n)
+
+    def held(self) -> int:
+        """Bytes of slots kept (what this process may have in the page cache)."""
+        with self._lock:
+            return self._bytes
+
+
+__all__ = ["PAGE", "PageCache", "cached", "cached_bytes", "drop"]
