@@ -106,20 +106,20 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
 @contextmanager
 def recording_sends() -> Iterator[list[bytes]]:
     """Every frame this process sends on a protocol channel meanwhile, as the bytes on the wire."""
-    from offload.agent import protocol
+    from offload.agent.protocol import frames
 
     sent: list[bytes] = []
-    real = protocol.send_parts
+    real = frames.send_parts
 
     def record(sock, parts, *rest):  # type: ignore[no-untyped-def]
         sent.append(b"".join(bytes(p) for p in parts))
         real(sock, parts, *rest)
 
-    protocol.send_parts = record
+    frames.send_parts = record
     try:
         yield sent
     finally:
-        protocol.send_parts = real
+        frames.send_parts = real
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 
 from offload.agent import protocol
 from offload.agent.client import AgentStore
+from offload.agent.protocol import frames
 from tests.agent.conftest import SECRET, recording_sends, wait_for
 from tests.agent.tenants import closed_by_peer
 
@@ -75,18 +76,18 @@ def test_tampered_frame_rejected(agent) -> None:
     hello(ch)
     # A valid PUT whose payload is flipped after the MAC was computed.
     meta = protocol.Blocks(keys=[KEY], sizes=[4])
-    real_send = protocol.send_parts
+    real_send = frames.send_parts
 
     def tamper(sock, parts, *rest):
         parts = list(parts)
         parts[-2] = b"EVIL"          # the payload, just before the MAC
         real_send(sock, parts, *rest)
 
-    protocol.send_parts = tamper
+    frames.send_parts = tamper
     try:
         ch.send(protocol.PUT, 2, meta, [memoryview(b"good")])
     finally:
-        protocol.send_parts = real_send
+        frames.send_parts = real_send
     assert closed_by_peer(ch.sock)
     assert wait_for(lambda: "frame MAC does not verify" in agent.text())
     assert_still_serving(agent)
