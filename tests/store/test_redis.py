@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from offload.config import ConfigError, load_offload, parse_url
+from offload.config import ConfigError, load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.redis.store import RedisStore
@@ -148,24 +148,10 @@ def test_namespace_registered(redis_server: RedisProc) -> None:
     assert len(stored) == 1 and b"secret" not in stored[0] and b"fp8" in stored[0]
 
 
-def test_url_parsing_and_errors() -> None:
-    t = parse_url("rediss+cluster://user:p%40ss@h1:7000,h2:7001")
-    assert (t.tls, t.cluster, t.nodes, t.username, t.password) == (
-        True, True, [("h1", 7000), ("h2", 7001)], "user", "p@ss")
-    assert "p@ss" not in t.display()
-    assert parse_url("redis://[::1]:6380/2").nodes == [("::1", 6380)]
-    assert parse_url("redis://localhost").nodes == [("localhost", 6379)]
-    assert parse_url("redis://[fe80::1%eth0]").nodes == [("fe80::1%eth0", 6379)]
-    for bad in ("http://x", "redis://a:1,b:2", "redis://h:99999", "redis://h/x",
-                "redis://h?ssl_cert_reqs=none", "redis+cluster://h/3",
-                # redis-py refuses these at connect time ("Invalid IPv6 URL", ...): so do we, early
-                "redis://:pw@[bad", "redis://[::1", "redis://[::1]x", "redis://h h:1", "redis://::1"):
-        with pytest.raises(ConfigError):
-            parse_url(bad)
+def test_a_missing_password_file_is_a_config_error() -> None:
+    """(The URL grammar itself: tests/config/test_redis_url.py.)"""
     with pytest.raises(ConfigError, match="password_file"):
         make("redis://h", password_file="/nonexistent/pw")
-    with pytest.raises(ConfigError, match="rediss"):
-        load_offload({"redis": {"url": "redis://h", "tls_ca_file": "/ca"}})
 
 
 def test_redis_not_imported_by_offload() -> None:
