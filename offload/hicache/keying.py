@@ -8,6 +8,7 @@ Primitives (control path, pure functions of SGLang's `HiCacheStorageConfig` and 
   and a TP4 replica key the same heads identically (Mooncake's lcm-rank keys, SGLang's unified
   scheme's `_H{head_group}` coordinate). `KeyPlan.keys(page_hashes)` gives the block keys,
   page-major / group-minor; `KeyPlan.blocks(chunks)` cuts one page's buffers into its objects.
+  `KeyPlan.single(ns)`: one object per page (every sidecar pool).
 - `replica_plan(sc, host_pool, salt)`: the plan of an allocator-only MLA pool (MLA host dedup's
   non-source ranks: no buffer; `allocator_only_mla(pool)` tells one).
 - `storage_writer(sc, dp_attention)`: whether this rank writes the KV pages (see below).
@@ -81,6 +82,11 @@ class KeyPlan:
     split: int
     makers: list[Callable[[Sequence[str]], list[bytes]]]
 
+    @classmethod
+    def single(cls, ns: Namespace) -> "KeyPlan":
+        """One object per page, in namespace `ns` (every sidecar pool; KV without a head split)."""
+        return cls([ns], 1, [key_maker(ns.digest())])
+
     @property
     def digests(self) -> list[bytes]:
         return [ns.digest() for ns in self.namespaces]
@@ -116,8 +122,7 @@ def kv_plan(sc: "HiCacheStorageConfig", host_pool: Any, pages: PageMap, salt: st
     """This rank's KV key plan; raises ConfigError for a head split it cannot honour."""
     split = head_split(sc)
     if split == 1:
-        ns = namespace_for(sc, host_pool, pages.page_bytes, salt)
-        return KeyPlan([ns], 1, [key_maker(ns.digest())])
+        return KeyPlan.single(namespace_for(sc, host_pool, pages.page_bytes, salt))
     heads = int(getattr(host_pool, "head_num", 0) or 0)
     problems = []
     if str(host_pool.layout) != "page_head":
@@ -159,8 +164,7 @@ def replica_plan(sc: "HiCacheStorageConfig", host_pool: Any, salt: str) -> KeyPl
                            f"{sc.tp_rank} has no buffer, but this rank is the storage writer; "
                            "fix: MLA host dedup must keep the buffer on the source rank 0"])
     page_bytes = int(host_pool.get_size_per_token()) * int(host_pool.page_size)
-    ns = namespace_for(sc, host_pool, page_bytes, salt)
-    return KeyPlan([ns], 1, [key_maker(ns.digest())])
+    return KeyPlan.single(namespace_for(sc, host_pool, page_bytes, salt))
 
 
 def group_ok(flags: Sequence[bool], split: int) -> list[bool]:

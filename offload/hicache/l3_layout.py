@@ -1,7 +1,8 @@
 """SGLang's L3 object-layout handshake for `OffloadStorage`: what an outside reader needs to find
 a page's blocks without asking the engine.
 
-`describe(backend, sidecar_pool_specs, swa_trailing_pages, page_size)` returns SGLang's envelope
+`describe(st, sidecar_pool_specs, swa_trailing_pages, page_size)` (`st`: the backend's
+`BackendState`) returns SGLang's envelope
 (`enabled`, `backend`, `page_size`, `hicache_object_layout`, else a `reason`), the shape
 `merge_l3_layouts` joins across schedulers. Per pool: its hit policy (and trailing window) and
 the namespace digests of its objects, hex, for EVERY rank of the model, not only this one, so
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 from offload.hicache.keying import kv_plan
 from offload.hicache.pools import KV, MAMBA, build_pool, pool_str
+from offload.hicache.state import BackendState
 
 KEY_SCHEME = "offload-blake2b-v1"
 
@@ -28,34 +30,36 @@ def _disabled(reason: str, page_size: int | None) -> dict:
             "hicache_object_layout": {"pools": []}, "reason": reason}
 
 
-def describe(backend: Any, sidecar_pool_specs: Sequence[Any], swa_trailing_pages: int | None,
-             page_size: int | None) -> dict:
-    """The L3 layout of `backend` (an attached `OffloadStorage`); see the module docstring."""
-    sc = backend.storage_config
-    if backend.namespace is None:
+def describe(st: BackendState, sidecar_pool_specs: Sequence[Any],
+             swa_trailing_pages: int | None, page_size: int | None) -> dict:
+    """The L3 layout of an attached backend's state; see the module docstring."""
+    sc = st.storage_config
+    if st.namespace is None:
         return _disabled("The offload host pool is not registered", page_size)
     if sc.attn_cp_size > 1 or sc.dcp_size > 1:
         return _disabled("Context-parallel shards are not enumerated by the offload layout",
                          page_size)
     ranks = [replace(sc, tp_rank=r) for r in range(sc.tp_size)]
     # Rank r's KV plan: MLA (and an anchor without pages) is one namespace for every rank.
-    shared = sc.is_mla_model or backend.pages is None
-    plans = [backend.plan if shared else kv_plan(
-        rank, backend.mem_pool_host, backend.pages, backend.cfg.store.salt) for rank in ranks]
+    kv = st.kv
+    pages = kv.pages if kv is not None else None
+    plan = kv.plan if kv is not None else None
+    plans = [plan if sc.is_mla_model or pages is None else kv_plan(
+        rank, st.host, pages, st.cfg.store.salt) for rank in ranks]
     pools: list[dict] = []
-    if backend.plan is not None:
-        digests = [d for plan in plans for d in plan.digests]
+    if plan is not None:
+        digests = [d for p in plans if p is not None for d in p.digests]
         pools.append({"pool": KV, "hit_policy": "all_pages",
                       "namespaces": _unique_hex(digests)})
     specs = {pool_str(s.pool_name): s for s in sidecar_pool_specs}
     trailing = {MAMBA: 1, "swa": swa_trailing_pages}
-    for name, pool in backend.pools.items():
+    for name, pool in st.pools.items():
         spec = specs.get(name)
         policy = pool_str(spec.hit_policy) if spec is not None else (
             "trailing_pages" if name in trailing else "all_pages")
-        digests = [build_pool(name, pool.host, plan.namespaces[0] if plan is not None else
-                              backend.namespace, rank, backend.is_writer)[0].digest
-                   for rank, plan in zip(ranks, plans)]
+        digests = [build_pool(name, pool.host, p.namespaces[0] if p is not None else
+                              st.namespace, rank, st.is_writer)[0].digest
+                   for rank, p in zip(ranks, plans)]
         entry: dict[str, Any] = {"pool": name, "hit_policy": policy,
                                  "namespaces": _unique_hex(digests)}
         if policy == "trailing_pages":

@@ -1,24 +1,66 @@
-"""Moving host-pool pages to and from a block store: the one routine under the v1 (KV) and v2 (pool) calls.
+"""Moving one pool's pages to and from a block store: the one routine under the v1, v2 and KV calls.
 
 Primitives (data path, no bookkeeping):
+- `move(store, pool, keys, host_indices, write) -> Moved`: store (`write`) or load the pages of
+  `pool` (a `pools.Pool`: KV or a sidecar) at SGLang's `host_indices` under SGLang's page hashes
+  `keys`; per-page success. The pool decides the rest: its key plan (objects per page), and
+  whether this rank writes it (a rank that does not, or a replica without bytes, reports what
+  is stored and moves nothing). `Moved.seconds` is the I/O's duration, None when no bytes moved.
+- `present(store, pool, keys)`: per page, all its objects are stored.
 - `page_starts(pages, pool, n_keys, host_indices)`: each page's first host index, or None (logged)
   if SGLang's indices cannot be served (wrong count, not on page boundaries).
 - `write_pages(store, pages, bkeys, starts, split)` / `read_pages(...)`: per-page success. A
   zero-copy `PageMap` moves pages straight between host memory and the store; any other goes
   through SGLang's flat-page copies (`page_copy`, `scratch` + `store_copy`). `split` (a
   `KeyPlan` of head groups, zero copy only): each page is several objects, `bkeys` page-major.
+
+A store's failures come back as False flags (the stores never raise on the data path); SGLang's
+calls are guarded once more by `never_raises` on `OffloadStorage`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, NamedTuple, Sequence
 
 from offload.hicache.keying import KeyPlan, group_ok
 from offload.hicache.layout import PageMap
+from offload.hicache.pools import Pool
 from offload.store.base import BlockStore, Buffer
 
 logger = logging.getLogger(__name__)
+
+
+class Moved(NamedTuple):
+    """What `move` did: one flag per page, and the seconds its I/O took (None: no bytes moved,
+    because this rank reported what is stored or SGLang's indices were refused)."""
+
+    ok: list[bool]
+    seconds: float | None = None
+
+
+def present(store: BlockStore, pool: Pool, keys: Sequence[str]) -> list[bool]:
+    """Per page of SGLang's `keys`: all of the pool's objects for it are stored."""
+    return group_ok(store.exists_many(pool.keys(keys)), pool.split)
+
+
+def move(store: BlockStore, pool: Pool, keys: Sequence[str], host_indices: Any,
+         write: bool) -> Moved:
+    """Store (`write`) or load `pool`'s pages at `host_indices` under `keys` (the module docstring)."""
+    if not keys:
+        return Moved([])
+    if pool.pages is None:             # allocator-only MLA replica: the source rank's blocks
+        return Moved(present(store, pool, keys))
+    starts = page_starts(pool.pages, pool.name, len(keys), host_indices)
+    if starts is None:
+        return Moved([False] * len(keys))
+    if write and not pool.writes:      # MLA: the storage writer (rank 0) writes shared pools
+        return Moved(present(store, pool, keys))
+    bkeys = pool.keys(keys)
+    t0 = time.perf_counter()
+    ok = (write_pages if write else read_pages)(store, pool.pages, bkeys, starts, pool.plan)
+    return Moved(ok, time.perf_counter() - t0)
 
 
 def page_starts(pages: PageMap, pool: str, n_keys: int, host_indices: Any) -> list[int] | None:

@@ -8,13 +8,13 @@ any other and every tier (disk, dpu agent, Redis) carries it without knowing abo
 
 Primitives:
 - `pool_namespace(kv_ns, name, host_pool, page_bytes, per_rank, tp)`: a pool's identity.
-- `Pool`: one registered host pool (its `PageMap`, namespace digest, key maker, whether this
-  rank writes it). `build_pool(...)` lays it out or raises `ConfigError` naming the pool and the
-  model family (the attach fails closed).
+- `Pool`: one registered host pool, KV included (its `PageMap`, its `KeyPlan`: the objects of a
+  page and their keys, whether this rank writes it). `kv_pool(...)` is the KV anchor's;
+  `build_pool(...)` lays a sidecar out or raises `ConfigError` naming the pool and the model
+  family (the attach fails closed).
 - `restorable(kv_pages, transfers, present)`: the hit policies (ALL_PAGES, TRAILING_PAGES,
   BLOCK_GROUPS) as one pure function -> (restorable prefix lengths, per-pool hit pages).
-- `PoolsMixin`: the v2 methods of `OffloadStorage` (register, exists, get, set), data path
-  guarded by `never_raises`.
+The v2 calls that use them are `offload.hicache.sidecars` (a part of `OffloadStorage`).
 
 Sharing: MAMBA state is per TP rank; every other pool follows KV's MLA sharing (one namespace
 for all ranks of an MLA model, written by the storage writer), except a pool of an MHA host class
@@ -29,27 +29,16 @@ own block is, and `batch_get_v2` says True only for blocks fully read and checks
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from offload.errors import ConfigError
 from offload.hicache.keying import SERVED_LAYOUTS, KeyPlan
 from offload.hicache.layout import PageMap
-from offload.keys import Namespace, key_maker
-from offload.store.base import BlockStore, never_raises
+from offload.keys import Namespace
 
 if TYPE_CHECKING:
-    from sglang.srt.mem_cache.hicache_storage import (
-        HiCacheStorageConfig,
-        HiCacheStorageExtraInfo,
-        PoolTransfer,
-        PoolTransferResult,
-    )
-
-    from offload.hicache.worth_it import WorthIt
-
-logger = logging.getLogger(__name__)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 KV = "kv"
 MAMBA = "mamba"
@@ -90,22 +79,44 @@ def pool_namespace(kv_ns: Namespace, name: str, host_pool: Any, page_bytes: int,
 
 @dataclass
 class Pool:
-    """One registered host pool (see the module docstring)."""
+    """One registered host pool, KV or sidecar (see the module docstring).
+
+    `pages` is None only for an allocator-only MLA replica's KV (no bytes on this rank: it
+    reports the blocks the source rank stores). `writes`: this rank writes the pool's blocks;
+    a rank that does not reports what is stored (`page_io.move`)."""
 
     name: str
     host: Any
-    pages: PageMap
-    digest: bytes
-    keys: Callable[[Sequence[str]], list[bytes]]
-    writes: bool                   # this rank writes the pool's blocks
+    pages: PageMap | None
+    plan: KeyPlan                  # the objects of a page, their namespaces and keys
+    writes: bool
+
+    def keys(self, page_hashes: Sequence[str]) -> list[bytes]:
+        """The block keys of SGLang's page hashes, `split` per page (page-major)."""
+        return self.plan.keys(page_hashes)
+
+    @property
+    def split(self) -> int:
+        """Objects (blocks) per page: > 1 only for KV head groups."""
+        return self.plan.split
+
+    @property
+    def digest(self) -> bytes:
+        """The namespace digest of the pool's (first) object."""
+        return self.plan.digests[0]
 
     @property
     def page_size(self) -> int:
-        return self.pages.page_size
+        return self.pages.page_size if self.pages is not None else 0
 
     @property
     def page_bytes(self) -> int:
-        return self.pages.page_bytes
+        return self.pages.page_bytes if self.pages is not None else 0
+
+
+def kv_pool(host_pool: Any, pages: PageMap | None, plan: KeyPlan, is_writer: bool) -> Pool:
+    """The KV anchor as a pool: its key plan (head groups, or a replica's shared namespace)."""
+    return Pool(name=KV, host=host_pool, pages=pages, plan=plan, writes=is_writer)
 
 
 def _per_rank(name: str, host_pool: Any, mla: bool) -> bool:
@@ -153,8 +164,7 @@ def build_pool(name: str, host_pool: Any, kv_ns: Namespace, sc: "HiCacheStorageC
         raise refuse(f"{pages.page_bytes}-byte pages, {pages.page_num} pages")
     ns = pool_namespace(kv_ns, name, host_pool, pages.page_bytes, per_rank,
                         (sc.tp_rank, sc.tp_size))
-    digest = ns.digest()
-    return Pool(name=name, host=host_pool, pages=pages, digest=digest, keys=key_maker(digest),
+    return Pool(name=name, host=host_pool, pages=pages, plan=KeyPlan.single(ns),
                 writes=is_writer or per_rank), ns
 
 
@@ -194,131 +204,3 @@ def restorable(kv_pages: int, transfers: Iterable[Any], present: Mapping[str, Se
             hits[t.name] = boundary
         rest = [p for p in rest if p in ok]
     return rest, hits
-
-
-def _empty_result(*_: Any, **__: Any) -> "PoolTransferResult":
-    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
-
-    return PoolTransferResult(0, {}, [])
-
-
-def _all_false(_self: Any, transfers: Sequence[Any], *_: Any, **__: Any) -> dict[Any, list[bool]]:
-    return {t.name: [False] * len(t.keys or []) for t in transfers}
-
-
-class PoolsMixin:
-    """The v2 methods of `OffloadStorage`; it provides the attributes declared here."""
-
-    store: BlockStore
-    storage_config: "HiCacheStorageConfig"
-    is_writer: bool
-    namespace: Namespace | None
-    pages: PageMap | None
-    plan: KeyPlan | None
-    worth: "WorthIt"
-    logical_anchor: bool
-    pools: dict[str, Pool]
-    _pools_attached: bool = False
-    _keys: Callable[[Sequence[str]], list[bytes]]
-    _kv_hits: Callable[[Sequence[str]], int]
-    _move: Callable[..., list[bool]]
-    _worth_loading: Callable[[int, int], int]
-
-    # ------------------------------------------------------------ control path
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Register one pool of a hybrid stack: at attach (a refusal fails the attach) or later,
-        a SIDECAR draft (a refusal is logged and every call for that pool is a miss)."""
-        name = pool_str(host_pool_name)
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)  # type: ignore[misc]
-        if name == KV or host_pool is getattr(self, "mem_pool_host", None):
-            return   # the anchor: v1 pages (`register_mem_pool_host`)
-        try:
-            if self.namespace is None:
-                raise ConfigError([f"offload: pool {name!r} registered before the KV host pool"])
-            pool, ns = build_pool(name, host_pool, self.namespace, self.storage_config,
-                                  self.is_writer)
-        except ConfigError as e:
-            if not self._pools_attached:
-                raise
-            logger.error("offload: pool %s registered at run time is not stored (every call "
-                         "for it is a miss): %s", name, e)
-            return
-        self.store.register_namespace(ns)
-        if pool.pages.zero_copy:
-            register_region = getattr(self.store, "register_region", None)
-            if register_region is not None:
-                register_region(host_pool.kv_buffer)
-        self.pools[name] = pool
-        logger.info("offload: pool %s (%s, %s): %d-byte pages of %d tokens, %s, written by %s",
-                    name, type(host_pool).__name__, family_of(name), pool.page_bytes,
-                    pool.page_size, "per TP rank" if ns.tp_size > 1 or name == MAMBA else "shared",
-                    "this rank" if pool.writes else "the MLA writer rank")
-
-    def on_host_pools_registered(self) -> None:
-        self._pools_attached = True
-        logger.info("offload: host pools registered: %s", ", ".join(self.pools) or "KV only")
-
-    # ------------------------------------------------------------ data path
-
-    @never_raises("batch_exists_v2", _empty_result)
-    def batch_exists_v2(self, keys: list[str], pool_transfers: list["PoolTransfer"] | None = None,
-                        extra_info: "HiCacheStorageExtraInfo | None" = None
-                        ) -> "PoolTransferResult":
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
-
-        transfers = list(pool_transfers or [])
-        if self.logical_anchor:
-            kv_pages = len(keys) if transfers else 0   # the sidecars carry every byte
-        else:
-            kv_pages = self._kv_hits(keys)
-        present: dict[str, list[bool]] = {}
-        for t in transfers:
-            pool = self.pools.get(pool_str(t.name))
-            if pool is None:
-                present[pool_str(t.name)] = [False] * kv_pages
-            elif pool_str(t.name) not in present:
-                present[pool_str(t.name)] = self.store.exists_many(pool.keys(keys[:kv_pages]))
-        rest, hits = restorable(kv_pages, transfers, present)
-        if kv_pages:
-            hits = {KV: kv_pages, **hits}   # the first key is SGLang's PoolName.KV (equal str)
-        final = rest[-1] if rest else 0
-        cut = self._worth_cut(final, transfers)
-        if cut < final:
-            rest = [p for p in rest if p <= cut]
-            final = rest[-1] if rest else 0
-        return PoolTransferResult(final, hits, rest)
-
-    def _worth_cut(self, final: int, transfers: Sequence[Any]) -> int:
-        """The worth-it rule over the KV page plus every sidecar loaded with it."""
-        if final == 0 or self.pages is None:
-            return final
-        nbytes = self.pages.page_bytes + sum(
-            p.page_bytes for p in (self.pools.get(pool_str(t.name)) for t in transfers)
-            if p is not None)
-        return self._worth_loading(final, nbytes)
-
-    @never_raises("batch_get_v2", _all_false)
-    def batch_get_v2(self, transfers: list["PoolTransfer"],
-                     extra_info: "HiCacheStorageExtraInfo | None" = None) -> dict[Any, list[bool]]:
-        return {t.name: self._pool_io(t, write=False) for t in transfers}
-
-    @never_raises("batch_set_v2", _all_false)
-    def batch_set_v2(self, transfers: list["PoolTransfer"],
-                     extra_info: "HiCacheStorageExtraInfo | None" = None) -> dict[Any, list[bool]]:
-        return {t.name: self._pool_io(t, write=True) for t in transfers}
-
-    def _pool_io(self, t: "PoolTransfer", write: bool) -> list[bool]:
-        keys = list(t.keys or [])
-        name = pool_str(t.name)
-        if name == KV:
-            if self.logical_anchor:
-                return [True] * len(keys)
-            return self._move(KV, self.pages, self._keys, self.is_writer, keys, t.host_indices, write,
-                              split=self.plan)
-        pool = self.pools.get(name)
-        if pool is None:
-            if keys:
-                logger.debug("offload: %s of unregistered pool %s", "set" if write else "get", name)
-            return [False] * len(keys)
-        return self._move(name, pool.pages, pool.keys, pool.writes, keys, t.host_indices, write)
