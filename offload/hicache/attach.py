@@ -6,7 +6,8 @@
   reports the blocks the source rank stores); DeepSeek-V4's logical anchor (no KV bytes: only the
   namespace, the v2 pools hold the pages); or a KV `Pool` over the host pool's `PageMap` and key
   plan (`keying`), its namespaces registered with the store, its L3 KV events opened, its memory
-  registered with a store that moves pages itself (`RegistersRegions`: the dpu path's NIXL).
+  registered with a store that moves pages itself (`RegistersRegions`, found on the store graph
+  by `store.base.find`: the dpu path's NIXL).
 - `sidecar(host_pool, name)`: `register_mem_host_pool_v2`: a sidecar `Pool` (`pools.build_pool`):
   at attach a refusal fails the attach; after `done()` (SGLang's `on_host_pools_registered`) a
   refused pool is logged and every call for it is a miss.
@@ -30,15 +31,17 @@ from offload.hicache.layout import PageMap
 from offload.hicache.native_hash import ensure_native_hash
 from offload.hicache.pools import KV, MAMBA, build_pool, family_of, kv_pool
 from offload.hicache.state import BackendState
-from offload.store.base import RegistersRegions
+from offload.store.base import RegistersRegions, find
 
 logger = logging.getLogger(__name__)
 
 
 def _register_region(st: BackendState, buffer: Any) -> None:
-    """Memory pages move through, for a store that moves them itself (the agent by NIXL)."""
-    if isinstance(st.store, RegistersRegions):
-        st.store.register_region(buffer)
+    """Memory pages move through, for a store that moves them itself (the agent by NIXL): told
+    to the outermost store on the store graph that registers regions (a tiered store or a
+    transfer path passes it on to its own parts)."""
+    for store in find(st.store, RegistersRegions)[:1]:
+        store.register_region(buffer)
 
 
 class Attach:
