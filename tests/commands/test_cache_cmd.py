@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from offload.cli import main
-from offload.config import Size, StoreConfig
 from offload.keys import Namespace
 from offload.store.disk.slab.format import HEADER_BYTES, parse_segment_name
-from offload.store.disk.store import DiskStore
+from tests.store.stores import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 64 << 10
@@ -29,7 +28,7 @@ NS_B = Namespace(model="Qwen2.5-72B", dtype="fp8", layout="layer_first", page_si
 
 def _fill(d: Path, per_ns: int = 10, capacity: int = 64 << 20) -> dict[bytes, bytes]:
     blocks = {}
-    with DiskStore(StoreConfig(path=str(d), capacity=Size(capacity), min_free=Size(0))) as s:
+    with open_store(d, capacity) as s:
         for ns in (NS_A, NS_B):
             s.register_namespace(ns)
             keys = [ns.key(f"page-{i}") for i in range(per_ns)]
@@ -204,7 +203,7 @@ def test_verify_finds_deletes_and_reports_a_planted_bad_block(tmp_path, capsys):
     assert bad["reason"] == "corrupt: checksum mismatch" and bad["deleted"] is True
     rc, out, _ = _cli(capsys, "verify", str(d))
     assert rc == 0 and "checked 19 blocks: 0 bad" in out
-    with DiskStore(StoreConfig(path=str(d), capacity=Size(64 << 20), min_free=Size(0))) as s:
+    with open_store(d, 64 << 20) as s:
         keys = list(blocks)
         got = [bytearray(BLOCK) for _ in keys]
         ok = s.get_many(keys, [[g] for g in got])
@@ -259,7 +258,7 @@ def test_evict_and_clear(tmp_path, capsys):
     _fill(d)
     rc, out, _ = _cli(capsys, "evict", str(d), "--to", "600KiB")
     assert rc == 0 and out.startswith("evicted ")
-    with DiskStore(StoreConfig(path=str(d), capacity=Size(64 << 20), min_free=Size(0))) as s:
+    with open_store(d, 64 << 20) as s:
         assert s.stats().bytes_used <= 600 << 10
         left = s.stats().blocks
     rc, out, _ = _cli(capsys, "stats", "--json", str(d))

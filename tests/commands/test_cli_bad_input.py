@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload.cli import EXIT_PIPE, main
+from tests.store.stores import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ROOT / "tests" / "fixtures" / "hosts"
@@ -167,10 +168,7 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
         '{"page_bytes": 8388608, "raw": {"write_gbps": 2.0, "read_gbps": 3.0}, '
         '"stock_file": {"write_gbps": 0.5, "read_gbps": 1.0}, '
         '"offload": {"write_gbps": 1.8, "read_gbps": 2.7}}')
-    from offload.config import Size, StoreConfig
-    from offload.store.disk.store import DiskStore
-
-    DiskStore(StoreConfig(path=str(d / "cache"), capacity=Size(64 << 20), min_free=Size(0))).close()
+    open_store(d / "cache", 64 << 20).close()
     return d
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from offload.config import RedisConfig, Size, StoreConfig
+from offload.config import RedisConfig
 from offload.events.chain import REMOVED, STORED, Row, event_hash, events, page_rows
 from offload.events.feeds import RedisFeed
 from offload.events.sources import DiskSource, SharedSource
 from offload.keys import Namespace
 from offload.store.base import flush
 from offload.store.disk.store import DiskStore
+from tests.store.stores import open_store
 
 NS = Namespace(model="m", dtype="bfloat16", layout="page_first", page_size=64, tp_rank=0,
                tp_size=1, pp_rank=0, pp_size=1, mla=False, salt="", extra="")
@@ -52,7 +53,7 @@ def test_rows_chain_parents_and_become_sglang_events() -> None:
 
 
 def _store(path: Path) -> DiskStore:
-    return DiskStore(StoreConfig(path=str(path), capacity=Size(64 << 20), min_free=Size(0)))
+    return open_store(path, 64 << 20)
 
 
 def test_disk_source_sees_its_writes_and_another_process_evicting(tmp_path: Path) -> None:

@@ -28,14 +28,15 @@ from offload.store.disk.store import DiskStore
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 
 
-STORE_ARGS = ("lock_timeout_s", "max_open_slabs", "free_bytes", "pending_bytes")
+STORE_ARGS = ("lock_timeout_s", "max_open_slabs", "free_bytes", "pending_bytes", "gate")
 
 
-def open_store(path, capacity=1 << 30, **kw) -> DiskStore:
-    """A DiskStore on `path`; keyword arguments go to StoreConfig, or to DiskStore for its own."""
+def open_store(path, capacity=1 << 30, min_free=0, **kw) -> DiskStore:
+    """A DiskStore on `path` (no free-space floor unless `min_free`); keyword arguments go to
+    StoreConfig, or to DiskStore for its own (`STORE_ARGS`)."""
     own = {k: kw.pop(k) for k in STORE_ARGS if k in kw}
-    return DiskStore(StoreConfig(path=str(path), capacity=Size(capacity), min_free=Size(0), **kw),
-                     **own)
+    return DiskStore(StoreConfig(path=str(path), capacity=Size(capacity), min_free=Size(min_free),
+                                 **kw), **own)
 
 
 def index_rows(directory, table: str = "blocks") -> int:

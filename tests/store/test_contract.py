@@ -1,7 +1,9 @@
 """Every tier runs the block-store contract (tests/store/contract.py): the DRAM tier, the disk
 store on real files, three directories as one spread store, the Redis tier against a real
-redis-server, the tiered store (DRAM in front of Redis), and the agent as a separate process
-over NIXL/UCX on loopback."""
+redis-server, the tiered store (DRAM in front of Redis), the agent as a separate process
+over NIXL/UCX on loopback; and what the HiCache backend actually holds, built as its
+`_open_store` builds it (`make_tiered(open_path(cfg))`): the cpu staging path over a disk store,
+alone and tiered over a real redis-server."""
 
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from offload.config import Size, StoreConfig, load_offload
+from offload.config import OffloadConfig, Size, StoreConfig, load_offload
 from offload.store.base import BlockStore
 from offload.store.memory.store import MemoryStore
 from offload.store.redis.store import RedisStore
-from offload.store.tiered import TieredStore, WriteThrough
+from offload.store.tiered import TieredStore, WriteThrough, make_tiered
+from offload.transfer.cpu_staging import CpuStagingPath
 from tests.agent.conftest import SECRET, AgentProc, needs_nixl
 from tests.store.contract import StoreContract
 from tests.store.redis_fixtures import RedisProc, redis_factory, redis_server  # noqa: F401
+from tests.store.stores import open_store
 
 
 class TestMemoryContract(StoreContract):
@@ -34,10 +38,7 @@ class TestDiskContract(StoreContract):
     persistent = True
 
     def _open(self) -> BlockStore:
-        from offload.store.disk.store import DiskStore
-
-        return DiskStore(StoreConfig(path=str(self.path), capacity=Size(64 << 20),
-                                     min_free=Size(0), o_direct="auto"))
+        return open_store(self.path, 64 << 20, o_direct="auto")
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[BlockStore]:
@@ -150,3 +151,57 @@ class TestAgentContract(StoreContract):
         assert extra["agent_bytes_nixl_in"] >= 2 * 16 << 10
         assert extra["agent_bytes_nixl_out"] >= 2 * 16 << 10
         assert "agent_bytes_inline_in" not in extra and "agent_bytes_inline_out" not in extra
+
+
+def _backend_cfg(path: Path, redis_url: str = "") -> OffloadConfig:
+    """The settings the HiCache backend is given: the cpu transfer path over a disk store on
+    `path`, tiered over Redis when `redis_url` is set."""
+    tree: dict[str, Any] = {"store": {"path": str(path), "capacity": "64MiB", "min_free": 0,
+                                      "o_direct": "auto"},
+                            "transfer": {"path": "cpu"}}
+    if redis_url:
+        tree["redis"] = {"url": redis_url, "timeout_s": 5.0}
+    return load_offload(tree)
+
+
+def _backend_store(cfg: OffloadConfig) -> BlockStore:
+    """What the backend holds, built as `offload.hicache.backend._open_store` builds it."""
+    from offload.transfer.base import open_path
+
+    return make_tiered(open_path(cfg), cfg.redis)
+
+
+class TestCpuPathContract(StoreContract):
+    """The cpu staging path over a disk store (offload/transfer/cpu_staging.py): what the backend
+    holds on a machine without a GPU or a DPU and without Redis."""
+    persistent = True
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[BlockStore]:
+        self.cfg = _backend_cfg(tmp_path / "cache")
+        s = _backend_store(self.cfg)
+        assert isinstance(s, CpuStagingPath)
+        yield s
+        s.close()
+
+    def reopen(self, store: BlockStore) -> BlockStore:
+        store.close()
+        return _backend_store(self.cfg)
+
+
+class TestTieredDiskRedisContract(StoreContract):
+    """The cpu staging path over a disk store, tiered over a real redis-server: what the backend
+    holds with `offload.redis.url` set."""
+    persistent = True                         # on the local disk and in Redis
+
+    @pytest.fixture
+    def store(self, tmp_path: Path, redis_server: RedisProc) -> Iterator[BlockStore]:  # noqa: F811
+        self.cfg = _backend_cfg(tmp_path / "cache", redis_server.url)
+        s = _backend_store(self.cfg)
+        assert isinstance(s, TieredStore)
+        yield s
+        s.close()
+
+    def reopen(self, store: BlockStore) -> BlockStore:
+        store.close()
+        return _backend_store(self.cfg)

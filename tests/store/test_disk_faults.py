@@ -181,7 +181,7 @@ def test_disk_full_skips_writes_and_keeps_serving(small_fs):
     size = 1 << 20
     # The store believes the disk has room (free-space guard disabled), so the kernel's ENOSPC
     # is what stops the writes.
-    s = DiskStore(_cfg(small_fs, cap=1 << 30), free_bytes=lambda _p: 1 << 40)
+    s = open_store(small_fs, 1 << 30, free_bytes=lambda _p: 1 << 40)
     try:
         results = [s.put_many([key(i)], [[data(key(i), size)]])[0] for i in range(16)]
         assert results[0] and not all(results)
@@ -196,7 +196,7 @@ def test_disk_full_skips_writes_and_keeps_serving(small_fs):
     finally:
         s.close()
     # With the real free-space guard the store evicts to make room instead of failing.
-    s = DiskStore(_cfg(small_fs, cap=1 << 30, min_free=1 << 20))
+    s = open_store(small_fs, 1 << 30, min_free=1 << 20)
     try:
         ok = [s.put_many([key(100 + i)], [[data(key(100 + i), size)]])[0] for i in range(12)]
         assert all(ok[-4:]), ok
@@ -209,7 +209,7 @@ def test_disk_full_in_the_middle_of_a_batch_stores_a_prefix_and_keeps_serving(sm
     """ENOSPC partway through one batch (one vectored write of several slots): the blocks that
     were written whole are stored, the rest skipped, nothing raised, reads still served."""
     size = 1 << 20
-    s = DiskStore(_cfg(small_fs, cap=1 << 30), free_bytes=lambda _p: 1 << 40)
+    s = open_store(small_fs, 1 << 30, free_bytes=lambda _p: 1 << 40)
     try:
         ks = [key(i) for i in range(12)]
         ok = s.put_many(ks, [[data(k, size)] for k in ks])
@@ -222,8 +222,3 @@ def test_disk_full_in_the_middle_of_a_batch_stores_a_prefix_and_keeps_serving(sm
     finally:
         s.close()
 
-
-def _cfg(path, cap, min_free=0):
-    from offload.config import Size, StoreConfig
-
-    return StoreConfig(path=str(path), capacity=Size(cap), min_free=Size(min_free))

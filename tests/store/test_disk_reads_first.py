@@ -15,12 +15,11 @@ import threading
 import time
 from typing import Iterator
 
-from offload.config import Size, StoreConfig
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
 from offload.store.disk.slab.gate import IoGate
-from offload.store.disk.store import DiskStore
 from tests.store.blocks import data, key
+from tests.store.stores import open_store
 
 LIVE_S = 30.0          # liveness bound: only ever reached when the behaviour is broken
 PAGE = 2 << 20
@@ -60,8 +59,7 @@ def _pages(ks: list[bytes]) -> tuple[mmap.mmap, list[list[memoryview]]]:
 
 def test_a_read_returns_while_a_write_is_held_mid_call(tmp_path) -> None:
     gate = HeldWrites()
-    cfg = StoreConfig(path=str(tmp_path), capacity=Size(1 << 30), min_free=Size(0), io_threads=2)
-    with DiskStore(cfg, gate=gate) as s:
+    with open_store(tmp_path, io_threads=2, gate=gate) as s:
         stored = [key(i) for i in range(8)]            # 16 MiB: read in several runs
         src, blocks = _pages(stored)
         assert s.put_many(stored, blocks) == [True] * 8 and s.flush()
@@ -147,11 +145,10 @@ def test_the_committers_flushes_come_after_the_reads_in_flight(tmp_path, monkeyp
     """A round's fdatasync is issued only once the read in flight is over (the read held here
     by the test inside the gate)."""
     gate = IoGate(quiet_wait_s=LIVE_S)
-    cfg = StoreConfig(path=str(tmp_path), capacity=Size(1 << 30), min_free=Size(0), io_threads=2)
     events: list[str] = []
     real = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (events.append("sync"), real(fd))[1])
-    with DiskStore(cfg, gate=gate, pending_bytes=1 << 30) as s:
+    with open_store(tmp_path, io_threads=2, gate=gate, pending_bytes=1 << 30) as s:
         k = key(1)
         with gate.reading():
             assert s.put_many([k], [[data(k, PAGE)]]) == [True]
@@ -170,8 +167,7 @@ def test_runs_and_large_blocks_are_written_in_pieces(tmp_path, monkeypatch) -> N
         sizes.append(sum(memoryview(b).nbytes for b in iov))
         return real(fd, iov, off)
 
-    cfg = StoreConfig(path=str(tmp_path), capacity=Size(1 << 30), min_free=Size(0), io_threads=4)
-    with DiskStore(cfg) as s:
+    with open_store(tmp_path, io_threads=4) as s:
         ks = [key(i) for i in range(8)]
         src, blocks = _pages(ks)
         big = key(50)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.config import ConfigError, Size, StoreConfig, load_offload
+from offload.config import ConfigError, load_offload
 from offload.events.chain import Row
 from offload.events.feeds import RedisFeed
 from offload.keys import Namespace
@@ -23,6 +23,7 @@ from offload.store.redis.store import RedisStore
 from offload.store.redis.value import BOUND, HEADER, ValueCodec
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.stores import open_store
 
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("test-model", "bf16", "layer_first", 16)
@@ -46,10 +47,7 @@ def keys(n: int, start: int = 0) -> list[bytes]:
 
 
 def disk(tmp_path: Path, name: str) -> object:
-    from offload.store.disk.store import DiskStore
-
-    return DiskStore(StoreConfig(path=str(tmp_path / name), capacity=Size(64 << 20),
-                                 min_free=Size(0), o_direct="off"))
+    return open_store(tmp_path / name, 64 << 20, o_direct="off")
 
 
 # -- values bound to their keys ----------------------------------------------------------------

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offload.config import Size, StoreConfig, load_offload
+from offload.config import load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
 from offload.store.faults import FaultyMemoryStore
 from offload.store.memory.store import MemoryStore
 from offload.store.tiered import SeenN, TieredStore, WriteThrough, make_tiered, policy_from_config
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
+from tests.store.stores import open_store
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 1024
@@ -75,7 +76,6 @@ def test_a_promotion_through_the_cpu_path_reaches_the_disk_stores_promotion(
     transfer path over a disk store, and a promoted block goes to the disk store's
     `promote_many` (the read's wait), not its `put_many`."""
     from offload.transfer.cpu_staging import CpuStagingPath
-    from tests.store.stores import open_store
 
     disk = open_store(tmp_path / "local")
     calls: list[str] = []
@@ -162,14 +162,12 @@ def test_policy_and_factory_from_config() -> None:
 
 
 def test_disk_local_redis_shared_two_hosts(redis_server: RedisProc, tmp_path: Path) -> None:
-    from offload.store.disk.store import DiskStore
     from offload.store.redis.store import RedisStore
 
     cfg = load_offload({"redis": {"url": redis_server.url, "timeout_s": 2.0}}).redis
 
     def host(name: str) -> TieredStore:
-        disk = DiskStore(StoreConfig(path=str(tmp_path / name), capacity=Size(64 << 20),
-                                     min_free=Size(0), o_direct="off"))
+        disk = open_store(tmp_path / name, 64 << 20, o_direct="off")
         return TieredStore(disk, RedisStore(cfg), policy_from_config(cfg))
 
     a, b = host("a"), host("b")

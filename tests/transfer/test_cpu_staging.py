@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offload.config import Size, StoreConfig
 from offload.hw.numa import node_cpus, numa_nodes, parse_cpulist
 from offload.store.memory.store import MemoryStore
 from offload.transfer.cpu_staging import CpuStagingPath, pinning_for
+from tests.store.stores import open_store
 from tests.transfer.numa import fake_numa
 
 
@@ -61,10 +61,7 @@ def test_no_pinning_on_one_node_or_unknown_node(tmp_path: Path) -> None:
 
 
 def test_pages_through_the_disk_store_byte_identical(tmp_path: Path) -> None:
-    from offload.store.disk.store import DiskStore
-
-    store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(64 << 20),
-                                  min_free=Size(0)))
+    store = open_store(tmp_path / "s", 64 << 20)
     path = CpuStagingPath(store, numa_node=0)
     pool = np.random.default_rng(0).integers(0, 255, size=(8, 2, 8192), dtype=np.uint8)
     out = np.zeros_like(pool)
@@ -83,10 +80,7 @@ def test_gpu_pages_are_staged_double_buffered(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU with CUDA")
-    from offload.store.disk.store import DiskStore
-
-    store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 30),
-                                  min_free=Size(0)))
+    store = open_store(tmp_path / "s", 1 << 30)
     path = CpuStagingPath(store)
     src = torch.randint(0, 255, (40, 2, 4 << 20), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)

@@ -14,6 +14,7 @@ from offload.store.base import SlotStore
 from offload.store.memory.store import MemoryStore
 from offload.store.tiered import TieredStore, WriteThrough
 from offload.transfer.gds import GdsPath, gds_really_available, wsum64, wsum64_numpy
+from tests.store.stores import open_store
 from tests.transfer.standin import OnGpu, fake_kvikio
 
 
@@ -60,11 +61,7 @@ def test_store_without_slots_is_refused() -> None:
 
 
 def test_disk_store_has_the_file_slots_gds_needs(tmp_path) -> None:
-    from offload.config import Size, StoreConfig
-    from offload.store.disk.store import DiskStore
-
-    with DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 24),
-                               min_free=Size(0))) as store:
+    with open_store(tmp_path / "s", 1 << 24) as store:
         assert isinstance(store, SlotStore) and store.slot_medium == "file"
 
 
@@ -74,11 +71,7 @@ def test_gds_roundtrip_on_gpu(tmp_path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU with CUDA")
     pytest.importorskip("kvikio", reason="kvikio (pip install 'sglang-offload[gds]')")
-    from offload.config import Size, StoreConfig
-    from offload.store.disk.store import DiskStore
-
-    store = DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 30),
-                                  min_free=Size(0)))
+    store = open_store(tmp_path / "s", 1 << 30)
     assert isinstance(store, SlotStore) and store.slot_medium == "file"
     path = GdsPath(store)
     src = torch.randint(0, 255, (16, 4 << 20), dtype=torch.uint8, device="cuda")

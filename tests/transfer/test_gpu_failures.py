@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from offload.config import Size, StoreConfig
 from offload.metrics import StoreWatch, TierMetrics
 from offload.store.disk.store import DiskStore
 from offload.transfer.cpu_staging import CpuStagingPath
+from tests.store.stores import open_store
 from tests.transfer.standin import CpuOps, Faults, OnGpu, fake_kvikio, small_chunks
 
 torch = pytest.importorskip("torch")
@@ -29,8 +29,7 @@ N, SIZE = 6, 3 * 4096 + 11         # pages per batch, bytes per page (not 4 KiB-
 
 
 def _store(tmp_path: Path) -> DiskStore:
-    return DiskStore(StoreConfig(path=str(tmp_path / "s"), capacity=Size(1 << 26),
-                                 min_free=Size(0)))
+    return open_store(tmp_path / "s", 1 << 26)
 
 
 def _pages(n: int = N, seed: int = 0) -> list[Any]:
@@ -293,7 +292,6 @@ def agent_rig(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     from offload.keys import Namespace
     from offload.store.memory.store import MemoryStore
     from tests.agent.conftest import SECRET
-    from tests.store.stores import open_store
 
     monkeypatch.setenv("UCX_MODULES", "^ib")
     errors = NixlErrors(monkeypatch)
