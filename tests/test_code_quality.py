@@ -12,6 +12,7 @@ offload.store.factory); `argparse` lives in the command modules, launch/, cli.py
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,61 @@ def test_no_import_cycle_between_units() -> None:
                 cycles.append(" -> ".join([a, *back]) + f" ({outs[b]}; "
                               + "; ".join(edges[x][y] for x, y in zip(back, back[1:])) + ")")
     assert not cycles, "import cycles between units:\n" + "\n".join(cycles)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by tests live in helper modules and conftest.py fixtures
+    (tests/store/stores.py opens a disk store), never in a `test_*` module another one imports:
+    importing a test module runs its collection twice and hides what is shared. Scripts in strings
+    (run by a child process) are read too."""
+    pattern = re.compile(r"^\s*(?:from\s+tests(?:\.\w+)*\.test_\w+\s+import|import\s+tests(?:\.\w+)*"
+                         r"\.test_\w+|from\s+tests(?:\.\w+)*\s+import\s+(?:\(?\s*)test_\w+)", re.M)
+    bad = [f"{p.relative_to(ROOT)}: {m.group(0).strip()}"
+           for p in sorted((ROOT / "tests").rglob("*.py")) if "fixtures" not in p.parts
+           for m in pattern.finditer(p.read_text())]
+    assert not bad, "test modules imported by others:\n" + "\n".join(bad)
+
+
+CAPABILITY_MODULES = (PKG / "store" / "base.py", PKG / "transfer" / "base.py")
+
+
+def _protocol_members(path: Path) -> set[str]:
+    """The methods and attributes the Protocols of `path` declare (read from its source)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b) == "Protocol" for b in node.bases):
+            out.update(n.name for n in node.body if isinstance(n, ast.FunctionDef))
+            out.update(n.target.id for n in node.body
+                       if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+    return out
+
+
+def _part_attributes(path: Path) -> set[str]:
+    """The attributes of `self` a `parts()` of `path` returns (a composite's inner stores: the
+    names a walk by attribute would probe, `local`, `shared`, `store`...)."""
+    return {n.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.name == "parts"
+            for n in ast.walk(node) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def _capability_probes(path: Path, names: set[str]) -> list[str]:
+    """`getattr(x, "name")` / `hasattr(x, "name")` calls in `path` naming one of `names`."""
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
+
+
+def test_no_capability_probed_by_attribute_name() -> None:
+    """What a store can do is declared (the Protocols of store/base.py and transfer/base.py,
+    asked with `isinstance`; a composite's parts by `walk` / `find`), never probed by name: no
+    `getattr` / `hasattr` with a string naming a member of those Protocols, or an attribute a
+    composite's `parts()` returns, anywhere in offload/."""
+    names = set().union(*(_protocol_members(p) for p in CAPABILITY_MODULES),
+                        *(_part_attributes(p) for p in _modules()))
+    assert {"durable", "register_region", "commit_now", "parts", "name", "local", "shared",
+            "drive_stores"} <= names
+    bad = [probe for p in _modules() for probe in _capability_probes(p, names)]
+    assert not bad, "capabilities probed by attribute name:\n" + "\n".join(bad)
