@@ -4,13 +4,13 @@ allocated, and given back only when it is free".
 
 What is charged, each before it is allocated: a request frame with room for an ERROR reply
 (`Session._admit_frame`, before its body is read), what its meta decodes to
-(`protocol.decoded_bound`, before it is decoded: up to 21 times the meta), its transfers'
-descriptor lists and the rest of its reply's bound once it is decoded (`protocol.work_bound`,
-`protocol.reply_bound`: an inline GET's blocks), all given back once the reply is written to
+(`protocol.bounds.decoded_bound`, before it is decoded: up to 21 times the meta), its transfers'
+descriptor lists and the rest of its reply's bound once it is decoded (`protocol.bounds.work_bound`,
+`protocol.bounds.reply_bound`: an inline GET's blocks), all given back once the reply is written to
 the socket; a connection's staging memory (`--staging`, mapped on first use
 and kept; quarantined staging stays charged until NIXL says its transfer is final); the NIXL
 metadata a connection loaded (`vet.HELD_PER_BYTE` a byte: NIXL's remote agent;
-`Session._load`, given back when the connection closes or loads newer); each page
+`endpoint.Endpoint.load`, given back when the connection closes or loads newer); each page
 of the key's announcement book (`feed.PAGE_BYTES`, given back when forgotten). Before, replies
 were not charged: 16 inline GETs never read held ~250 MiB against a 64 MiB budget. Past a bound:
 a frame closes its connection (counted `rejected_memory`; the client reconnects, its request a

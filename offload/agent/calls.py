@@ -99,8 +99,8 @@ class BlockCalls:
                     inline_idx: list[int], descs: dict[int, list[tuple[int, int]]],
                     info: protocol.HelloReply, ok: list[bool]) -> list[bool]:
         """A GET: NIXL WRITEs into the landing area only (never into `bufs`), each block copied
-        into its buffers after a good reply (`_land`); blocks the area has no room for now travel
-        inline. The extent of a request given up on is held (`Landing.hold`)."""
+        into its buffers after a good reply (`_send_batch`); blocks the area has no room for now
+        travel inline. The extent of a request given up on is held (`Landing.hold`)."""
         landing = self._host.landing
         cap = NIXL_BATCH_BYTES if landing is None else min(
             NIXL_BATCH_BYTES, landing.size // self._connections)

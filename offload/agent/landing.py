@@ -6,8 +6,9 @@ reported as a miss is never written afterwards by the agent. NIXL cannot recall 
 posted, and an agent that is stopped, slow or overloaded may post or finish one after the host's
 deadline; so the agent is only ever given descriptors inside this area, and the host copies a
 block into the caller's pages itself, after a good reply, then checks the checksum the agent sent
-on the caller's pages (`AgentStore._land`). The one enforcement point: `AgentStore._blocks`, which
-builds every GET's descriptors from `Landing.take`.
+on the caller's pages (`BlockCalls._send_batch`). The one enforcement point:
+`BlockCalls._get_landed` (`offload.agent.calls`), which builds every GET's descriptors from
+`Landing.take`.
 
 Primitives: `Landing(size)` (memory only; `register(nixl)` registers it once NIXL is loaded),
 `take(n)` -> the address of `n` free bytes, or None (the caller's blocks then travel on the
