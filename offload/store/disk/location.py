@@ -1,4 +1,5 @@
-"""Where one block lies (segment, slot, length, checksum) and the slot geometry (4 KiB alignment).
+"""Where one block lies (segment, slot, length, checksum), a slot's address (`SlotAddr`) and the slot
+geometry (4 KiB alignment).
 
 The one leaf both halves of the disk store share: `index/` stores locations in its rows, `slab/`
 reads and writes the bytes at them. Imports nothing of either.
@@ -9,6 +10,11 @@ from dataclasses import dataclass
 
 ALIGN = 4096          # every slot, header and data length is 4 KiB-aligned (O_DIRECT)
 HEADER_BYTES = ALIGN  # a slot's header (its layout: `slab/format.py`)
+
+# One slot of the slab files by its address, as the index's tables name it: (slot_bytes, seg,
+# slot). Not `offload.store.base.Slot` (a block's bytes handed to a mover), nor a slot number
+# (`Location.slot`, the index of a slot in its segment).
+SlotAddr = tuple[int, int, int]
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

@@ -49,6 +49,7 @@ from offload.store.disk import cachedir
 from offload.store.disk.index.access import is_busy
 from offload.store.disk.index.db import SIDE_FILES, Freed, Index
 from offload.store.disk.index.schema import MAX_LENGTH, MAX_SEG, read_only
+from offload.store.disk.location import SlotAddr
 from offload.store.disk.owner import Lease, live_leases
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
@@ -349,11 +350,10 @@ def _rebuild(directory: str, slabs: slab.SlabFiles, path: str, segment_size: int
 
 
 Row = tuple[bytes, int, int, int, int, int, float]
-Slot = tuple[int, int, int]
 
 
-def _recover(slabs: slab.SlabFiles, found: Scan, segment_size: int, tombstoned: set[Slot]
-             ) -> tuple[list[Row], list[tuple[int, int, int, int]], list[Slot], list[Slot]]:
+def _recover(slabs: slab.SlabFiles, found: Scan, segment_size: int, tombstoned: set[SlotAddr]
+             ) -> tuple[list[Row], list[tuple[int, int, int, int]], list[SlotAddr], list[SlotAddr]]:
     """Rows, segments, free slots and tombstones of a new index, from the slab headers."""
     rows: list[Row] = []
     segments, free, tombs = [], [], []

@@ -1,4 +1,5 @@
-"""Where new blocks go, mixed into `Index`: slots reserved, made visible, given back, reclaimed.
+"""Where new blocks go: `Alloc`, a part the `Index` holds and delegates to (one connection, one
+set of transactions). Slots reserved, made visible, given back, reclaimed.
 
 Two ways to hold slots before a block is visible:
 - **Ranges** (the put path, `DiskStore.put_many`): `reserve` hands a process slots of given sizes
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from offload.store.disk.index.schema import (
     COMMITTED,
@@ -34,43 +35,25 @@ from offload.store.disk.index.schema import (
     Freed,
     Location,
     Reserved,
-    Txn,
     signed,
 )
+from offload.store.disk.location import SlotAddr
 from offload.store.disk.owner import owner_alive
 
-Slot = tuple[int, int, int]          # (slot_bytes, seg, slot)
+if TYPE_CHECKING:
+    from offload.store.disk.index.db import Index
 
 
-class IndexAlloc:
-    # provided by Index
-    db: sqlite3.Connection
-    directory: str
-    tombstones_pending: bool
-    _to_punch: list[tuple[Freed, Callable[[Freed], None]]]
+class Alloc:
+    """Where new blocks go: a part of `Index` (which delegates its calls here), working on the
+    index's one connection and inside its transactions (`ix.txn`)."""
 
-    def txn(self, write: bool = True, durable: bool = True) -> Txn:
-        raise NotImplementedError
+    def __init__(self, ix: Index) -> None:
+        self.ix = ix
 
-    def _meta(self, name: str) -> int:
-        raise NotImplementedError
-
-    def _add_used(self, delta: int) -> None:
-        raise NotImplementedError
-
-    def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
-                   free_slot: Callable[[Freed], None]) -> list[Freed]:
-        raise NotImplementedError
-
-    def _recycle(self, slots: Sequence[Slot], free_slot: Callable[[Freed], None],
-                 visible: bool = False) -> list[Freed]:
-        raise NotImplementedError
-
-    def _trim_changes(self) -> None:
-        raise NotImplementedError
-
-    def _touch(self, keys: Sequence[bytes], now: float) -> None:
-        raise NotImplementedError
+    @property
+    def db(self) -> sqlite3.Connection:
+        return self.ix.db
 
     # ---- room -----------------------------------------------------------------------------------
 
@@ -79,28 +62,22 @@ class IndexAlloc:
                    ) -> tuple[int, int, int, int, list[Freed]]:
         """Evict (down to the low watermark) if `need` more bytes pass the high one or the file
         system's reserve: (capacity, used, fs free, evicted, freed) after it."""
-        cap, used = self._meta("capacity"), self._meta("used")
+        cap, used = self.ix.meta("capacity"), self.ix.meta("used")
         fs_free = free_bytes()
         evicted, freed = 0, list[Freed]()
         shortfall = self._shortfall(need, high, lambda: fs_free, min_free)
         if need and shortfall > 0:
             target = max(used + need - int(low * cap), min_free + need - fs_free)
-            evicted, freed = self._evict(target, free_slot)
-            used = self._meta("used") - self._holding()
+            evicted, freed = self.evict(target, free_slot)
+            used = self.ix.meta("used") - self.ix.holding()
             fs_free += sum(f.slot_bytes for f in freed)
         return cap, used, fs_free, evicted, freed
-
-    def _holding(self) -> int:
-        """Bytes of the slots this transaction freed from committed blocks: still counted in
-        `used` (held by this process's lease until punched, after the COMMIT: the one rule every
-        version sharing the directory reclaims by), but free for what this transaction places."""
-        return sum(f.slot_bytes for f, _ in self._to_punch)
 
     def _shortfall(self, need: int, high: float, free_bytes: Callable[[], int],
                    min_free: int) -> int:
         """Bytes `need` more would take past the high watermark or the file system's reserve."""
-        used = self._meta("used")
-        return max(used + need - int(high * self._meta("capacity")),
+        used = self.ix.meta("used")
+        return max(used + need - int(high * self.ix.meta("capacity")),
                    min_free + need - free_bytes(), 0)
 
     # ---- ranges (the put path) ------------------------------------------------------------------
@@ -109,8 +86,8 @@ class IndexAlloc:
                 free_bytes: Callable[[], int], min_free: int, segment_size: int,
                 create_segment: Callable[[int, int, int], None],
                 free_slot: Callable[[Freed], None], release: Sequence[Location] = (),
-                give_back: Sequence[Location] = (), unused: Sequence[Slot] = (),
-                offer: Sequence[Slot] = ()) -> Reserved:
+                give_back: Sequence[Location] = (), unused: Sequence[SlotAddr] = (),
+                offer: Sequence[SlotAddr] = ()) -> Reserved:
         """Per slot size: `need` slots for puts under way (evicting as `allocate` does) and up to
         `extra` more ahead, only from room under the high watermark. One unsynced transaction
         (a reservation lost in a power cut only leaves free slots). `release`: pending rows, and
@@ -118,7 +95,7 @@ class IndexAlloc:
         `unused`: reserved slots it gives back unwritten (idle sizes); `offer`: the rest of its
         unwritten range, given back only if the need would otherwise evict a stored block
         (`Reserved.offer_taken`; else the caller keeps it)."""
-        with self.txn(durable=False):
+        with self.ix.txn(durable=False):
             if release:
                 self._release(release, free_slot)
             if give_back:
@@ -154,7 +131,7 @@ class IndexAlloc:
                                     ((sb, seg, slot, owner) for seg, slot in slots))
                 res.slots[sb] = slots
                 taken += k * sb
-            self._add_used(taken)
+            self.ix.add_used(taken)
         return res
 
     def commit_reserved(self, good: Sequence[tuple[Location, int]], failed: Sequence[Location],
@@ -164,8 +141,8 @@ class IndexAlloc:
         their slot is no longer this process's (a rebuild or a reclaim took it): lost, their slots
         left alone."""
         now = time.time()
-        with self.txn():
-            held: set[tuple[int, int, int]] = set()
+        with self.ix.txn():
+            held: set[SlotAddr] = set()
             by_size: dict[int, list[tuple[int, int]]] = {}
             for loc, _ in good:
                 by_size.setdefault(loc.slot_bytes, []).append((loc.seg, loc.slot))
@@ -180,7 +157,7 @@ class IndexAlloc:
                 "INSERT OR IGNORE INTO blocks VALUES(?,?,?,?,?,?,1,NULL,?,?)",
                 ((loc.key, loc.seg, loc.slot, loc.length, loc.slot_bytes, signed(c), now, now)
                  for loc, c in mine))
-            spare: list[tuple[int, int, int]] = []
+            spare: list[SlotAddr] = []
             done = [loc.key for loc, _ in mine]
             if self.db.total_changes - before < len(mine):   # some stored by another process
                 where = {k: (seg, slot) for k, seg, slot in self._where(done)}
@@ -191,9 +168,9 @@ class IndexAlloc:
                                 ((k, OP_COMMIT) for k in done))
             self._unreserve([(loc.slot_bytes, loc.seg, loc.slot) for loc in failed], owner,
                             free_slot, punch=True)
-            self._recycle(spare, free_slot)   # this copy of a block stored elsewhere meanwhile
-            self._add_used(-sum(sb for sb, _, _ in spare))
-            self._trim_changes()
+            self.ix.recycle(spare, free_slot)   # this copy of a block stored elsewhere meanwhile
+            self.ix.add_used(-sum(sb for sb, _, _ in spare))
+            self.ix.trim_changes()
         return lost
 
     def _where(self, keys: Sequence[bytes]) -> list[tuple[bytes, int, int]]:
@@ -204,10 +181,10 @@ class IndexAlloc:
                                    f"({','.join('?' * len(chunk))})", chunk).fetchall()
         return out
 
-    def return_reserved(self, slots: Sequence[Slot], owner: str,
+    def return_reserved(self, slots: Sequence[SlotAddr], owner: str,
                         free_slot: Callable[[Freed], None], punch: bool) -> int:
         """Give back slots this process holds (`punch`: they may hold written bytes)."""
-        with self.txn(durable=False):
+        with self.ix.txn(durable=False):
             return self._unreserve(slots, owner, free_slot, punch)
 
     def held(self, owner: str, slot_bytes: int,
@@ -222,7 +199,7 @@ class IndexAlloc:
             out.update((seg, r[0]) for r in rows)
         return out
 
-    def _unreserve(self, slots: Sequence[Slot], owner: str | None,
+    def _unreserve(self, slots: Sequence[SlotAddr], owner: str | None,
                    free_slot: Callable[[Freed], None], punch: bool) -> int:
         """Free reserved slots still held by `owner` (None: whoever holds them)."""
         mine = []
@@ -234,10 +211,10 @@ class IndexAlloc:
             if self.db.execute(q, args).rowcount == 1:
                 mine.append((sb, seg, slot))
         if punch:
-            self._recycle(mine, free_slot)
+            self.ix.recycle(mine, free_slot)
         else:   # never written: free as they are
             self.db.executemany("INSERT OR IGNORE INTO free_slots VALUES(?,?,?)", mine)
-        self._add_used(-sum(sb for sb, _, _ in mine))
+        self.ix.add_used(-sum(sb for sb, _, _ in mine))
         return len(mine)
 
     # ---- pending rows (the slot path) ----------------------------------------------------------
@@ -257,7 +234,7 @@ class IndexAlloc:
         """
         res = Allocation([], [], {}, [], 0)
         now = time.time()
-        with self.txn(durable=False):
+        with self.ix.txn(durable=False):
             if release:
                 self._release(release, free_slot)
             states = self._states([k for k, *_ in items])
@@ -297,7 +274,7 @@ class IndexAlloc:
                                  now))
                     res.new.append(Location(key, seg, slot, sb, length, csum))
             self.db.executemany("INSERT INTO blocks VALUES(?,?,?,?,?,?,?,?,?,?)", rows)
-            self._add_used(taken)
+            self.ix.add_used(taken)
         return res
 
     def _states(self, keys: Sequence[bytes]) -> dict[bytes, int]:
@@ -336,15 +313,15 @@ class IndexAlloc:
                touched: Sequence[bytes], free_slot: Callable[[Freed], None]) -> None:
         """Make written blocks visible; free the slots of blocks whose write failed."""
         now = time.time()
-        with self.txn():
+        with self.ix.txn():
             self.db.executemany("UPDATE blocks SET state=1, owner=NULL, csum=?, atime=? WHERE "
                                 "key=? AND state=0", ((signed(c), now, k) for k, c in committed))
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((k, OP_COMMIT) for k, _ in committed))
-            self._free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
+            self.ix.free_rows(((loc.key, loc.seg, loc.slot, loc.slot_bytes, PENDING)
                              for loc in failed), free_slot)
-            self._touch(touched, now)
-            self._trim_changes()
+            self.ix.set_atime(touched, now)
+            self.ix.trim_changes()
 
     def _release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
         rows = []
@@ -352,16 +329,16 @@ class IndexAlloc:
             rows += self.db.execute(
                 "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE key=? AND seg=? "
                 "AND slot=? AND +state=0", (loc.key, loc.seg, loc.slot)).fetchall()
-        return len(self._free_rows(rows, free_slot))
+        return len(self.ix.free_rows(rows, free_slot))
 
     def release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
         """Free pending slots (a failed commit): only rows still pending at that exact slot."""
-        with self.txn(durable=False):
+        with self.ix.txn(durable=False):
             return self._release(locs, free_slot)
 
     # ---- eviction and dead processes ------------------------------------------------------------
 
-    def _evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
+    def evict(self, target: int, free_slot: Callable[[Freed], None]) -> tuple[int, list[Freed]]:
         freed: list[Freed] = []
         self._reclaim_dead(free_slot, freed)
         got = sum(f.slot_bytes for f in freed)
@@ -377,7 +354,7 @@ class IndexAlloc:
                     break
                 chosen.append(row)
                 got += row[3]
-            freed += self._free_rows(chosen, free_slot)
+            freed += self.ix.free_rows(chosen, free_slot)
             evicted += len(chosen)
         return evicted, freed
 
@@ -389,24 +366,24 @@ class IndexAlloc:
         def live(owner: str) -> bool:   # (a PUNCH holder: the process behind its lease)
             owner = owner.removeprefix(PUNCH)
             if owner not in alive:
-                alive[owner] = owner_alive(self.directory, owner)
+                alive[owner] = owner_alive(self.ix.directory, owner)
             return alive[owner]
 
-        out += self._free_rows([r[:5] for r in rows if not live(r[5])], free_slot)
+        out += self.ix.free_rows([r[:5] for r in rows if not live(r[5])], free_slot)
         for (owner,) in self.db.execute("SELECT DISTINCT owner FROM reserved").fetchall():
             if live(owner):
                 continue
             slots = self.db.execute("SELECT slot_bytes, seg, slot FROM reserved WHERE owner=?",
                                     (owner,)).fetchall()
             self.db.execute("DELETE FROM reserved WHERE owner=?", (owner,))
-            out += self._recycle(slots, free_slot)   # a dead writer may have written them
+            out += self.ix.recycle(slots, free_slot)   # a dead writer may have written them
             if not owner.startswith(PUNCH):         # (slots held to punch are not counted)
-                self._add_used(-sum(sb for sb, _, _ in slots))
+                self.ix.add_used(-sum(sb for sb, _, _ in slots))
 
     def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
         """Free the pending rows and reserved slots of dead processes: how many slots."""
         out: list[Freed] = []
-        with self.txn():
+        with self.ix.txn():
             self._reclaim_dead(free_slot, out)
         return len(out)
 
@@ -416,4 +393,4 @@ class IndexAlloc:
             f"SELECT coalesce(sum(slot_bytes), 0) FROM reserved WHERE {COUNTED}").fetchone()[0])
 
 
-__all__ = ["IndexAlloc", "Slot"]
+__all__ = ["Alloc"]

@@ -6,7 +6,7 @@ opens in O(1) and checks itself (`PRAGMA quick_check`). Rows are small (~100 B p
 schema and row types are in `disk/index/schema.py`; the `changes` log lets every process keep an
 in-memory set of committed keys up to date with one indexed query.
 
-Lifecycle of a block (`disk/index/alloc.py`, mixed in): its slot is held first — from a range of slots
+Lifecycle of a block (`disk/index/alloc.py`, the `Alloc` part): its slot is held first — from a range of slots
 the process reserved ahead (`reserve`, the put path) or as a PENDING row (`allocate`, the slot
 path) — counted against the capacity; the bytes are written and made durable by the caller; then
 one synced transaction per group makes it COMMITTED, visible (`commit_reserved` / `finish`), or
@@ -24,7 +24,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from offload.store.disk import cachedir
-from offload.store.disk.index.alloc import IndexAlloc
+from offload.store.disk.index.alloc import Alloc
 from offload.store.disk.index.repair import ROW, checked, drop_bad, retry_tombstones
 from offload.store.disk.index.schema import (
     CHANGES_KEPT,
@@ -39,16 +39,19 @@ from offload.store.disk.index.schema import (
     Allocation,
     Freed,
     Location,
+    Reserved,
     Txn,
     signed,
     type_problem,
 )
+from offload.store.disk.location import SlotAddr
 
 log = logging.getLogger(__name__)
 
 
-class Index(IndexAlloc):
-    """One SQLite connection; callers serialise access (DiskStore holds a lock)."""
+class Index:
+    """One SQLite connection; callers serialise access (DiskStore holds a lock). Its part
+    `alloc` (`index/alloc.py`) places new blocks; the calls below delegate to it."""
 
     def __init__(self, path: str):
         """Open (or create, 0600) the index. Raises `cachedir.UnsafeFile` if the index, its -wal
@@ -74,10 +77,11 @@ class Index(IndexAlloc):
         self.ino = os.stat(path).st_ino
         self.tombstones_pending = True   # slots whose hole punch failed: retried on the next free
         self._to_punch: list[tuple[Freed, Callable[[Freed], None]]] = []   # freed, not committed
-        self._punched: list[tuple[int, int, int]] = []   # held, punched: to free next
-        self._stuck: list[tuple[int, int, int]] = []     # held, punch failed: to tombstone next
+        self._punched: list[SlotAddr] = []   # held, punched: to free next
+        self._stuck: list[SlotAddr] = []     # held, punch failed: to tombstone next
         self.owner = ""   # this process's lease token (`recovery`): the holder of freed slots
         self.bad_rows = 0   # rows read back that failed the range checks (each a miss, dropped)
+        self.alloc = Alloc(self)
 
     # ---- open-time checks (called under the directory's open lock) ----------------------------
 
@@ -115,14 +119,68 @@ class Index(IndexAlloc):
     def txn(self, write: bool = True, durable: bool = True) -> "Txn":
         """A transaction; `durable=False` commits without syncing the log (a later durable commit
         of this connection or any other syncs it too). Slots it frees are punched only once it
-        has committed (`_recycle`)."""
+        has committed (`recycle`)."""
         return _IndexTxn(self, write, durable)
 
-    def _meta(self, name: str) -> int:
+    def meta(self, name: str) -> int:
         return int(self.db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()[0])
 
-    def _add_used(self, delta: int) -> None:
+    def add_used(self, delta: int) -> None:
         self.db.execute("UPDATE meta SET value=value+? WHERE name='used'", (delta,))
+
+    def holding(self) -> int:
+        """Bytes of the slots this transaction freed from committed blocks: still counted in
+        `used` (held by this process's lease until punched, after the COMMIT: the one rule every
+        version sharing the directory reclaims by), but free for what this transaction places."""
+        return sum(f.slot_bytes for f, _ in self._to_punch)
+
+    # ---- where new blocks go: the `alloc` part (its docstrings say what each does) -------------
+
+    def reserve(self, wants: dict[int, tuple[int, int]], owner: str, *, high: float, low: float,
+                free_bytes: Callable[[], int], min_free: int, segment_size: int,
+                create_segment: Callable[[int, int, int], None],
+                free_slot: Callable[[Freed], None], release: Sequence[Location] = (),
+                give_back: Sequence[Location] = (), unused: Sequence[SlotAddr] = (),
+                offer: Sequence[SlotAddr] = ()) -> Reserved:
+        return self.alloc.reserve(
+            wants, owner, high=high, low=low, free_bytes=free_bytes, min_free=min_free,
+            segment_size=segment_size, create_segment=create_segment, free_slot=free_slot,
+            release=release, give_back=give_back, unused=unused, offer=offer)
+
+    def commit_reserved(self, good: Sequence[tuple[Location, int]], failed: Sequence[Location],
+                        owner: str, free_slot: Callable[[Freed], None]) -> list[Location]:
+        return self.alloc.commit_reserved(good, failed, owner, free_slot)
+
+    def return_reserved(self, slots: Sequence[SlotAddr], owner: str,
+                        free_slot: Callable[[Freed], None], punch: bool) -> int:
+        return self.alloc.return_reserved(slots, owner, free_slot, punch)
+
+    def held(self, owner: str, slot_bytes: int,
+             slots: Sequence[tuple[int, int]]) -> set[tuple[int, int]]:
+        return self.alloc.held(owner, slot_bytes, slots)
+
+    def allocate(self, items: Sequence[tuple[bytes, int, int, int]], owner: str, *,
+                 high: float, low: float, free_bytes: Callable[[], int], min_free: int,
+                 segment_size: int, create_segment: Callable[[int, int, int], None],
+                 free_slot: Callable[[Freed], None],
+                 release: Sequence[Location] = ()) -> Allocation:
+        return self.alloc.allocate(
+            items, owner, high=high, low=low, free_bytes=free_bytes, min_free=min_free,
+            segment_size=segment_size, create_segment=create_segment, free_slot=free_slot,
+            release=release)
+
+    def finish(self, committed: Sequence[tuple[bytes, int]], failed: Sequence[Location],
+               touched: Sequence[bytes], free_slot: Callable[[Freed], None]) -> None:
+        self.alloc.finish(committed, failed, touched, free_slot)
+
+    def release(self, locs: Sequence[Location], free_slot: Callable[[Freed], None]) -> int:
+        return self.alloc.release(locs, free_slot)
+
+    def reclaim_dead(self, free_slot: Callable[[Freed], None]) -> int:
+        return self.alloc.reclaim_dead(free_slot)
+
+    def reserved_bytes(self) -> int:
+        return self.alloc.reserved_bytes()
 
     # ---- reads --------------------------------------------------------------------------------
 
@@ -167,26 +225,26 @@ class Index(IndexAlloc):
         those count against the cap, so it holds for all processes together, but are no data)."""
         with self.txn(write=False):
             n = self.db.execute("SELECT count(*) FROM blocks WHERE state=1").fetchone()[0]
-            return n, self._meta("used") - self.reserved_bytes(), self._meta("capacity")
+            return n, self.meta("used") - self.alloc.reserved_bytes(), self.meta("capacity")
 
     # ---- writes -------------------------------------------------------------------------------
 
-    def _free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
+    def free_rows(self, rows: Iterable[tuple[bytes, int, int, int, int]],
                    free_slot: Callable[[Freed], None]) -> list[Freed]:
-        """Delete rows (key, seg, slot, slot_bytes, state): slots freed (`_recycle`), used bytes
+        """Delete rows (key, seg, slot, slot_bytes, state): slots freed (`recycle`), used bytes
         returned."""
         rows = list(rows)
         if rows:
             self.db.executemany("DELETE FROM blocks WHERE key=?", ((r[0],) for r in rows))
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((r[0], OP_DELETE) for r in rows if r[4] == COMMITTED))
-            self._add_used(-sum(r[3] for r in rows))
-        return (self._recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
+            self.add_used(-sum(r[3] for r in rows))
+        return (self.recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
                                if st != COMMITTED], free_slot)
-                + self._recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
+                + self.recycle([(sb, seg, slot) for _, seg, slot, sb, st in rows
                                  if st == COMMITTED], free_slot, visible=True))
 
-    def _recycle(self, slots: Sequence[tuple[int, int, int]],
+    def recycle(self, slots: Sequence[SlotAddr],
                  free_slot: Callable[[Freed], None], visible: bool = False) -> list[Freed]:
         """Free (slot_bytes, seg, slot) slots (used bytes: the caller's) and return them.
 
@@ -212,7 +270,7 @@ class Index(IndexAlloc):
             if self.owner:   # held by this process's own lease, counted in `used` like any slot
                 self.db.executemany("INSERT OR REPLACE INTO reserved VALUES(?,?,?,?)",
                                     ((sb, seg, slot, self.owner) for sb, seg, slot in slots))
-                self._add_used(sum(sb for sb, _, _ in slots))
+                self.add_used(sum(sb for sb, _, _ in slots))
             else:
                 self.db.executemany("INSERT OR IGNORE INTO tombstones VALUES(?,?,?)", slots)
             self._to_punch += [(f, free_slot) for f in freed]
@@ -279,7 +337,7 @@ class Index(IndexAlloc):
                 held = self.db.execute("DELETE FROM reserved WHERE slot_bytes=? AND seg=? AND "
                                        "slot=? AND owner=?", (*row, self.owner)).rowcount == 1
                 if held:
-                    self._add_used(-row[0])
+                    self.add_used(-row[0])
             else:
                 held = dest == "free_slots" and self.db.execute(
                     "DELETE FROM tombstones WHERE slot_bytes=? AND seg=? AND slot=?",
@@ -289,7 +347,7 @@ class Index(IndexAlloc):
         if self._stuck:
             self.tombstones_pending = True
 
-    def tombstoned(self) -> list[tuple[int, int, int]]:
+    def tombstoned(self) -> list[SlotAddr]:
         """(slot_bytes, seg, slot) of freed slots whose hole punch has not succeeded yet."""
         return self.db.execute("SELECT slot_bytes, seg, slot FROM tombstones").fetchall()
 
@@ -298,9 +356,9 @@ class Index(IndexAlloc):
         latest ones costs nothing stored, and a synced commit here would put an fsync of the
         index's log on the read path (the next durable commit syncs them anyway)."""
         with self.txn(durable=False):
-            self._touch(keys, time.time())
+            self.set_atime(keys, time.time())
 
-    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+    def set_atime(self, keys: Sequence[bytes], now: float) -> None:
         if keys:
             self.db.executemany("UPDATE blocks SET atime=? WHERE key=?", ((now, k) for k in keys))
 
@@ -312,7 +370,7 @@ class Index(IndexAlloc):
                 rows += self.db.execute(
                     "SELECT key, seg, slot, slot_bytes, state FROM blocks WHERE +state=1 AND "
                     f"key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-            return len(self._free_rows(rows, free_slot))
+            return len(self.free_rows(rows, free_slot))
 
     def drop_corrupt(self, locs: Sequence[Location], free_slot: Callable[[Freed], None],
                      still_bad: Callable[[Location], bool]) -> list[bytes]:
@@ -332,7 +390,7 @@ class Index(IndexAlloc):
                     (loc.key, loc.seg, loc.slot, signed(loc.csum), loc.created)).fetchall()
                 if held and still_bad(loc):
                     rows += held
-            self._free_rows(rows, free_slot)
+            self.free_rows(rows, free_slot)
             return [r[0] for r in rows]
 
     def segment_names(self) -> set[tuple[int, int]]:
@@ -361,15 +419,15 @@ class Index(IndexAlloc):
             gone = [k for k, _, state in rows if state == COMMITTED]
             self.db.executemany("INSERT INTO changes(key, op) VALUES(?,?)",
                                 ((k, OP_DELETE) for k in gone))
-            self._add_used(-sum(sb for _, sb, _ in rows) - held)
+            self.add_used(-sum(sb for _, sb, _ in rows) - held)
         return gone
 
     def evict_to(self, target_used: int, free_slot: Callable[[Freed], None]) -> int:
         with self.txn():
-            over = self._meta("used") - self.reserved_bytes() - target_used   # of what is stored
-            return self._evict(over, free_slot)[0] if over > 0 else 0
+            over = self.meta("used") - self.alloc.reserved_bytes() - target_used   # of what is stored
+            return self.alloc.evict(over, free_slot)[0] if over > 0 else 0
 
-    def _trim_changes(self) -> None:
+    def trim_changes(self) -> None:
         last = self.db.execute("SELECT max(seq) FROM changes").fetchone()[0] or 0
         if last % 1000 == 0 or last > 2 * CHANGES_KEPT:
             self.db.execute("DELETE FROM changes WHERE seq <= ?", (last - CHANGES_KEPT,))
@@ -381,8 +439,8 @@ class Index(IndexAlloc):
 
     def insert_recovered(self, rows: Sequence[tuple[bytes, int, int, int, int, int, float]],
                          segments: Sequence[tuple[int, int, int, int]],
-                         free: Sequence[tuple[int, int, int]],
-                         tombstones: Sequence[tuple[int, int, int]] = ()) -> None:
+                         free: Sequence[SlotAddr],
+                         tombstones: Sequence[SlotAddr] = ()) -> None:
         """Rebuild: (key, seg, slot, slot_bytes, length, csum, created) rows found in the slabs;
         (slot_bytes, seg, slot) of free slots and of tombstones (freed, not punched yet)."""
         with self.txn():
@@ -423,8 +481,8 @@ class Index(IndexAlloc):
                 "max(created), max(atime) FROM blocks WHERE state=1 GROUP BY 1").fetchall()
             described = dict(self.db.execute("SELECT digest, description FROM namespaces"))
             pending = self.db.execute("SELECT count(*) FROM blocks WHERE state=0").fetchone()[0]
-            reserved = self.reserved_bytes()
-            used, cap = self._meta("used") - reserved, self._meta("capacity")
+            reserved = self.alloc.reserved_bytes()
+            used, cap = self.meta("used") - reserved, self.meta("capacity")
         namespaces = []
         for digest in sorted(set(described) | {r[0] for r in per_ns}):
             row = next((r for r in per_ns if r[0] == digest), (digest, 0, 0, 0, None, None, None))
@@ -444,7 +502,7 @@ class _IndexTxn(Txn):
     def __init__(self, index: Index, write: bool, durable: bool):
         super().__init__(index.db, write, durable)
         self.index = index
-        self._released: list[tuple[int, int, int]] = []
+        self._released: list[SlotAddr] = []
 
     def __enter__(self) -> "Txn":
         super().__enter__()

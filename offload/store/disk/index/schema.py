@@ -34,7 +34,7 @@ OP_COMMIT, OP_DELETE = 1, 2
 # blocks deleted by a committed transaction, held until punched, not counted in `used`. An older
 # version judged such an owner dead at once (not a lease token) and reclaimed it while its process
 # lived, subtracting bytes never counted: holds are now owned by the plain lease token and counted
-# (`Index._recycle`); rows of the old form are still reclaimed as not counted.
+# (`Index.recycle`); rows of the old form are still reclaimed as not counted.
 PUNCH = "punch:"
 COUNTED = "owner NOT LIKE 'punch:%'"   # the `reserved` rows counted in `used`
 CHANGES_KEPT = 200_000
