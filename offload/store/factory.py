@@ -2,7 +2,7 @@
 (its recorded capacity kept), or the DRAM tier.
 
 Primitives: `open_disk(StoreConfig)` -> `DiskStore` (one directory) or `SpreadStore` (the drives of
-`offload.store.paths`: `offload/store/disk/spread.py`); `open_existing(directory)` -> `DiskStore` with
+`offload.store.paths`: `offload/store/disk/spread/`); `open_existing(directory)` -> `DiskStore` with
 the capacity recorded in its index (`cache` commands, `launch`'s store usage); `stored_capacity(dir)`;
 `open_memory(capacity, reserve)` -> `MemoryStore`. The tiers are imported on call (no native module
 and no SQLite connection at import). Errors: `UsageError` for a path that is not a cache directory,

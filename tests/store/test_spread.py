@@ -1,4 +1,4 @@
-"""One store over several drives (`offload.store.paths`, `offload/store/disk/spread.py`).
+"""One store over several drives (`offload.store.paths`, `offload/store/disk/spread/`).
 
 Real directories; where this machine lets the tests mount (root, loop devices), real separate
 file systems: ext4 images of different sizes on loop devices, unmounted and mounted again under a
@@ -22,7 +22,8 @@ import pytest
 
 from offload.config import Size, StoreConfig
 from offload.store.base import get_bytes
-from offload.store.disk.spread import SpreadStore, rank
+from offload.store.disk.spread import SpreadStore
+from offload.store.disk.spread.drives import rank
 from tests.store.blocks import NS, data, key
 
 BLOCK = 64 << 10
@@ -305,7 +306,7 @@ def test_a_drive_failing_with_io_errors_is_taken_out_and_rejoins(
     """Every read and write of one drive fails with EIO: it is taken out, its blocks are misses,
     nothing wrong is served, the other drive serves and takes the writes; once the drive is
     mounted again it rejoins with the blocks it held."""
-    import offload.store.disk.spread as spread
+    import offload.store.disk.spread.drives as spread
 
     monkeypatch.setattr(spread, "PROBE_S", 0.0)       # probe on every check
     with ext4(tmp_path, "flaky", 64) as flaky, ext4(tmp_path, "good", 64) as good:
@@ -379,7 +380,7 @@ def test_a_promotion_goes_to_each_drive_as_a_promotion(dirs: list[Path]) -> None
 
 _PROBES = """
 import sys
-from offload.store.disk.spread import _probe
+from offload.store.disk.spread.drives import _probe
 print(sum(1 for _ in range(int(sys.argv[2])) if _probe(sys.argv[1])), flush=True)
 """
 
