@@ -15,8 +15,6 @@ import pytest
 
 from tests.distro.conftest import REPO, load_script
 
-pytestmark = pytest.mark.slow
-
 SHADOW = REPO / "distro" / "shadow_tree.py"
 TORCH_NATIVE = "sglang/srt/layers/attention/torch_native_backend.py"
 

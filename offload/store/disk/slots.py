@@ -136,9 +136,9 @@ class Slots:
         out: dict[bytes, Slot] = {}
         failed = []
         for loc in books.allocate(items) if items else []:
-            err = books.slabs.reserve_space(loc.seg, loc.slot_bytes, loc.slot)
-            if err:
-                log.warning("slot for %s not reserved: %s", loc.key.hex()[:16], err)
+            room = books.slabs.reserve_space(loc.seg, loc.slot_bytes, loc.slot)
+            if not room.ok:
+                log.warning("slot for %s not reserved: %s", loc.key.hex()[:16], room.reason)
                 failed.append(loc)
             else:
                 out[loc.key] = _slot_of(books, loc)
@@ -153,14 +153,14 @@ class Slots:
         sums = list(checksums) if checksums is not None else [_file_wsum64(s) for s in slots]
         locs = [_loc_of(s) for s in slots]
         now = time.time_ns()
-        errs = [books.slabs.write_header(loc.seg, loc.slot_bytes, loc.slot, loc.key,
-                                         loc.length, c, now, slot_format.CSUM_WSUM64)
-                for loc, c in zip(locs, sums)]
-        segs = {(loc.seg, loc.slot_bytes) for loc, e in zip(locs, errs) if not e}
+        headers = [books.slabs.write_header(loc.seg, loc.slot_bytes, loc.slot, loc.key,
+                                            loc.length, c, now, slot_format.CSUM_WSUM64)
+                   for loc, c in zip(locs, sums)]
+        segs = {(loc.seg, loc.slot_bytes) for loc, h in zip(locs, headers) if h.ok}
         synced = {sg: books.slabs.sync(*sg) for sg in segs}
         good, bad = [], []
-        for loc, c, e in zip(locs, sums, errs):
-            if e or not synced[(loc.seg, loc.slot_bytes)]:
+        for loc, c, h in zip(locs, sums, headers):
+            if not h.ok or not synced[(loc.seg, loc.slot_bytes)]:
                 bad.append(loc)
             else:
                 good.append((loc, c))

@@ -99,9 +99,9 @@ class Writes:
                                         [bufs_of[loc.key] for loc in new], time.time_ns(),
                                         st.cfg.io_threads, sync=False)
         batch = Batch([], [])
-        for loc, (err, csum) in zip(new, outcomes):
-            if err:
-                log.warning("block %s not stored: %s", loc.key.hex()[:16], err)
+        for loc, (written, csum) in zip(new, outcomes):
+            if not written.ok:
+                log.warning("block %s not stored: %s", loc.key.hex()[:16], written.reason)
                 st.stats.put_skipped += 1
                 batch.failed.append(loc)
             else:

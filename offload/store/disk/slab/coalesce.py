@@ -30,7 +30,7 @@ from offload.store.base import Buffer
 from offload.store.disk.location import Location
 from offload.store.disk.slab import files as slab
 from offload.store.disk.slab import format as slot_format
-from offload.store.disk.slab.format import ReadOutcome
+from offload.store.disk.slab.format import WRITTEN, ReadOutcome, WriteOutcome, write_failed
 
 RUN_BYTES = 16 << 20      # about where a single stream reaches the device's sequential bandwidth
 MIN_RUN_BYTES = 4 << 20   # smaller runs cost per-call overhead (syscall, thread hand-off) per byte
@@ -80,28 +80,28 @@ def plan_runs(locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
 
 def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
                 bufs: Sequence[Sequence[Buffer]], created_ns: int,
-                threads: int, sync: bool = True) -> list[tuple[str, int]]:
+                threads: int, sync: bool = True) -> list[tuple[WriteOutcome, int]]:
     """Checksum and write every block (header and data in one vectored call per run), then
-    (`sync`) fdatasync each touched slab once. Per block: ('' if written, and durable when
-    `sync`; else why not; its checksum).
+    (`sync`) fdatasync each touched slab once. Per block: (its `WriteOutcome`: written, and
+    durable when `sync`, else failed with why; its checksum).
 
     Pipelined: this thread checksums the runs in order and hands each to the I/O threads as soon
     as its checksums are known, so run k is written while run k+1 is checksummed; the first run
     is cut short (`RAMP_BYTES`) so the device starts after a short checksum, not a whole run's."""
 
-    def write(run: list[int], csums: list[int]) -> list[tuple[str, int]]:
+    def write(run: list[int], csums: list[int]) -> list[tuple[WriteOutcome, int]]:
         ls = [locs[i] for i in run]
         if len(run) > 1:
-            errs = write_run(slabs, ls, [bufs[i] for i in run], csums, created_ns)
+            done = write_run(slabs, ls, [bufs[i] for i in run], csums, created_ns)
         else:
             loc = ls[0]
-            errs = [slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bufs[run[0]],
+            done = [slabs.write_block(loc.seg, loc.slot_bytes, loc.slot, loc.key, bufs[run[0]],
                                       loc.length, csums[0], created_ns)]
-        return list(zip(errs, csums))
+        return list(zip(done, csums))
 
     plan = ramp(plan_runs(locs, bufs, threads), locs)
-    out: list[tuple[str, int]] = [("", 0)] * len(locs)
-    futs: list[tuple[list[int], Future[list[tuple[str, int]]]]] = []
+    out: list[tuple[WriteOutcome, int]] = [(WRITTEN, 0)] * len(locs)
+    futs: list[tuple[list[int], Future[list[tuple[WriteOutcome, int]]]]] = []
     try:
         for run in plan:
             csums = [slot_format.checksum(bufs[i]) for i in run]
@@ -111,7 +111,7 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
             else:
                 futs.append((run, pool.submit(write, run, csums)))
     except Exception as e:   # a checksum or the hand-off failed: the rest is not written
-        why = f"not written: {type(e).__name__}: {e}"
+        why = write_failed(f"not written: {type(e).__name__}: {e}")
         for run in plan[len(futs):]:
             for i in run:
                 out[i] = (why, 0)
@@ -120,15 +120,15 @@ def write_batch(slabs: slab.SlabFiles, pool: Executor, locs: Sequence[Location],
         try:
             res = f.result()
         except Exception as e:   # (write_run / write_block return OSErrors as reasons)
-            res = [(f"not written: {type(e).__name__}: {e}", 0)] * len(run)
+            res = [(write_failed(f"not written: {type(e).__name__}: {e}"), 0)] * len(run)
         for i, r in zip(run, res):
             out[i] = r
     if not sync:
         return out
     synced = sync_segments(slabs, pool,
-                           [(loc.seg, loc.slot_bytes) for loc, (err, _) in zip(locs, out) if not err])
-    return [(err or ("" if synced[(loc.seg, loc.slot_bytes)] else "fdatasync failed"), csum)
-            for loc, (err, csum) in zip(locs, out)]
+                           [(loc.seg, loc.slot_bytes) for loc, (w, _) in zip(locs, out) if w.ok])
+    return [(w if not w.ok or synced[(loc.seg, loc.slot_bytes)] else write_failed("fdatasync failed"),
+             csum) for loc, (w, csum) in zip(locs, out)]
 
 
 def ramp(plan: list[list[int]], locs: Sequence[Location]) -> list[list[int]]:
@@ -196,8 +196,8 @@ def _sub_runs(locs: Sequence[Location], dests: Sequence[Sequence[Buffer]], which
 
 
 def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Sequence[Buffer]],
-              csums: Sequence[int], created_ns: int) -> list[str]:
-    """Write consecutive slots in one call. One reason per block ('' = written)."""
+              csums: Sequence[int], created_ns: int) -> list[WriteOutcome]:
+    """Write consecutive slots in one call. One `WriteOutcome` per block."""
     first = locs[0]
     iov: list[Buffer] = []
     for hdr, loc, b, c in zip(slabs.headers.write(len(locs)), locs, bufs, csums):
@@ -209,13 +209,14 @@ def write_run(slabs: slab.SlabFiles, locs: Sequence[Location], bufs: Sequence[Se
         with slabs.use(first.seg, first.slot_bytes, slabs.cache is not None) as fd:
             n = slabs.write_pieces(fd, iov, first.slot * first.slot_bytes)
     except OSError as e:
-        return [slab.reason(e)] * len(locs)
+        return [slab.write_error(e)] * len(locs)
     whole = n // first.slot_bytes  # the slots fully written before a short write stopped
     for loc in locs[:whole]:
         slabs.kept(loc.seg, loc.slot_bytes, loc.slot, loc.length)
     if n == want:
-        return [""] * len(locs)
-    return ["" if j < whole else f"short write ({n} of {want} bytes)" for j in range(len(locs))]
+        return [WRITTEN] * len(locs)
+    short = write_failed(f"short write ({n} of {want} bytes)")
+    return [WRITTEN if j < whole else short for j in range(len(locs))]
 
 
 def read_run(slabs: slab.SlabFiles, locs: Sequence[Location],

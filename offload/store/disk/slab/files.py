@@ -18,7 +18,7 @@ goes through the buffered fd without the gate (`pagecache.py`), verified as any 
 
 Primitives: `SlabFiles` (one directory's slabs: `create`, `use` (an fd), `sync`, `free`,
 `write_block` / `read_block` / `write_header` / `read_header` (called from I/O threads; writes
-return a reason string, '' = ok, reads a `ReadOutcome`; never raise), `allocated_slots`),
+return a `WriteOutcome`, reads a `ReadOutcome`; never raise), `allocated_slots`),
 `cached_slot` (whether a slot is in the page cache, no I/O), `kept`, `HeaderAreas` (per-thread
 header buffers), `aligned`, `reason`, `read_error`.
 """
@@ -45,14 +45,17 @@ from offload.store.disk.slab.format import (
     HEADER_BYTES,
     READ_CACHED,
     READ_OK,
+    WRITTEN,
     Header,
     ReadOutcome,
+    WriteOutcome,
     align_up,
     corrupt,
     pack_header_into,
     read_failed,
     unpack_header,
     verify,
+    write_failed,
 )
 from offload.store.disk.slab.gate import IoGate
 
@@ -169,6 +172,11 @@ def read_error(e: OSError) -> ReadOutcome:
     if isinstance(e, SlabMissing):
         return corrupt("slab file missing")
     return read_failed(reason(e, "io error "))
+
+
+def write_error(e: OSError) -> WriteOutcome:
+    """A write's outcome for an I/O error: failed, with its reason."""
+    return write_failed(reason(e))
 
 
 _zero_header: mmap.mmap | None = None
@@ -290,19 +298,20 @@ class SlabFiles:
                 raise
 
     def write_block(self, seg: int, slot_bytes: int, slot: int, key: bytes,
-                    bufs: Sequence[Buffer], length: int, csum: int, created_ns: int) -> str:
-        """Write one block into its slot. Returns '' on success, else the reason."""
+                    bufs: Sequence[Buffer], length: int, csum: int,
+                    created_ns: int) -> WriteOutcome:
+        """Write one block into its slot: `WRITTEN`, else failed with the reason."""
         try:
             with self.use(seg, slot_bytes, self.cache is not None) as fd:
-                err = self._write(fd, slot * slot_bytes, key, bufs, length, csum, created_ns)
+                done = self._write(fd, slot * slot_bytes, key, bufs, length, csum, created_ns)
         except OSError as e:
-            return reason(e)
-        if not err:
+            return write_error(e)
+        if done.ok:
             self.kept(seg, slot_bytes, slot, length)
-        return err
+        return done
 
     def _write(self, fd: int, off: int, key: bytes, bufs: Sequence[Buffer], length: int, csum: int,
-               created_ns: int) -> str:
+               created_ns: int) -> WriteOutcome:
         # No fallocate first: it costs ~20% of a 2 MiB write; the file system allocates the
         # slot's blocks as the O_DIRECT write lands, and ENOSPC surfaces from the write.
         hdr = self.headers.write(1)[0]
@@ -323,7 +332,7 @@ class SlabFiles:
             iov = [hdr, memoryview(bounce)[:size]]
             want = HEADER_BYTES + size
         n = self.write_pieces(fd, iov, off)
-        return "" if n == want else f"short write ({n} of {want} bytes)"
+        return WRITTEN if n == want else write_failed(f"short write ({n} of {want} bytes)")
 
     def write_pieces(self, fd: int, iov: Sequence[Buffer], off: int,
                      piece: int = WRITE_PIECE_BYTES) -> int:
@@ -413,7 +422,7 @@ class SlabFiles:
         return {s for s in out if s < nslots}
 
     def write_header(self, seg: int, slot_bytes: int, slot: int, key: bytes, length: int,
-                     csum: int, created_ns: int, kind: int) -> str:
+                     csum: int, created_ns: int, kind: int) -> WriteOutcome:
         """Write only a slot's header (its data was written by another path, e.g. GDS)."""
         try:
             with self.use(seg, slot_bytes) as fd:
@@ -421,17 +430,19 @@ class SlabFiles:
                 pack_header_into(hdr, key, length, csum, created_ns, kind)
                 with self.gate.writing(HEADER_BYTES):
                     n = os.pwritev(fd, [hdr], slot * slot_bytes)
-            return "" if n == HEADER_BYTES else f"short header write ({n} bytes)"
+            return WRITTEN if n == HEADER_BYTES else write_failed(f"short header write ({n} bytes)")
         except OSError as e:
-            return reason(e)
+            return write_error(e)
 
-    def reserve_space(self, seg: int, slot_bytes: int, slot: int) -> str:
+    def reserve_space(self, seg: int, slot_bytes: int, slot: int) -> WriteOutcome:
+        """Allocate a slot's blocks on the file system (the slot path, before another path writes
+        its data): `WRITTEN`, else failed with the reason."""
         try:
             with self.use(seg, slot_bytes) as fd:
                 os.posix_fallocate(fd, slot * slot_bytes, slot_bytes)
-            return ""
+            return WRITTEN
         except OSError as e:
-            return reason(e)
+            return write_error(e)
 
     def read_header(self, seg: int, slot_bytes: int, slot: int,
                     errors: bool = False) -> Header | None:
@@ -454,4 +465,4 @@ class SlabFiles:
 
 
 __all__ = ["IOV_MAX", "MAX_OPEN", "MISSING", "WRITE_PIECE_BYTES", "HeaderAreas", "SlabFiles",
-           "SlabMissing", "aligned", "cut", "punch_hole", "read_error", "reason"]
+           "SlabMissing", "aligned", "cut", "punch_hole", "read_error", "reason", "write_error"]

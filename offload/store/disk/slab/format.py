@@ -8,7 +8,8 @@ xxh3-64 of those fields. No I/O here (that is `files.py`).
 Primitives: `segment_name` / `parse_segment_name`, `checksum` (xxh3-64,
 blocks written from host memory) / `wsum64` (the GDS path's checksum) / `checksum_of(kind)`,
 `pack_header` / `pack_header_into` / `unpack_header` -> `Header`, `verify(header, ...)` -> a
-`ReadOutcome` (typed: ok / corrupt / failed, with its reason).
+`ReadOutcome` (typed: ok / corrupt / failed, with its reason); a write's `WriteOutcome` (written /
+failed, with its reason).
 """
 
 from __future__ import annotations
@@ -120,6 +121,27 @@ def corrupt(why: str) -> ReadOutcome:
 
 def read_failed(why: str) -> ReadOutcome:
     return ReadOutcome("failed", why)
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What one block's write came to, as `ReadOutcome` says for a read: `written` (its bytes are
+    in the slot, and durable once the caller synced them) or `failed` (not stored: an I/O error,
+    a short write, a full disk, a failed sync; the caller frees the slot). `reason` is the text
+    for logs."""
+    kind: Literal["written", "failed"]
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "written"
+
+
+WRITTEN = WriteOutcome("written")
+
+
+def write_failed(why: str) -> WriteOutcome:
+    return WriteOutcome("failed", why)
 
 
 def verify(raw_header: Buffer, key: bytes, length: int, csum: int,
