@@ -31,8 +31,8 @@ import threading
 from typing import Any, Callable
 
 from offload.config import MetricsConfig
-from offload.store.base import Backlog, BlockStore, HasBacklog, StoreStats, never_raises
-from offload.transfer.base import FAILURE_KINDS, FAILURES_KEY
+from offload.store.base import Backlog, BlockStore, HasBacklog, StoreStats, find, never_raises
+from offload.transfer.base import FAILURE_KINDS, FAILURES_KEY, TransferPath
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +166,18 @@ def tier_metrics() -> TierMetrics:
 
 
 def path_of(store: BlockStore) -> str:
-    """The transfer path a store stands for (the `path` label): a `TransferPath`'s `name` (cpu,
-    gds, dpu), or that of a tiered store's `local` part; a bare block store is CPU staging."""
-    for part in (store, getattr(store, "local", None)):
-        name = getattr(part, "name", None)
-        if name in PATHS:
-            return str(name)
-    return "cpu"
+    """The transfer path a store stands for (the `path` label): the `name` (cpu, gds, dpu) of the
+    first `TransferPath` on `walk(store)` (the store itself, or a tiered store's local part); a
+    bare block store is CPU staging."""
+    paths = find(store, TransferPath)
+    return paths[0].name if paths and paths[0].name in PATHS else "cpu"
 
 
 def counted_by_backend(store: BlockStore) -> bool:
     """True when the agent tier's hits and misses must be counted by the backend: the store is
-    the agent client itself, whose own counters are agent-wide (a tiered store counts them)."""
-    return getattr(store, "name", None) == "dpu"
+    the agent client itself (the `TransferPath` named `dpu`), whose own counters are agent-wide
+    (a tiered store counts them)."""
+    return isinstance(store, TransferPath) and store.name == "dpu"
 
 
 def _tier_stats(store: BlockStore) -> dict[str, StoreStats]:

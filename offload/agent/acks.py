@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from typing import Callable, Sequence
 
-from offload.store.base import BlockStore, durable
+from offload.store.base import BlockStore, CommitsNow, Durable, durable
 
 log = logging.getLogger("offload.agent")
 
@@ -46,7 +46,7 @@ class Acks:
     def __init__(self, store: BlockStore, count: Callable[[str, int], None],
                  max_hidden: int = MAX_HIDDEN, max_hidden_per_key: int = MAX_HIDDEN_PER_KEY):
         self.store = store
-        self.active = callable(getattr(store, "durable", None))
+        self.active = isinstance(store, Durable)
         self._count = count
         self._max = max_hidden
         self._max_owned = max_hidden_per_key
@@ -187,9 +187,8 @@ class Acks:
         ks = [bytes(k) for k in keys]
         with self._cond:
             hurry = any(k in self._hidden for k in ks)
-        commit_now = getattr(self.store, "commit_now", None)
-        if hurry and commit_now is not None:   # the confirmer lets rounds group; this waiter not
-            commit_now()
+        if hurry and isinstance(self.store, CommitsNow):   # the confirmer lets rounds group; this
+            self.store.commit_now()                        # waiter not
         with self._cond:
             while any(k in self._hidden for k in ks):
                 left = deadline - time.monotonic()

@@ -1,6 +1,7 @@
 """The block calls of an `AgentStore` (data path, never raises): PUT and GET of blocks.
 
-Primitives: `BlockCalls(use, host, connections)`; `blocks(op, keys, bufs, deadline)` -> per
+Primitives: `BlockCalls(use, host, connections, budget)` (`budget(deadline)`: a request's
+budget in ms on the agent, `budget_ms` by default); `blocks(op, keys, bufs, deadline)` -> per
 block, True when moved. Blocks whose buffers lie in memory registered with NIXL (`HostNixl`)
 travel by NIXL, the agent READing / WRITEing them itself, in batches of at most
 `NIXL_BATCH_BYTES`; the rest travel inline on the control connection. A PUT carries each block's
@@ -35,8 +36,10 @@ def budget_ms(deadline: float) -> int:
 
 
 class BlockCalls:
-    def __init__(self, use: Use, host: HostNixl, connections: int):
+    def __init__(self, use: Use, host: HostNixl, connections: int,
+                 budget: Callable[[float], int] = budget_ms):
         self._use = use                   # a connection for one call, and the call's deadline
+        self._budget = budget             # a request's budget on the agent (ms)
         self._host = host
         self._connections = connections
         self._lock = threading.Lock()
@@ -72,7 +75,7 @@ class BlockCalls:
             for batch in protocol.pack(nixl_idx, sizes, NIXL_BATCH_BYTES, info.max_keys, counts):
                 # A PUT's checksums travel in the MAC'd frame; the agent checks its READ by them.
                 req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                               descs=[descs[i] for i in batch], budget_ms=budget_ms(deadline),
+                               descs=[descs[i] for i in batch], budget_ms=self._budget(deadline),
                                sums=[sums.of_regions(descs[i]) for i in batch])
                 if not self._send_batch(c, deadline, op, req, batch, ok):
                     return ok
@@ -87,7 +90,7 @@ class BlockCalls:
         room = info.max_body - (64 << 10)
         for batch in protocol.pack(idx, sizes, room, min(info.max_keys, room // 64)):
             req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                           budget_ms=budget_ms(deadline))
+                           budget_ms=self._budget(deadline))
             payload = None
             if op == protocol.PUT:
                 payload = [memoryview(b).cast("B") for i in batch for b in bufs[i]]
@@ -115,7 +118,7 @@ class BlockCalls:
                 land.append([(at, sizes[i])] if sizes[i] else [])
                 at += sizes[i]
             req = protocol.Blocks(keys=[keys[i] for i in batch], sizes=[sizes[i] for i in batch],
-                                  descs=land, budget_ms=budget_ms(deadline))
+                                  descs=land, budget_ms=self._budget(deadline))
             answered = False
             try:
                 answered = self._send_batch(c, deadline, protocol.GET, req, batch, ok,

@@ -110,7 +110,9 @@ class AgentStore:
         self._pool = ConnPool(settings, hooks, connections)
         self._conns: list[AgentConn] = self._pool.conns
         self._released = self._pool.released
-        self._calls = BlockCalls(self._use, self._host, len(self._conns))
+        # the budget looked up on the store at each request, as `_budget_ms` always was
+        self._calls = BlockCalls(self._use, self._host, len(self._conns),
+                                 lambda deadline: self._budget_ms(deadline))
         self._namespaces: dict[bytes, Namespace] = {}
         self._unflushed: dict[bytes, None] = {}      # put True since the last flush, in order
         self._lost = False                            # one of them was found not durable

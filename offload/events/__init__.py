@@ -12,44 +12,32 @@ patches/0016 (`OffloadStorage.take_kv_events`). Modules:
 
 `open_events(store, digest, page_size, make_keys, split)` builds the tracker for a backend's store: `DISK`
 for a local `DiskStore` (also under a transfer path or a tiered store), `EXTERNAL` for the Redis
-tier and for the agent. Message shapes and an example subscriber: docs/reference/events.md.
+tier and for the agent, found on `offload.store.base.walk(store)` (the store's declared parts).
+Message shapes and an example subscriber: docs/reference/events.md.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from offload.events.feeds import AgentFeed, RedisFeed
 from offload.events.sources import DISK, EXTERNAL, DiskSource, SharedSource, Source
 from offload.events.tracker import L3Events
+from offload.store.base import BlockStore, walk
 
 log = logging.getLogger(__name__)
 
 
-def _parts(store: Any) -> list[Any]:
-    """The stores a (wrapped, tiered) store is made of, outermost first."""
-    out: list[Any] = []
-    todo = [store]
-    while todo:
-        s = todo.pop(0)
-        if s is None or any(s is o for o in out):
-            continue
-        out.append(s)
-        todo += [getattr(s, "local", None), getattr(s, "shared", None), getattr(s, "store", None)]
-        drives = getattr(s, "drive_stores", None)   # a SpreadStore: every drive's DiskStore
-        if callable(drives):
-            todo += list(drives())
-    return out
-
-
-def sources_for(store: Any, digest: bytes) -> list[Source]:
+def sources_for(store: BlockStore, digest: bytes) -> list[Source]:
+    """One source per tier the store is made of (`offload.store.base.walk`: the parts of a
+    transfer path, a tiered store, a spread store's drives), outermost first."""
     from offload.agent.client import AgentStore
     from offload.store.disk.store import DiskStore
     from offload.store.redis.store import RedisStore
 
     found: list[Source] = []
-    for part in _parts(store):
+    for part in walk(store):
         if isinstance(part, DiskStore):
             found.append(DiskSource(part.directory, digest))
         elif isinstance(part, RedisStore):
@@ -62,7 +50,7 @@ def sources_for(store: Any, digest: bytes) -> list[Source]:
     return found
 
 
-def open_events(store: Any, digest: bytes, page_size: int,
+def open_events(store: BlockStore, digest: bytes, page_size: int,
                 make_keys: Callable[[Sequence[str]], list[bytes]], split: int = 1
                 ) -> L3Events | None:
     """The tracker of a backend's L3 events, or None when no tier of the store has any (an

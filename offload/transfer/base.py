@@ -24,14 +24,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from offload.config import OffloadConfig
 from offload.errors import PathUnavailableError
 from offload.keys import Namespace
 from offload.store.base import BlockStore, Buffer, StoreStats, durable, flush
 
-# path name -> (module, class); each class has `open(cfg, decision, store) -> TransferPath`.
+if TYPE_CHECKING:
+    from offload.hw.decide import Decision
+
+# path name -> (module, class); each class is an `OpensPath`.
 PATHS: dict[str, tuple[str, str]] = {
     "cpu": ("offload.transfer.cpu_staging", "CpuStagingPath"),
     "gds": ("offload.transfer.gds", "GdsPath"),
@@ -96,7 +99,11 @@ def with_failures(tiers: dict[str, StoreStats], failures: Mapping[str, int],
     return out
 
 
+@runtime_checkable
 class TransferPath(BlockStore, Protocol):
+    """A store that moves pages between memory and where blocks live; `name` is its key in
+    `PATHS` (the `path` label of the metrics)."""
+
     name: str
 
     def register_region(self, buffer: Any) -> None:
@@ -142,7 +149,16 @@ class StoreBookkeeping:
         return durable(self.store, keys, [True] * len(keys))
 
 
-def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:
+class OpensPath(Protocol):
+    """What `PATHS` names: a class whose `open` builds its path for this process (control path:
+    typed errors). `store` is the local block store for cpu / gds (default: `open_disk`)."""
+
+    def open(self, cfg: OffloadConfig, decision: Decision | None = None,
+             store: BlockStore | None = None) -> TransferPath:
+        ...
+
+
+def choose_path(cfg: OffloadConfig, decision: Decision | None = None) -> str:
     """The path to use: the config's explicit choice, else the detection decision's."""
     requested = cfg.transfer.path
     if requested != "auto":
@@ -151,7 +167,7 @@ def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:
         from offload.hw import detect_and_decide
 
         _, decision = detect_and_decide(cfg)   # every directory of the store
-    if getattr(decision, "role", "host") == "agent":
+    if decision.role == "agent":
         raise PathUnavailableError("this process runs on a BlueField DPU's Arm cores: run "
                                    "`sglang-offload agent` here and inference on the host")
     path = str(decision.path)
@@ -160,9 +176,10 @@ def choose_path(cfg: OffloadConfig, decision: Any = None) -> str:
     return path
 
 
-def open_path(cfg: OffloadConfig, decision: Any = None, store: BlockStore | None = None
-              ) -> TransferPath:
+def open_path(cfg: OffloadConfig, decision: Decision | None = None,
+              store: BlockStore | None = None) -> TransferPath:
     """Construct the transfer path for this process (control path: raises typed errors)."""
     name = choose_path(cfg, decision)
     module, cls = PATHS[name]
-    return getattr(importlib.import_module(module), cls).open(cfg, decision, store)
+    opener: OpensPath = getattr(importlib.import_module(module), cls)
+    return opener.open(cfg, decision, store)

@@ -30,11 +30,15 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
 from offload.hw.numa import node_cpus, numa_nodes
 from offload.store.base import BlockStore, Buffer, StoreStats, all_false, never_raises, promote
 from offload.transfer.base import FailureCounts, StoreBookkeeping, with_failures
+
+if TYPE_CHECKING:
+    from offload.config import OffloadConfig
+    from offload.hw.decide import Decision
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +123,15 @@ class CpuStagingPath(StoreBookkeeping):
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None
-             ) -> "CpuStagingPath":
+    def open(cls, cfg: OffloadConfig, decision: Decision | None = None,
+             store: BlockStore | None = None) -> "CpuStagingPath":
         if store is None:
             from offload.store.factory import open_disk
 
             store = open_disk(cfg.store)
         node = cfg.transfer.numa_node
         if node is None and decision is not None:
-            node = getattr(decision, "numa_node", None)
+            node = decision.numa_node
         return cls(store, node)
 
     @never_raises("cpu path: a batch on the read lane", _all_false_of_keys)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from offload.errors import PathUnavailableError
 from offload.store.base import (
@@ -36,6 +36,10 @@ from offload.store.base import (
     promote,
 )
 from offload.transfer.base import FailureCounts, StoreBookkeeping, failures_of, with_failures
+
+if TYPE_CHECKING:
+    from offload.config import OffloadConfig
+    from offload.hw.decide import Decision
 
 log = logging.getLogger(__name__)
 CHECKSUM_KIND = "wsum64"
@@ -62,12 +66,12 @@ def wsum64_numpy(buf: Buffer) -> int:
     return cpu_wsum64([buf])
 
 
-def gds_really_available(decision: Any) -> tuple[bool, str]:
+def gds_really_available(decision: Decision | None) -> tuple[bool, str]:
     """GDS only when detection chose it with GPU-direct (never a compat-only setup)."""
     if decision is None:
         return False, "no detection decision: run `sglang-offload detect`"
-    if getattr(decision, "path", None) != "gds" or not getattr(decision, "gpu_direct", False):
-        return False, f"detection chose {getattr(decision, 'path', '?')}, not GDS"
+    if decision.path != "gds" or not decision.gpu_direct:
+        return False, f"detection chose {decision.path}, not GDS"
     return True, "detection: GDS available (not compat mode)"
 
 
@@ -97,7 +101,8 @@ class GdsPath(StoreBookkeeping):
         return [self.store, self.fallback]
 
     @classmethod
-    def open(cls, cfg: Any, decision: Any = None, store: BlockStore | None = None) -> "GdsPath":
+    def open(cls, cfg: OffloadConfig, decision: Decision | None = None,
+             store: BlockStore | None = None) -> "GdsPath":
         ok, why = gds_really_available(decision)
         if not ok and cfg.transfer.path == "gds":
             raise PathUnavailableError(f"offload.transfer.path gds: {why}")

@@ -148,6 +148,7 @@ def test_a_commit_failing_after_the_ack_is_counted_and_never_served(rig) -> None
     assert a.flush() is True and b.exists_many(ks) == [True] * 3
 
 
+@pytest.mark.slow
 @needs_nixl
 def test_staging_writes_overlap_the_next_request_and_keep_every_byte(agent_factory, tmp_path
                                                                      ) -> None:

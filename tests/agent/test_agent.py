@@ -17,6 +17,8 @@ from offload.agent.conn import Refused
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
 from tests.agent.pages import DIM, HEADS, LAYERS, NS, PAGE_TOKENS, client, host_pool, keys, page
 
+pytestmark = pytest.mark.slow
+
 
 def roundtrip(store: AgentStore, register: bool) -> None:
     src, dst = host_pool(8, 1), np.zeros((2, 8 * PAGE_TOKENS, LAYERS, HEADS, DIM), np.uint16)

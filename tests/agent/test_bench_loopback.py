@@ -6,9 +6,13 @@ from __future__ import annotations
 import mmap
 import os
 
+import pytest
+
 from offload.bench.paths import Loopback, measure
 from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import needs_nixl
+
+pytestmark = pytest.mark.slow
 
 SIZE, BATCH = 64 << 10, 2
 

@@ -16,11 +16,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from offload.agent.rate import PER_ENDPOINT
 from tests.agent.conftest import needs_nixl
 from tests.agent.tenants import COUNTER, NS, SECRETS, Raw, host, keys_file, renamed
+
+pytestmark = pytest.mark.slow
 
 FLOOD = 300
 

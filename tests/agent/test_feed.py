@@ -24,6 +24,8 @@ from tests.agent.conftest import SECRET, wait_for
 from tests.agent.tenants import NS as TENANT_NS
 from tests.agent.tenants import SECRETS, Raw, closed_by_peer, host, keys_file
 
+pytestmark = pytest.mark.slow
+
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,8 @@ from offload.agent import protocol
 from offload.agent.client import AgentStore
 from tests.agent.conftest import SECRET
 from tests.agent.tenants import send_meta
+
+pytestmark = pytest.mark.slow
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

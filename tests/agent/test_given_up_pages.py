@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent.client import AgentStore
 from offload.keys import Namespace
 from tests.agent.conftest import SECRET, needs_nixl, wait_for
+
+pytestmark = pytest.mark.slow
 
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=64)
 REUSED = 0xAB          # what SGLang writes into pages handed back to it

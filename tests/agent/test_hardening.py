@@ -25,6 +25,8 @@ from offload.keys import Namespace
 from tests.agent.conftest import SECRET, needs_nixl, recording_sends, wait_for
 from tests.agent.tenants import send_meta
 
+pytestmark = pytest.mark.slow
+
 KEY = b"K" * 32
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests.agent.conftest import SECRET, needs_nixl
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 hicache = pytest.importorskip("offload.hicache")
 hp = pytest.importorskip("tests.hicache.hicache_pools")

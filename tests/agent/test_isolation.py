@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from offload.agent.access import register_msg
 from offload.keys import Namespace
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import NS, PAGE, SECRETS, Raw, host, keys_file, renamed
+
+pytestmark = pytest.mark.slow
 
 
 def refused_or_false(reply: protocol.Msg) -> bool:

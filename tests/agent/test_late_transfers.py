@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import NS, SECRETS, STALLED_HOST, host, keys_file, stalled_attacker
+
+pytestmark = pytest.mark.slow
 
 BLOCK, BLOCKS = 256 << 10, 16
 

@@ -22,6 +22,8 @@ from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import NS, SECRETS, Raw, host, keys_file, rss, stats
 
+pytestmark = pytest.mark.slow
+
 PAGE = 4096
 MIB = 1 << 20
 

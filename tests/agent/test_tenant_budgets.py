@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from offload.agent.feed import PER_TENANT
@@ -29,6 +30,8 @@ from offload.agent.rate import ENDPOINT_RATE, KEY_RATE, PER_ENDPOINT
 from offload.keys import Namespace
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import COUNTER, NS, SECRETS, Raw, host, keys_file, renamed
+
+pytestmark = pytest.mark.slow
 
 PAGE = 4096
 STALE = """

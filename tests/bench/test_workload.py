@@ -16,6 +16,8 @@ from offload.bench.workload import client as wc
 from offload.bench.workload.margin import margin_at, messages
 from offload.bench.workload.tiers import swap_backend
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DEPS = REPO / "distro" / "sglang-bench-deps.txt"
 

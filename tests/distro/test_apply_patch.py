@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))
 
 CHANGE = """Description: header text is skipped

@@ -21,6 +21,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from probe_cpu_engine import IO_BACKENDS, KINDS_LAYOUTS, ORDERS  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # Mamba state slots are not pages: only the MHA and MLA pools take patch 0005's page copies.
 ROUNDTRIPS = [f"{kind}/{layout}/{io}" + ("" if order == "pages" else f"/{order}")
               for kind, layouts in KINDS_LAYOUTS.items() for layout in layouts

@@ -22,6 +22,8 @@ import pytest
 
 from tests.distro.conftest import REPO, site_without
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 PATCH = "0017"
 # the cells where 0017 changes the answer: the reference's refusal there

@@ -25,6 +25,8 @@ import pytest
 from offload.errors import RunError
 from offload.launch.server import LaunchedServer, free_port
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 DEPS = REPO / "distro" / "sglang-cpu-deps.txt"
 SERVE_DEPS = REPO / "distro" / "sglang-cpu-serve-deps.txt"

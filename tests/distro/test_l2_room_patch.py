@@ -31,6 +31,8 @@ import pytest
 
 from tests.distro.conftest import REPO, site_without
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 PATCH = "0018"
 # cell -> (tokens the reference loads, tokens 0018 loads) where they differ; the hit is 256 tokens

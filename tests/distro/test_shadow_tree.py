@@ -15,6 +15,8 @@ import pytest
 
 from tests.distro.conftest import REPO, load_script
 
+pytestmark = pytest.mark.slow
+
 SHADOW = REPO / "distro" / "shadow_tree.py"
 TORCH_NATIVE = "sglang/srt/layers/attention/torch_native_backend.py"
 

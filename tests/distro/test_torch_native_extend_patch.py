@@ -23,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from probe_torch_native_extend import CASES, DTYPES  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 RUNS = [f"{case}/{dtype}" for case in CASES for dtype in DTYPES]
 # the largest difference allowed, relative to the largest output: one rounding step
 STEP = {"float32": 1e-5, "bfloat16": 2.0 ** -7}

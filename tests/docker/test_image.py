@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = "localhost/sglang-offload-test-base:latest"
 IMAGE = "localhost/sglang-offload:test"
 
-pytestmark = pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))]
 
 
 @pytest.fixture(scope="module")

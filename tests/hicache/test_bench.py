@@ -10,7 +10,7 @@ import pytest
 
 from offload.commands import bench as cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_bench_hicache_tiny_run(tmp_path, capsys):

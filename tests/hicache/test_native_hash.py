@@ -18,6 +18,8 @@ from offload.errors import RunError
 from offload.hicache import native_hash
 from tests.hicache import hicache_pools as hp
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 ENSURE = ("import json; from offload.hicache.native_hash import ensure_native_hash; "
           "r = ensure_native_hash(); print(json.dumps({'built': r.built, 'library': str(r.library)}))")

@@ -18,7 +18,7 @@ from tests.hicache import parity_setup as ps  # noqa: E402
 from tests.store import redis_fixtures  # noqa: E402
 
 N = 4   # pages per test
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_decode_context_parallel_shards_round_trip(tmp_path):

@@ -24,6 +24,8 @@ from hypothesis import strategies as st  # noqa: E402
 from tests.hicache import hicache_pools as hp  # noqa: E402
 from tests.hicache import pool_families as pf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PT, PN, PP = hs.PoolTransfer, hs.PoolName, hs.PoolHitPolicy
 KEYS = [f"{i:064x}" for i in range(1, 9)]
 POOLS = (PN.KV, PN.DRAFT, PN.MAMBA)

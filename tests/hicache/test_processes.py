@@ -14,7 +14,7 @@ import pytest
 from tests.hicache.worker import run
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _start(opts: dict) -> subprocess.Popen:

@@ -18,6 +18,8 @@ from offload.errors import RunError
 from offload.launch.prebuild import built_library, check_native_hash
 from tests.launch.helpers import REPO, fake_python, write
 
+pytestmark = pytest.mark.slow
+
 BASE = "sglang:\n  model-path: m\n  device: cpu\n"   # m: a HuggingFace id, not looked for
 
 

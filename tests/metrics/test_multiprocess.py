@@ -10,6 +10,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("metrics_worker.py")
 

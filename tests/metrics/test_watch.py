@@ -18,6 +18,9 @@ from tests.hicache import hicache_pools as hp
 class AgentLike(MemoryStore):
     name = "dpu"        # what a TransferPath to the DPU agent reports
 
+    def register_region(self, buffer: object) -> None:   # a TransferPath, as AgentStore
+        pass
+
     def tier_stats(self) -> dict[str, StoreStats]:       # as AgentStore: agent-wide counters
         s = self.stats()
         s.extra["process_counters"] = ()

@@ -17,7 +17,7 @@ import pytest
 
 from tests.powerloss.harness import LazyMount, lazyfs_unavailable
 
-pytestmark = [pytest.mark.timeout(120),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(bool(lazyfs_unavailable()), reason=lazyfs_unavailable() or "-")]
 
 

@@ -8,6 +8,10 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 INSTALL = Path(__file__).resolve().parents[2] / "scripts" / "install.sh"
 PIP_STDERR = """\
 ERROR: pip's dependency resolver does not currently take into account all the packages that are installed. \

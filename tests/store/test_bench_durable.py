@@ -11,6 +11,8 @@ import pytest
 from offload.bench import store as bench
 from offload.store.disk.store import DiskStore
 
+pytestmark = pytest.mark.slow
+
 
 def test_put_figure_includes_the_flush(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = {"on": False}

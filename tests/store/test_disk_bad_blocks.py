@@ -18,12 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from offload.store.base import get_bytes
 from offload.store.disk import recovery
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.sharers import ENV, durable_blocks, line, lost, proc
 from tests.store.stores import open_store
+
+pytestmark = pytest.mark.slow
 
 SIZE = 64 << 10
 CAP = 16 << 30   # no eviction in the race below: every block missing would be a loss

@@ -16,6 +16,8 @@ from offload.store.disk.store import DiskStore
 from tests.store.blocks import data, key
 from tests.store.stores import open_store, small_tmpfs, worker
 
+pytestmark = pytest.mark.slow
+
 SIZE = 24 << 10
 
 

@@ -28,6 +28,8 @@ import pytest
 from tests.store.blocks import data, key
 from tests.store.stores import open_store
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 ROOT = str(HERE.parents[1])
 ENV = dict(os.environ, PYTHONPATH=ROOT)

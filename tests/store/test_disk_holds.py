@@ -22,7 +22,11 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
 from tests.store.sharers import ENV, SIZE
+
+pytestmark = pytest.mark.slow
 
 _FLOCK = struct.Struct("hhxxxxqqi4x")
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)

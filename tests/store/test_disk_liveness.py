@@ -14,10 +14,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.store.blocks import key
 from tests.store.sharers import ENV, SIZE, cache_stats, durable_blocks, line, lost, proc
 from tests.store.sharers import damage_a_page_nobody_writes as damage_the_index
 from tests.store.stores import open_store
+
+pytestmark = pytest.mark.slow
 
 OLD = time.time() - 30 * 86400   # a month ago: what an age-based cleaner deletes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -12,6 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from offload.store.base import get_bytes
 from tests.store.blocks import data, key
 from tests.store.stores import open_store
+
+pytestmark = pytest.mark.slow
 
 KEYS = st.integers(min_value=0, max_value=15)
 SIZES = st.sampled_from([1, 4096, 5000, 12288])

@@ -20,6 +20,8 @@ from tests.store.blocks import data, key
 from tests.store.stores import damage_index as damage
 from tests.store.stores import open_store
 
+pytestmark = pytest.mark.slow
+
 SIZE = 16 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
 N = 24

@@ -29,6 +29,8 @@ from tests.store.sharers import (
 )
 from tests.store.stores import open_store
 
+pytestmark = pytest.mark.slow
+
 
 def test_cache_stats_finding_a_damaged_index_beside_a_live_writer_loses_nothing(tmp_path):
     d = tmp_path / "cache"

@@ -5,10 +5,14 @@ Real processes, real files."""
 
 from __future__ import annotations
 
+import pytest
+
 from offload.store.disk.slab import format as slot_format
 from tests.store.blocks import data, key
 from tests.store.sharers import line, proc
 from tests.store.stores import open_store
+
+pytestmark = pytest.mark.slow
 
 KiB = 1 << 10
 

@@ -20,6 +20,8 @@ from offload.store.redis.store import RedisStore
 from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server, redis_store  # noqa: F401
 
+pytestmark = pytest.mark.slow
+
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 2048
 TIMEOUT, BACKOFF = 0.3, 0.3

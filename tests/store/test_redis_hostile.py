@@ -24,6 +24,8 @@ from offload.store.redis.value import HEADER
 from tests.store.hostile_redis import HostileProxy
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server, redis_store  # noqa: F401
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 2048

@@ -6,7 +6,11 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.store.redis_fixtures import RedisProc, redis_factory, redis_server, run_replica  # noqa: F401
+
+pytestmark = pytest.mark.slow
 
 PAGES = [f"prefix-page-{i}" for i in range(24)]
 SIZE = 8192

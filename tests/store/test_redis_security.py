@@ -25,6 +25,8 @@ from offload.store.tiered import TieredStore, WriteThrough
 from tests.store.redis_fixtures import RedisProc, block_bytes, redis_factory, redis_server  # noqa: F401
 from tests.store.stores import open_store
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 4096

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from offload.config import load_offload
 from offload.keys import Namespace
 from offload.store.base import get_bytes
@@ -15,6 +17,8 @@ from tests.store.redis_fixtures import (  # noqa: F401
     redis_factory,  # noqa: F401
     tls_certs,
 )
+
+pytestmark = pytest.mark.slow
 
 NS = Namespace("test-model", "bf16", "layer_first", 16)
 SIZE = 4096

@@ -26,6 +26,8 @@ from offload.store.disk.spread import SpreadStore
 from offload.store.disk.spread.drives import rank
 from tests.store.blocks import NS, data, key
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 64 << 10
 
 
