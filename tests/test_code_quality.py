@@ -7,6 +7,10 @@ the disk store's two halves stay apart (index/ is SQLite only and never imports 
 files only and never imports sqlite3 or index/) and its classes are parts, not mixins (none has
 more than one base class); launch/ never imports commands/ (it builds a store through
 offload.store.factory); `argparse` lives in the command modules, launch/, cli.py and argtypes.py.
+No store capability is probed by attribute name: no `getattr` / `hasattr` in offload/ with a string
+naming a member of the Protocols of store/base.py and transfer/base.py, or an attribute a
+composite's `parts()` returns (both computed from the source; `isinstance` and
+`offload.store.base.walk` / `find` instead).
 Under tests/, no module imports a `test_*` module: shared helpers live in helper modules and
 conftest.py files.
 """
