@@ -140,7 +140,7 @@ def test_a_damaged_cached_page_is_never_served(store_dir):
         fd = os.open(path, os.O_RDWR)   # buffered, behind the store's back: the page cache
         try:
             os.pwrite(fd, os.urandom(4096), at + 8192)
-            assert pagecache.cached(fd, at - HEADER_BYTES, HEADER_BYTES + SIZE)
+            assert pagecache.warm(fd, at - HEADER_BYTES, HEADER_BYTES + SIZE)
         finally:
             os.close(fd)
         bufs = [mmap.mmap(-1, SIZE) for _ in range(4)]

@@ -223,13 +223,13 @@ class SlabFiles:
             self.cache.keep(seg, slot_bytes, slot, HEADER_BYTES + align_up(length))
 
     def cached_slot(self, seg: int, slot_bytes: int, slot: int, length: int) -> bool:
-        """Whether the kernel holds a block's whole range (header and data) in the page cache,
-        asked without I/O; False without a budget or without `cachestat`."""
+        """Whether the kernel holds (nearly: `pagecache.WARM_SHARE`) a block's range, header and
+        data, in the page cache, asked without I/O; False without a budget or `cachestat`."""
         if self.cache is None:
             return False
         try:
             with self.use(seg, slot_bytes) as fd:
-                return pagecache.cached(fd, slot * slot_bytes, HEADER_BYTES + length) is True
+                return pagecache.warm(fd, slot * slot_bytes, HEADER_BYTES + length)
         except OSError:
             return False
 
