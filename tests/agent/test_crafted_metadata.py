@@ -13,10 +13,13 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
 from tests.agent.tenants import NS, SECRETS, Raw, host, keys_file, renamed
+
+pytestmark = pytest.mark.slow
 
 PAGE = 4096
 CONN = b"|t" + (3).to_bytes(8, "little") + b"UCX|c"

@@ -18,9 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import NS, SECRETS, Raw, keys_file, rss, stats
+
+pytestmark = pytest.mark.slow
 
 # A host process with one NIXL endpoint and registered memory: prints its metadata and the
 # memory's address; then per line "note TAG" the nonce of the proof notification under TAG,

@@ -9,6 +9,8 @@ from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import needs_nixl
 from tests.agent.pages import DIM, HEADS, LAYERS, PAGE_TOKENS, client, host_pool, keys, page
 
+pytestmark = pytest.mark.slow
+
 
 def _roundtrip(store, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     src = host_pool(n, seed)

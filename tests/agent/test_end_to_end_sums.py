@@ -30,6 +30,8 @@ from offload.store.memory.store import MemoryStore
 from tests.agent.conftest import SECRET, needs_nixl
 from tests.store.stores import open_store
 
+pytestmark = pytest.mark.slow
+
 NS = Namespace(model="m", dtype="bf16", layout="page_first", page_size=16)
 SIZE, N = 64 << 10, 4
 

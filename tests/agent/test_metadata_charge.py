@@ -15,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl, wait_for
 from tests.agent.tenants import SECRETS, Raw, keys_file, renamed, rss, stats
+
+pytestmark = pytest.mark.slow
 
 REGIONS = 20_000
 CONNS = 12                 # within the (key, endpoint) challenge burst of 16

@@ -15,10 +15,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from offload.agent import protocol
 from tests.agent.conftest import needs_nixl
 from tests.agent.tenants import NS, SECRETS, STALLED_HOST, host, keys_file, stalled_attacker
+
+pytestmark = pytest.mark.slow
 
 BLOCK, BLOCKS = 1 << 20, 4
 

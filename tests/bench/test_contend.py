@@ -11,6 +11,8 @@ import pytest
 
 from offload.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_tiny_run_gives_every_figure_and_cleans_up(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ISOLATED = [  # pairs of namespaces that must share no page key
     ("salt_a", "salt_b"),
     ("none", "salt_a"),

@@ -9,6 +9,10 @@ HiCacheController.attach_storage_backend gives it the interface_v1 page function
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 
 def test_unpatched_sglang_has_no_offload_backend_name(upstream_probes, upstream_site):
     result = upstream_probes["offload_backend"]
