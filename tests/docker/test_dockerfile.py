@@ -135,6 +135,7 @@ def test_entrypoint_execs_launch_and_other_commands(tmp_path: Path) -> None:
     assert (res.returncode, res.stdout) == (0, "hello\n")
 
 
+@pytest.mark.slow   # ten entrypoint runs (about 10 s each on a loaded box); one stays quick below
 @pytest.mark.parametrize("value, dry", [("1", True), ("true", True), ("YES", True), ("on", True),
                                         ("0", False), ("false", False), ("False", False),
                                         ("no", False), ("off", False), ("", False)])
