@@ -47,7 +47,7 @@ def _store_extra(kind: str, tmp_path, request) -> dict:
 
 
 @pytest.mark.parametrize("family", pf.FAMILIES)
-@pytest.mark.parametrize("tier", ["disk", "redis"])
+@pytest.mark.parametrize("tier", ["disk", pytest.param("redis", marks=pytest.mark.slow)])   # redis: slow
 def test_family_round_trip_across_a_restart(family, tier, tmp_path, request):
     extra = _store_extra(tier, tmp_path, request)
     backend, anchor, pools = attach(family, extra)
