@@ -16,6 +16,9 @@ bf16 = 8 MiB, `page_first` by default) is filled with random pages. Then, in bat
 - raw: sequential O_DIRECT write + fdatasync and read of a file of the same total size in the
   same directory (`offload.bench.rawdisk`).
 
+`--restart` measures reads by a new process after the writer exited instead
+(`offload.bench.restart`).
+
 Every loaded page is checked against the original (outside the timings). Figures are GB/s and
 ratios to the stock backend and to raw; `--check` exits 1 if the project targets are missed.
 """
@@ -35,6 +38,7 @@ from typing import Any
 from offload import argtypes
 from offload.bench import common
 from offload.bench.common import JSON, Args, Option, Outcome, drop_cache, fsync_files, timed
+from offload.config import Size
 from offload.hicache.contract import BACKEND_EXTRA
 
 log = logging.getLogger("offload.bench")
@@ -53,6 +57,11 @@ OPTIONS = (
     Option(("--family",), "KV plus one model family's sidecar pool through the v2 interface, "
            "beside the stock file backend (offload.bench.families)", None,
            choices=("mha", "draft", "indexer", "mamba", "swa")),
+    Option(("--restart",), "reads after a process restart instead: a new process reads what "
+           "the writer left, from the page cache as it left it, then cold (offload.bench.restart)",
+           flag=True),
+    Option(("--page-cache",), "with --restart: our store's page-cache budget (store.page_cache; "
+           "default: the config default, 0 = pure O_DIRECT)", None, argtypes.arg(Size.parse)),
     JSON,
     Option(("--check",), "exit 1 if a target is missed: " + ", ".join(
         f"{k} {'<=' if k.endswith('key') else '>='} {v}" for k, v in TARGETS.items()), flag=True),
@@ -249,6 +258,10 @@ def run(args: Args) -> Outcome:
     _quiet_sglang()
     if getattr(args, "family", None):
         return _run_family(args)
+    if getattr(args, "restart", False):
+        from offload.bench.restart import run_restart
+
+        return run_restart(args)
     pool = build_pool(args.pages, args.layout)
     page_bytes = pool.get_size_per_token() * TOKENS
     total = args.pages * page_bytes
