@@ -10,7 +10,9 @@ shares the directory and rewrites the slots the first one holds cached.
 - two stores of one process on one directory: together they keep twice the budget cached, where
   the budget is documented per process and directory (broke: xfail, strict);
 - a large put, measured by the store's gate as each write piece lands: the page cache holds the
-  writes in flight beyond the budget, documented as never more than the budget (broke: xfail).
+  writes in flight beyond the budget, documented as never more than the budget (broke: xfail);
+- many small puts, each batch's drops racing the last batch's commit (fdatasync): evicted slots
+  stayed cached outside the budget, growing with the puts (broke: xfail, strict).
 """
 
 from __future__ import annotations
@@ -252,5 +254,29 @@ def test_a_large_put_never_holds_more_than_the_budget(store_dir):
         assert s.flush(30)
         assert cached_bytes(store_dir) <= budget   # after the put: held
         assert gate.most <= budget, f"{gate.most} bytes in the page cache for a budget of {budget}"
+    finally:
+        s.close()
+
+
+@pytest.mark.xfail(strict=True, reason="pagecache.drop's posix_fadvise(DONTNEED) cannot invalidate "
+                   "pages a concurrent fdatasync of the slab holds (it waits on them): about 2% of "
+                   "drops leave their slot cached and the LRU forgets it. 960 puts of 256 KiB, 1 MiB "
+                   "budget: 1.6-5.6 MB stayed cached, growing with the puts; a flush after each "
+                   "batch: 798,720. Retrying DONTNEED needed up to 17 ms: the fix is a retry later "
+                   "(the slot kept in the LRU until it drops), in pagecache.py and files.py")
+def test_many_puts_leave_no_more_than_the_budget_cached(store_dir):
+    """Puts in many small batches (each batch's drops racing the commit round of the batch
+    before, its fdatasync): once flushed, what the store's files hold in the page cache is within
+    the budget."""
+    budget = 1 << 20
+    s = open_store(store_dir, 1 << 30, o_direct="on", page_cache=budget)
+    try:
+        for r in range(120):
+            ks = [key(1000 + r * 8 + j) for j in range(8)]
+            assert all(s.put_many(ks, [[data(k, SIZE)] for k in ks]))
+        assert s.flush(30)
+        assert s.stats().extra["page_cache_held"] <= budget
+        held = cached_bytes(store_dir)
+        assert held <= budget, f"{held} bytes cached for a budget of {budget}"
     finally:
         s.close()
