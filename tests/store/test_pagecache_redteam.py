@@ -11,6 +11,7 @@ shares the directory and rewrites the slots the first one holds cached.
   the budget is documented per process and directory (broke: xfail, strict);
 - a large put, measured by the store's gate as each write piece lands: the page cache holds the
   writes in flight beyond the budget, documented as never more than the budget (broke: xfail);
+- reads racing the drops of their own slots (evicted by puts): only right bytes (held);
 - many small puts, each batch's drops racing the last batch's commit (fdatasync): evicted slots
   stayed cached outside the budget, growing with the puts (broke: xfail, strict).
 """
@@ -23,6 +24,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -278,5 +280,40 @@ def test_many_puts_leave_no_more_than_the_budget_cached(store_dir):
         assert s.stats().extra["page_cache_held"] <= budget
         held = cached_bytes(store_dir)
         assert held <= budget, f"{held} bytes cached for a budget of {budget}"
+    finally:
+        s.close()
+
+
+def test_reads_racing_the_drops_of_their_slots_serve_only_right_bytes(store_dir):
+    """A reader thread reads 24 blocks over and over (those cachestat finds whole from the page
+    cache) while 20 puts of 8 blocks evict their slots from the budget (write back, DONTNEED):
+    every block read is its own bytes (held)."""
+    budget = 1 << 20
+    s = open_store(store_dir, 1 << 30, o_direct="on", page_cache=budget)
+    try:
+        ks = [key(i) for i in range(24)]
+        assert all(s.put_many(ks, [[data(k, SIZE)] for k in ks]))
+        assert s.flush(30)
+        seen = {"ok": 0, "wrong": 0}
+        stop = threading.Event()
+
+        def reader() -> None:
+            while not stop.is_set():
+                bufs = [mmap.mmap(-1, SIZE) for _ in ks]
+                ok = s.get_many(ks, [[b] for b in bufs])
+                seen["ok"] += sum(ok)
+                seen["wrong"] += sum(1 for k, f, b in zip(ks, ok, bufs)
+                                     if f and bytes(b) != data(k, SIZE))
+
+        with ThreadPoolExecutor(1) as t:
+            fut = t.submit(reader)
+            try:
+                for r in range(20):
+                    more = [key(1000 + r * 8 + j) for j in range(8)]
+                    assert all(s.put_many(more, [[data(k, SIZE)] for k in more]))
+            finally:
+                stop.set()
+            fut.result()
+        assert seen["ok"] > 0 and seen["wrong"] == 0, seen
     finally:
         s.close()
