@@ -244,8 +244,8 @@ class MeasuringGate(IoGate):
 @pytest.mark.xfail(strict=True, reason="a block (or a run's pieces) is kept, and the oldest "
                    "dropped, only once written: a put of 64 blocks of 256 KiB held 2.7-2.9 MB in "
                    "the page cache for a 1 MiB budget, 2.7 MB of it dirty (3 slots kept, 7-8 in "
-                   "flight: one per I/O thread), where "
-                   "docs/design/store.md says a write-back never holds more than the budget dirty")
+                   "flight: one per I/O thread); docs/design/store.md names the overshoot (the LRU "
+                   "updated when a run's write returns) until the drop follows each piece")
 def test_a_large_put_never_holds_more_than_the_budget(store_dir):
     budget = 1 << 20
     gate = MeasuringGate(store_dir)
