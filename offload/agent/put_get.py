@@ -33,10 +33,7 @@ class PutGet:
     def check(self, req: protocol.Blocks) -> str | None:
         """Bounds of a PUT / GET; with descriptors, the connection's proven NIXL peer, whose
         registered memory they must lie in. Raises RequestError."""
-        n = len(req.keys)
-        if len(req.sizes) != n or (req.descs is not None and len(req.descs) != n):
-            raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
-                               f"{len(req.descs or [])} descriptor lists")
+        self._lengths(req)
         for size in req.sizes:
             if size > self._s.ctx.limits.max_block:
                 raise RequestError(f"block of {size} bytes exceeds the agent's limit "
@@ -60,6 +57,14 @@ class PutGet:
             self._s.endpoint.quarantine_room(self._s.ctx.mover)
             return peer
         return None
+
+    @staticmethod
+    def _lengths(req: protocol.Blocks) -> None:
+        """As many sizes (and descriptor lists) as keys. Raises RequestError."""
+        n = len(req.keys)
+        if len(req.sizes) != n or (req.descs is not None and len(req.descs) != n):
+            raise RequestError(f"{n} keys but {len(req.sizes)} sizes / "
+                               f"{len(req.descs or [])} descriptor lists")
 
     def put(self, req: protocol.Blocks, payload: memoryview, settle: Settle | None
              ) -> Sequence[bool | None]:
@@ -96,6 +101,7 @@ class PutGet:
     def get(self, req: protocol.Blocks
              ) -> tuple[list[bool], list[memoryview], list[int] | None]:
         """A block put but not yet durable (`ctx.acks`) is waited for, briefly, then a miss."""
+        self._lengths(req)   # before the visible keys are picked out by index (`check` after)
         acks = self._s.ctx.acks
         hidden = acks.hidden(req.keys)
         if any(hidden):
