@@ -13,7 +13,7 @@ shares the directory and rewrites the slots the first one holds cached.
   writes in flight beyond the budget, documented as never more than the budget (broke: xfail);
 - reads racing the drops of their own slots (evicted by puts): only right bytes (held);
 - many small puts, each batch's drops racing the last batch's commit (fdatasync): evicted slots
-  stayed cached outside the budget, growing with the puts (broke: xfail, strict).
+  stayed cached outside the budget, growing with the puts (broke: xfail, not strict: it races).
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ def test_a_large_put_never_holds_more_than_the_budget(store_dir):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="pagecache.drop's posix_fadvise(DONTNEED) cannot invalidate "
+@pytest.mark.xfail(strict=False, reason="(not strict: on a quiet box no drop may race a commit) "
+                   "pagecache.drop's posix_fadvise(DONTNEED) cannot invalidate "
                    "pages a concurrent fdatasync of the slab holds (it waits on them): about 2% of "
                    "drops leave their slot cached and the LRU forgets it. 960 puts of 256 KiB, 1 MiB "
                    "budget: 1.6-5.6 MB stayed cached, growing with the puts; a flush after each "
