@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import sqlite3
@@ -23,6 +24,7 @@ import pytest
 
 from offload.config import Size, StoreConfig
 from offload.store.disk.slab import format as slot_format
+from offload.store.disk.slab import pagecache
 from offload.store.disk.store import DiskStore
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
@@ -95,3 +97,17 @@ def corrupt_block(store_dir: str, key: bytes) -> bool:
                     f.write(bytes([b[0] ^ 0xFF]))
                     return True
     return False
+
+
+def cached_bytes(d: object) -> int:
+    """Bytes of the store's slab files in the page cache (cachestat)."""
+    total = 0
+    for f in glob.glob(os.path.join(str(d), "seg-*.slab")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = pagecache.cached_bytes(fd)
+        finally:
+            os.close(fd)
+        assert got is not None
+        total += got
+    return total

@@ -14,12 +14,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from offload.store.disk.slab import pagecache
 from offload.store.disk.slab.format import HEADER_BYTES
 from tests.store.blocks import data, key
-from tests.store.stores import open_store
+from tests.store.stores import cached_bytes, open_store
 
 SIZE = 256 << 10
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -38,42 +36,6 @@ print(json.dumps({"ok": ok, "right": [bytes(b) == data(key(i), size) for i, b in
                   "reads_cached": st.extra["reads_cached"], "bad": st.checksum_failures}))
 s.close()
 """
-
-
-def cached_bytes(d) -> int:
-    """Bytes of the store's slab files in the page cache (cachestat)."""
-    total = 0
-    for f in glob.glob(os.path.join(str(d), "seg-*.slab")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            got = pagecache.cached_bytes(fd)
-        finally:
-            os.close(fd)
-        assert got is not None
-        total += got
-    return total
-
-
-@pytest.fixture
-def store_dir(tmp_path):
-    """A directory that takes O_DIRECT, on a kernel with cachestat (else the test skips)."""
-    d = tmp_path / "c"
-    d.mkdir()
-    probe = d / "probe"
-    probe.write_bytes(b"x")
-    fd = os.open(probe, os.O_RDONLY)
-    try:
-        if pagecache.cached(fd, 0, 1) is None:
-            pytest.skip("no cachestat(2) on this kernel (Linux 6.5+): every read is O_DIRECT")
-        try:
-            os.close(os.open(d / "direct", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-        except OSError as e:
-            pytest.skip(f"{d} refuses O_DIRECT ({e.strerror})")
-    finally:
-        os.close(fd)
-    os.unlink(probe)
-    os.unlink(d / "direct")
-    return d
 
 
 def put(d, n: int, budget: int) -> None:

@@ -19,7 +19,6 @@ shares the directory and rewrites the slots the first one holds cached.
 from __future__ import annotations
 
 import contextlib
-import glob
 import mmap
 import os
 import subprocess
@@ -31,13 +30,13 @@ from typing import Iterator
 import pytest
 
 from offload.store.disk.location import Location
-from offload.store.disk.slab import coalesce, pagecache
+from offload.store.disk.slab import coalesce
 from offload.store.disk.slab import format as slot_format
 from offload.store.disk.slab.files import SlabFiles
 from offload.store.disk.slab.format import HEADER_BYTES
 from offload.store.disk.slab.gate import IoGate
 from tests.store.blocks import data, key
-from tests.store.stores import open_store
+from tests.store.stores import cached_bytes, open_store
 
 SIZE = 256 << 10
 SLOT = slot_format.slot_bytes_for(SIZE)
@@ -61,41 +60,6 @@ for line in sys.stdin:
     print("ok" if w.ok else w.reason, flush=True)
 s.close()
 """
-
-
-@pytest.fixture
-def store_dir(tmp_path):
-    """A directory that takes O_DIRECT, on a kernel with cachestat (else the test skips)."""
-    d = tmp_path / "c"
-    d.mkdir()
-    probe = d / "probe"
-    probe.write_bytes(b"x")
-    fd = os.open(probe, os.O_RDONLY)
-    try:
-        if pagecache.cached(fd, 0, 1) is None:
-            pytest.skip("no cachestat(2) on this kernel (Linux 6.5+): every read is O_DIRECT")
-        try:
-            os.close(os.open(d / "direct", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-        except OSError as e:
-            pytest.skip(f"{d} refuses O_DIRECT ({e.strerror})")
-    finally:
-        os.close(fd)
-    os.unlink(probe)
-    os.unlink(d / "direct")
-    return d
-
-
-def cached_bytes(d) -> int:
-    total = 0
-    for f in glob.glob(os.path.join(str(d), "seg-*.slab")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            got = pagecache.cached_bytes(fd)
-        finally:
-            os.close(fd)
-        assert got is not None
-        total += got
-    return total
 
 
 def loc(i: int) -> Location:
