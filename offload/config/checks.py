@@ -144,6 +144,9 @@ def check_transfer(t: TransferConfig, agent: AgentConfig, problems: list[str]) -
     if t.numa_node is not None and t.numa_node < 0:
         problems.append(f"offload.transfer.numa_node: {t.numa_node!r} is not a NUMA "
                         "node; use a node number >= 0 (`ls /sys/devices/system/node`) or unset it")
+    if t.write_budget is not None and t.write_budget < 1 << 20:
+        problems.append(f"offload.transfer.write_budget: {t.write_budget!r} bytes per second is "
+                        "less than one page a second; use at least 1MiB or unset it")
 
 
 def check_metrics(m: MetricsConfig, problems: list[str]) -> None:

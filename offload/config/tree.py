@@ -78,6 +78,10 @@ class TransferConfig:
         "how blocks move: auto (decided by detection), cpu staging, gds, dpu agent", default="auto")
     numa_node: int | None = _doc("pin I/O threads to this NUMA node (default: the GPU's); must be a "
                                  "node of the machine", default=None)
+    write_budget: Size | None = _doc(
+        "write-backs' share of the drive, bytes per second through the cpu path (e.g. 2GiB): a "
+        "write-back batch past it is skipped, its pages not stored and counted, so reads keep the "
+        "rest of the drive (unset: no cap; the write lane's queue bound still holds)", default=None)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,20 @@ kept on one NUMA node.
 Primitives:
 - `pinning_for(node, root)`: the CPUs the lanes are pinned to (`offload.hw.numa` reads the
   node's CPU list).
-- `CpuStagingPath(store, numa_node, write_queue_bytes=WRITE_QUEUE_BYTES)`: a `TransferPath`.
+- `CpuStagingPath(store, numa_node, write_queue_bytes=WRITE_QUEUE_BYTES, write_budget=None)`: a
+  `TransferPath`.
   Batches run on two lanes, each one thread pinned (os.sched_setaffinity) to the node's CPUs:
   the read lane (gets, and promotions, which are puts on a get's path) and the write lane (puts).
   A get never waits behind a put it does not need (loads before stores). The write lane holds at
   most `write_queue_bytes` of pages, running and queued together: a put that would pass it is
   refused at once, every page not stored (counted: `stats().extra["write_lane_refused"]`), so
   SGLang's backup thread never waits behind a backlog; a put on an empty lane is always taken.
+  With `write_budget` (bytes per second, `offload.transfer.write_budget`) the write lane also
+  keeps write-backs to that rate (`WriteBudget`, a token bucket holding one second of it): a put
+  arriving while the bucket is in debt is skipped, every page not stored (counted:
+  `write_budget_skipped`), so where write-backs would take the drive from reads (a GPU host
+  writing back tens of GB) they give way; a put arriving with credit is taken whole and may run
+  the bucket into debt, so the average rate stays within the budget and no batch is cut.
   A get of a key whose put is still queued is a miss (the store has not seen it; never partial
   bytes: the store publishes a block only once written). The store's own I/O threads are started
   from a lane's thread, so they inherit the pinning. The store already does O_DIRECT vectored I/O
@@ -29,6 +36,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
@@ -67,22 +75,49 @@ def _nbytes(blocks: Sequence[Sequence[Buffer]]) -> int:
     return sum(memoryview(b).nbytes for bs in blocks for b in bs)
 
 
+class WriteBudget:
+    """A token bucket of bytes per second, holding at most one second of credit; `clock` is
+    injectable (tests). `take(n)`: whether a batch of `n` bytes goes (credit left: taken whole,
+    perhaps into debt) or is skipped (in debt)."""
+
+    def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic):
+        self.rate = rate
+        self._clock = clock
+        self._credit = float(rate)
+        self._at = clock()
+
+    def take(self, n: int) -> bool:
+        now = self._clock()
+        self._credit = min(float(self.rate), self._credit + (now - self._at) * self.rate)
+        self._at = now
+        if self._credit <= 0:
+            return False
+        self._credit -= n
+        return True
+
+
 class _Lane:
     """One pinned thread that runs one kind of batch in turn. With a `bound` (bytes), a batch that
     would take what it holds (running and queued) past it is refused, unless the lane is empty."""
 
-    def __init__(self, name: str, init: Callable[[], None] | None, bound: int | None = None):
+    def __init__(self, name: str, init: Callable[[], None] | None, bound: int | None = None,
+                 budget: WriteBudget | None = None):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"offload-cpu-{name}",
                                        initializer=init)
         self.bound = bound
+        self.budget = budget
         self.held = 0           # bytes of the batches running or queued (under `_lock`)
         self.refused = 0        # pages refused by the bound
+        self.skipped = 0        # pages skipped by the budget
         self._lock = threading.Lock()
 
     def _admit(self, n: int, pages: int) -> bool:
         with self._lock:
             if self.bound is not None and self.held and self.held + n > self.bound:
                 self.refused += pages
+                return False
+            if self.budget is not None and not self.budget.take(n):
+                self.skipped += pages
                 return False
             self.held += n
             return True
@@ -93,7 +128,7 @@ class _Lane:
 
     def run(self, fn: Callable[..., list[bool]], keys: Sequence[bytes],
             bufs: Sequence[Sequence[Buffer]]) -> list[bool]:
-        n = _nbytes(bufs) if self.bound is not None else 0
+        n = _nbytes(bufs) if self.bound is not None or self.budget is not None else 0
         if not self._admit(n, len(keys)):
             return [False] * len(keys)
         try:
@@ -107,7 +142,8 @@ class CpuStagingPath(StoreBookkeeping):
 
     def __init__(self, store: BlockStore, numa_node: int | None = None, *, root: str = "/",
                  device_ops: "DeviceOps | None" = None,
-                 write_queue_bytes: int = WRITE_QUEUE_BYTES):
+                 write_queue_bytes: int = WRITE_QUEUE_BYTES,
+                 write_budget: WriteBudget | None = None):
         self.store = store
         self.failures = FailureCounts()
         self._device_ops = device_ops
@@ -118,7 +154,7 @@ class CpuStagingPath(StoreBookkeeping):
             cpus = self.cpus
             init = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - this thread only
         self._reads = _Lane("read", init)
-        self._writes = _Lane("write", init, write_queue_bytes)
+        self._writes = _Lane("write", init, write_queue_bytes, write_budget)
         self._stager: _GpuStager | None = None
         self._lock = threading.Lock()
 
@@ -132,7 +168,8 @@ class CpuStagingPath(StoreBookkeeping):
         node = cfg.transfer.numa_node
         if node is None and decision is not None:
             node = decision.numa_node
-        return cls(store, node)
+        rate = cfg.transfer.write_budget
+        return cls(store, node, write_budget=WriteBudget(rate) if rate else None)
 
     @never_raises("cpu path: a batch on the read lane", _all_false_of_keys)
     def _read(self, fn: Callable[..., list[bool]], keys: Sequence[bytes],
@@ -180,6 +217,7 @@ class CpuStagingPath(StoreBookkeeping):
         s.extra = dict(s.extra, path="cpu", numa_node=self.numa_node,
                        pinned_cpus=len(self.cpus) if self.cpus else 0,
                        write_lane_refused=self._writes.refused,
+                       write_budget_skipped=self._writes.skipped,
                        transfer_failures=self.failure_counts())
         return s
 

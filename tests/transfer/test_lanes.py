@@ -190,3 +190,61 @@ def test_both_lanes_are_pinned_to_the_node(tmp_path: Path) -> None:
         assert os.sched_getaffinity(0) == set(mine)
     finally:
         path.close()
+
+
+class Clock:
+    """A clock the test moves by hand (the budget's rate, never the machine's time)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_write_backs_past_the_budget_are_skipped_and_reads_go_on() -> None:
+    """`offload.transfer.write_budget`: a put arriving with credit is taken whole (even past the
+    credit), one arriving in debt is skipped, every page not stored and counted; credit comes back
+    at the budget's rate, at most one second of it; gets never touch the budget."""
+    from offload.transfer.cpu_staging import WriteBudget
+
+    clock = Clock()
+    store = MemoryStore()
+    path = CpuStagingPath(store, write_budget=WriteBudget(8 * 4096, clock))
+    try:
+        page = [b"p" * 4096]
+        assert path.put_many([key(f"a{i}") for i in range(12)], [page] * 12) == [True] * 12
+        # 12 pages on 8 pages of credit: in debt by 4 pages, the next write-back is skipped
+        assert path.put_many([key("s1"), key("s2")], [page] * 2) == [False, False]
+        assert path.stats().extra["write_budget_skipped"] == 2
+        assert path.exists_many([key("a11"), key("s1")]) == [True, False]
+        dst = bytearray(4096)
+        assert path.get_many([key("a0")], [[dst]]) == [True]   # reads never wait on the budget
+        clock.now += 0.25          # 2 pages of credit back: still 2 pages in debt
+        assert path.put_many([key("s3")], [page]) == [False]
+        clock.now += 0.5           # 4 more: 2 pages of credit, a 3-page put is taken whole
+        assert path.put_many([key(f"b{i}") for i in range(3)], [page] * 3) == [True] * 3
+        clock.now += 3600          # an idle hour gives back one second of credit, not an hour's
+        assert path.put_many([key(f"c{i}") for i in range(9)], [page] * 9) == [True] * 9
+        assert path.put_many([key("s4")], [page]) == [False]
+        assert path.stats().extra["write_budget_skipped"] == 4
+    finally:
+        path.close()
+
+
+def test_the_write_budget_comes_from_the_config(tmp_path: Path) -> None:
+    from offload.config import load_offload
+
+    cfg = load_offload({"store": {"path": str(tmp_path / "c"), "capacity": "64MiB"},
+                        "transfer": {"path": "cpu", "write_budget": "2GiB"}})
+    path = CpuStagingPath.open(cfg)
+    try:
+        assert path._writes.budget is not None and path._writes.budget.rate == 2 << 30
+    finally:
+        path.close()
+    cfg = load_offload({"store": {"path": str(tmp_path / "c"), "capacity": "64MiB"}})
+    path = CpuStagingPath.open(cfg)
+    try:
+        assert path._writes.budget is None
+    finally:
+        path.close()
