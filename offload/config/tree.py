@@ -55,7 +55,7 @@ class StoreConfig:
     io_threads: int = _doc("I/O threads per process keeping the device queue busy", default=8)
     page_cache: Size = _doc(
         "with O_DIRECT: bytes of the most recently written and read blocks left in the kernel's "
-        "page cache, per process and directory, so a restarted server can read them warm; 0 = "
+        "page cache, per open store (each drive its own), so a restarted server can read them warm; 0 = "
         "pure O_DIRECT (the default: docs/benchmarks.md, warm reads after a restart)",
         default=Size(0))
     salt: str = _doc("tenant salt mixed into every block key (isolates tenants sharing a tier); "

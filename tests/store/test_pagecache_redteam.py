@@ -8,12 +8,14 @@ shares the directory and rewrites the slots the first one holds cached.
 - reads of a slot racing another process rewriting it with two blocks in turn: every read that
   reports success holds the bytes of the block asked for (held);
 - two stores of one process on one directory: together they keep twice the budget cached, where
-  the budget is documented per process and directory (broke: xfail, strict);
+  the budget was documented per process and directory (broke: xfail, strict; the docs now
+  say per open store, and one budget per directory is left to do);
 - a large put, measured by the store's gate as each write piece lands: the page cache holds the
   writes in flight beyond the budget, documented as never more than the budget (broke: xfail);
 - reads racing the drops of their own slots (evicted by puts): only right bytes (held);
 - many small puts, each batch's drops racing the last batch's commit (fdatasync): evicted slots
-  stayed cached outside the budget, growing with the puts (broke: xfail, not strict: it races).
+  stayed cached outside the budget, growing with the puts (broke; fixed: a drop that left
+  pages is counted and tried again, at the next keep and after the slab's sync).
 """
 
 from __future__ import annotations
@@ -224,13 +226,6 @@ def test_a_large_put_never_holds_more_than_the_budget(store_dir):
         s.close()
 
 
-@pytest.mark.xfail(strict=False, reason="(not strict: on a quiet box no drop may race a commit) "
-                   "pagecache.drop's posix_fadvise(DONTNEED) cannot invalidate "
-                   "pages a concurrent fdatasync of the slab holds (it waits on them): about 2% of "
-                   "drops leave their slot cached and the LRU forgets it. 960 puts of 256 KiB, 1 MiB "
-                   "budget: 1.6-5.6 MB stayed cached, growing with the puts; a flush after each "
-                   "batch: 798,720. Retrying DONTNEED needed up to 17 ms: the fix is a retry later "
-                   "(the slot kept in the LRU until it drops), in pagecache.py and files.py")
 def test_many_puts_leave_no_more_than_the_budget_cached(store_dir):
     """Puts in many small batches (each batch's drops racing the commit round of the batch
     before, its fdatasync): once flushed, what the store's files hold in the page cache is within

@@ -209,13 +209,14 @@ class SlabFiles:
         """The segment's fd, held open until the block leaves (`buffered`: without O_DIRECT)."""
         return self.fds.use(seg, slot_bytes, buffered)
 
-    def _drop(self, seg: int, slot_bytes: int, off: int, n: int) -> None:
-        """A slot past the page-cache budget: written back and dropped from the page cache."""
+    def _drop(self, seg: int, slot_bytes: int, off: int, n: int) -> bool:
+        """A slot past the page-cache budget: written back and dropped from the page cache
+        (False: pages of it stayed, to be tried again)."""
         try:
             with self.use(seg, slot_bytes) as fd:
-                pagecache.drop(fd, off, n)
+                return pagecache.drop(fd, off, n)
         except OSError:   # a slab gone holds nothing cached
-            pass
+            return True
 
     def kept(self, seg: int, slot_bytes: int, slot: int, length: int) -> None:
         """A block now in the page cache (written or read buffered): the budget's newest."""
@@ -272,6 +273,8 @@ class SlabFiles:
                 if os.fstat(fd).st_nlink == 0:  # deleted under us: the blocks would be lost
                     self.fds.mark_missing(seg, slot_bytes)
                     return False
+            if self.cache is not None:          # drops this sync's pages held: again now
+                self.cache.retry()
             return True
         except OSError as e:
             log.warning("fdatasync of segment %d failed: %s", seg, e)

@@ -14,9 +14,11 @@ on the test VM, 0.36 against 0.51 GB/s); the caller verifies the bytes exactly a
 Primitives: `cached(fd, off, n)` (the share of its pages cached; None = cachestat unavailable),
 `warm(fd, off, n)` (at least `WARM_SHARE` cached), `cached_bytes(fd)`,
 `PageCache(budget, evict)` with `keep(seg, slot_bytes, slot, nbytes)` (a slot now cached: the
-oldest beyond the budget handed to `evict`), `held()`; `drop(fd, off, n)` (the `evict` the slabs
-use). The budget is per process and per directory; clean pages another process left behind (a
-restart) are the kernel's to reclaim, and are served while they last.
+oldest beyond the budget handed to `evict`; a drop that left pages behind, held by a concurrent
+fdatasync, is counted and tried again), `retry()` (after a slab's sync), `held()`;
+`drop(fd, off, n)` (the `evict` the slabs use: False when pages stayed). The budget is per open
+store (two stores of one process on one directory hold one each); clean pages another process
+left behind (a restart) are the kernel's to reclaim, and are served while they last.
 """
 
 from __future__ import annotations
@@ -96,43 +98,75 @@ def cached_bytes(fd: int) -> int | None:
     return None if st is None else st.nr_cache * PAGE
 
 
-def drop(fd: int, off: int, n: int) -> None:
+def drop(fd: int, off: int, n: int) -> bool:
     """Write [off, off+n) back (data only, no metadata: the commit's fdatasync still makes it
-    durable) and drop it from the page cache."""
+    durable) and drop it from the page cache. False when pages of it stayed (DONTNEED skips pages
+    a concurrent fdatasync of the file holds): the caller tries again later."""
     _lib().sync_file_range(fd, off, n, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
     os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+    left = cached(fd, off, n)
+    return left is None or left == 0
 
 
 Slot = tuple[int, int, int]   # (seg, slot_bytes, slot)
 
 
 class PageCache:
-    """The slots this process left cached, oldest first, at most `budget` bytes of them."""
+    """The slots this process left cached, oldest first, at most `budget` bytes of them, counting
+    the slots whose drop left pages behind (`_stuck`: a concurrent fdatasync of the slab held
+    them; tried again at each `keep` and after each slab sync, `retry`)."""
 
-    def __init__(self, budget: int, evict: Callable[[int, int, int, int], None]):
+    RETRIES_PER_KEEP = 16
+
+    def __init__(self, budget: int, evict: Callable[[int, int, int, int], bool]):
         self.budget = budget
         self._evict = evict          # (seg, slot_bytes, offset, nbytes): write back and drop
         self._slots: OrderedDict[Slot, int] = OrderedDict()
-        self._bytes = 0
+        self._stuck: OrderedDict[Slot, int] = OrderedDict()
+        self._bytes = 0              # of `_slots` and `_stuck` together
         self._lock = threading.Lock()
 
     def keep(self, seg: int, slot_bytes: int, slot: int, nbytes: int) -> None:
         """A slot now in the page cache (written or read buffered): the newest; the oldest beyond
-        the budget are dropped (on the calling thread: a writer's, or a reader's)."""
-        out: list[tuple[Slot, int]] = []
+        the budget are dropped (on the calling thread: a writer's, or a reader's), after the
+        slots a drop left behind are tried again."""
         with self._lock:
             k = (seg, slot_bytes, slot)
-            self._bytes += nbytes - self._slots.pop(k, 0)
+            self._bytes += nbytes - self._slots.pop(k, 0) - self._stuck.pop(k, 0)
             self._slots[k] = nbytes
+            out = self._take_stuck(self.RETRIES_PER_KEEP)
             while self._bytes > self.budget and self._slots:
                 old, n = self._slots.popitem(last=False)
                 self._bytes -= n
                 out.append((old, n))
+        self._drop(out)
+
+    def retry(self) -> None:
+        """Try again the drops that left pages behind (the slab's fdatasync that held them is
+        done: `SlabFiles.sync` calls this after one)."""
+        with self._lock:
+            out = self._take_stuck(len(self._stuck))
+        self._drop(out)
+
+    def _take_stuck(self, most: int) -> list[tuple[Slot, int]]:
+        out = []
+        for old in list(self._stuck)[:most]:
+            n = self._stuck.pop(old)
+            self._bytes -= n
+            out.append((old, n))
+        return out
+
+    def _drop(self, out: list[tuple[Slot, int]]) -> None:
         for (s, sb, sl), n in out:
-            self._evict(s, sb, sl * sb, n)
+            if not self._evict(s, sb, sl * sb, n):
+                with self._lock:       # pages stayed: counted again, tried later
+                    if (s, sb, sl) not in self._slots:
+                        self._stuck[(s, sb, sl)] = n
+                        self._bytes += n
 
     def held(self) -> int:
-        """Bytes of slots kept (what this process may have in the page cache)."""
+        """Bytes of slots kept, with those whose drop is still to be retried (what this process
+        may have in the page cache)."""
         with self._lock:
             return self._bytes
 
