@@ -201,6 +201,18 @@ def to_json(p: LaunchCommand) -> dict[str, Any]:
             "command": p.command}
 
 
+def _io_limits(store: dict, transfer: dict, path: str) -> str:
+    """The store line's I/O settings where set: the page-cache share, the write budget (the cpu
+    path's only)."""
+    out = ""
+    if str(store.get("page_cache") or "0B") not in ("0", "0B"):
+        out += f", page cache share {store['page_cache']}"
+    if transfer.get("write_budget"):
+        out += (f", write-backs at most {transfer['write_budget']}/s" if path == "cpu" else
+                f", write_budget not applied (the {path} path has none)")
+    return out
+
+
 def summary(p: LaunchCommand, config_file: str) -> str:
     """What a real launch says before it execs SGLang: path and why, store, tiers, device."""
     d, off = p.decision, p.offload_tree
@@ -216,7 +228,8 @@ def summary(p: LaunchCommand, config_file: str) -> str:
              f"  path: {d.path} (requested {d.requested}): " + "; ".join(d.reasons),
              f"  store: {', '.join(dirs)} (capacity {store['capacity']}"
              f"{' for all' if len(dirs) > 1 else ''}, namespace salt "
-             f"{'set' if store.get('salt') or store.get('salt_file') else 'unset'})",
+             f"{'set' if store.get('salt') or store.get('salt_file') else 'unset'}"
+             f"{_io_limits(store, off.get('transfer') or {}, d.path)})",
              "  tiers: " + " -> ".join(tiers),
              f"  device {p.device.device}: " + "; ".join(p.device.reasons),
              f"  {worth_it_text(p)}",

@@ -43,3 +43,17 @@ def test_the_summary_names_every_directory(tmp_path: Path) -> None:
     text = summary(prepare(str(cfg), root=str(HOSTS / "dgx-8nvme")), str(cfg))
     assert "store: /data1/kv, /data2/kv (capacity 100GiB for all" in text
     assert "L3 store /data1/kv, /data2/kv" in text
+
+
+def test_the_summary_names_the_page_cache_share_and_the_write_budget(tmp_path: Path) -> None:
+    from offload.launch.compose import prepare, summary
+
+    plain = write(tmp_path, CPU)
+    text = summary(prepare(str(plain), root=str(HOSTS / "cpu-box")), str(plain))
+    assert "page cache share" not in text and "write-backs at most" not in text
+    cfg = write(tmp_path, CPU.replace("store: {path: /tmp/x}",
+                                      "store: {path: /tmp/x, page_cache: 1GiB}\n"
+                                      "  transfer: {path: cpu, write_budget: 2GiB}"),
+                name="limits.yaml")
+    text = summary(prepare(str(cfg), root=str(HOSTS / "cpu-box")), str(cfg))
+    assert "page cache share 1GiB, write-backs at most 2GiB/s)" in text
