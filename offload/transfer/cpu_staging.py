@@ -88,7 +88,9 @@ class WriteBudget:
 
     def take(self, n: int) -> bool:
         now = self._clock()
-        self._credit = min(float(self.rate), self._credit + (now - self._at) * self.rate)
+        # a clock stepping back (an injected one; monotonic cannot) gives and takes nothing
+        self._credit = min(float(self.rate),
+                           self._credit + max(0.0, now - self._at) * self.rate)
         self._at = now
         if self._credit <= 0:
             return False
@@ -194,7 +196,7 @@ class CpuStagingPath(StoreBookkeeping):
         """A put on a read's path (a tiered store's promotion): the store's own
         (`offload.store.base.promote`), on the read lane (never behind write-backs)."""
         if _any_gpu(blocks):
-            return self._gpu().put(keys, blocks)
+            return self._gpu().put(keys, blocks, True)
         return self._read(functools.partial(promote, self.store), keys, blocks)
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Sequence[Buffer]]) -> list[bool]:
@@ -348,13 +350,16 @@ class _GpuStager:
             return False
 
     @never_raises("cpu path: staging GPU pages to the store", all_false)
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]) -> list[bool]:
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]],
+            promotion: bool = False) -> list[bool]:
+        """Stage GPU pages to the store: a write-back on the write lane (its bound and budget),
+        a `promotion` (a put on a get's path) on the read lane, through the store's promote."""
         st = self._staging("put")
         with st.lock:
-            return self._put(st, keys, blocks)
+            return self._put(st, keys, blocks, promotion)
 
-    def _put(self, st: _Staging, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]]
-             ) -> list[bool]:
+    def _put(self, st: _Staging, keys: Sequence[bytes], blocks: Sequence[Sequence[Any]],
+             promotion: bool) -> list[bool]:
         sizes = [sum(b.numel() * b.element_size() for b in bs) for bs in blocks]
         ok = [False] * len(keys)
         pending = None
@@ -379,20 +384,25 @@ class _GpuStager:
                     views.append([memoryview(buf[start:off].numpy())])  # type: ignore[arg-type]
                 event = self.ops.event(st.stream)
             if pending is not None:   # the store writes chunk g-1 while the GPU copies chunk g
-                self._store(pending, keys, ok)
+                self._store(pending, keys, ok, promotion)
             pending = (staged, views, event)
         if pending is not None:
-            self._store(pending, keys, ok)
+            self._store(pending, keys, ok, promotion)
         return ok
 
-    def _store(self, pending: tuple, keys: Sequence[bytes], ok: list[bool]) -> None:
+    def _store(self, pending: tuple, keys: Sequence[bytes], ok: list[bool],
+               promotion: bool) -> None:
         staged, views, event = pending
         if not self._synced(event, "GPU-to-host"):
             self.path.failures.add("copy_to_host", len(staged))
             return
         if not staged:
             return
-        flags = self.path._write(self.path.store.put_many, [keys[i] for i in staged], views)
+        ks = [keys[i] for i in staged]
+        if promotion:
+            flags = self.path._read(functools.partial(promote, self.path.store), ks, views)
+        else:
+            flags = self.path._write(self.path.store.put_many, ks, views)
         for i, f in zip(staged, flags):
             ok[i] = f
 
