@@ -15,7 +15,7 @@ Primitives: `cached(fd, off, n)` (the share of its pages cached; None = cachesta
 `warm(fd, off, n)` (at least `WARM_SHARE` cached), `cached_bytes(fd)`,
 `PageCache(budget, evict)` with `keep(seg, slot_bytes, slot, nbytes)` (a slot now cached: the
 oldest beyond the budget handed to `evict`; a drop that left pages behind, held by a concurrent
-fdatasync, is counted and tried again), `retry()` (after a slab's sync), `held()`;
+fdatasync, is counted once and tried again), `retry()` (after a slab's sync), `held()`;
 `drop(fd, off, n)` (the `evict` the slabs use: False when pages stayed). The budget is per open
 store (two stores of one process on one directory hold one each); clean pages another process
 left behind (a restart) are the kernel's to reclaim, and are served while they last.
@@ -124,6 +124,7 @@ class PageCache:
         self._slots: OrderedDict[Slot, int] = OrderedDict()
         self._stuck: OrderedDict[Slot, int] = OrderedDict()
         self._bytes = 0              # of `_slots` and `_stuck` together
+        self._retries = 0            # `retry` calls so far (a drop that failed while one ran)
         self._lock = threading.Lock()
 
     def keep(self, seg: int, slot_bytes: int, slot: int, nbytes: int) -> None:
@@ -139,14 +140,17 @@ class PageCache:
                 old, n = self._slots.popitem(last=False)
                 self._bytes -= n
                 out.append((old, n))
-        self._drop(out)
+            seen = self._retries
+        self._drop(out, seen)
 
     def retry(self) -> None:
         """Try again the drops that left pages behind (the slab's fdatasync that held them is
         done: `SlabFiles.sync` calls this after one)."""
         with self._lock:
+            self._retries += 1
             out = self._take_stuck(len(self._stuck))
-        self._drop(out)
+            seen = self._retries
+        self._drop(out, seen)
 
     def _take_stuck(self, most: int) -> list[tuple[Slot, int]]:
         out = []
@@ -156,13 +160,22 @@ class PageCache:
             out.append((old, n))
         return out
 
-    def _drop(self, out: list[tuple[Slot, int]]) -> None:
-        for (s, sb, sl), n in out:
-            if not self._evict(s, sb, sl * sb, n):
-                with self._lock:       # pages stayed: counted again, tried later
-                    if (s, sb, sl) not in self._slots:
-                        self._stuck[(s, sb, sl)] = n
+    def _drop(self, out: list[tuple[Slot, int]], seen: int) -> None:
+        """Drop the slots taken out of the books (`seen`: `retry` calls when they were taken);
+        one whose pages stayed is counted again, once, unless a `retry` ran meanwhile (the
+        fdatasync that held them may be done, and that retry could not see this slot): then
+        at once again."""
+        for k, n in out:
+            since = seen
+            while not self._evict(k[0], k[1], k[2] * k[1], n):
+                with self._lock:       # pages stayed
+                    if k in self._slots or k in self._stuck:
+                        break          # kept again, or already waiting for a retry: counted
+                    if self._retries == since:
+                        self._stuck[k] = n     # counted again, tried at a keep or after a sync
                         self._bytes += n
+                        break
+                    since = self._retries
 
     def held(self) -> int:
         """Bytes of slots kept, with those whose drop is still to be retried (what this process
