@@ -14,7 +14,7 @@ from typing import Any
 
 from offload.bench.common import Args, drop_tree_cache, median_of
 from offload.bench.workload import client as wc
-from offload.bench.workload.server import serve, server_info
+from offload.bench.workload.server import describe, serve, server_info
 from offload.bench.workload.tiers import StartedTier, not_loaded
 from offload.errors import RunError
 
@@ -50,9 +50,7 @@ def restart_runs(args: Args, work: Path, tiers: list[str], over: dict[str, Any],
             try:
                 if "server" not in result:
                     info = server_info(t)
-                    result["server"] = {k: info.get(k) for k in (
-                        "model_path", "device", "attention_backend", "page_size",
-                        "max_total_num_tokens", "hicache_ratio", "hicache_storage_prefetch_policy")}
+                    result["server"] = describe(info, "hicache_storage_prefetch_policy")
                 row["first_request_s"] = [t.first_request_s]
                 first = _client(args, t, w, d / "before.jsonl")
                 unloaded = [_not_loaded(t)]

@@ -43,6 +43,12 @@ def server_info(t: StartedTier) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def describe(info: dict[str, Any], *more: str) -> dict[str, Any]:
+    """What a run's report says of its server, from its /get_server_info (plus `more` keys)."""
+    return {k: info.get(k) for k in ("model_path", "device", "attention_backend", "page_size",
+                                     "max_total_num_tokens", "hicache_ratio", *more)}
+
+
 def serve(args: Args, tier: str, d: Path, over: dict[str, Any], name: str) -> StartedTier:
     """Start (and wait for) a tier's server in `d` (its L3 under d/l3, kept across restarts)."""
     d.mkdir(exist_ok=True)

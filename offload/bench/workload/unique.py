@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 from offload.bench.common import Args, median_of
 from offload.bench.workload import client as wc
+from offload.bench.workload.server import describe
 
 # key -> (bound, value): ours / none of the same round, median over rounds (issue 35 item 5)
 TARGETS: dict[str, tuple[str, float]] = {"requests_per_s": ("at_least", 0.97),
@@ -123,9 +124,7 @@ def unique_runs(args: Args, work: Path, tiers: list[str], w: wc.Workload,
             try:
                 if "server" not in out:
                     si = info(t)
-                    out["server"] = {k: si.get(k) for k in (
-                        "model_path", "device", "attention_backend", "page_size",
-                        "max_total_num_tokens", "hicache_ratio", "hicache_write_policy")}
+                    out["server"] = describe(si, "hicache_write_policy")
                     out["first_pages"] = _first_pages(si, w, work)
                 # the warm-up prompt's write-back, not counted; every tier waits alike (no L3's
                 # settle is its quiet wait), so none's run does not start sooner after its start
