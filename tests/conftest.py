@@ -3,6 +3,7 @@ so `pytest -m "not e2e and not slow"` is the quick loop (docs/development.md).""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,10 +12,14 @@ import pytest
 E2E = Path(__file__).resolve().parent / "e2e"
 
 # Where the environment sets PYTHONDONTWRITEBYTECODE (this box and its CI do), every run parsed
-# each test module again for pytest's assert rewriting and compiled `offload` again in every
-# process the tests start: 10-20 s of each run on 2 cores. The caches go to __pycache__ (ignored
-# by git); a stale one is never used (keyed by the source's mtime and size, and pytest's version).
+# each test module again for pytest's assert rewriting (10-20 s of each run on 2 cores), and
+# every process the tests start compiled what it imported again: `offload` in each CLI and agent
+# process, the whole of SGLang in each process of a server started from an unpacked tree (the
+# patch matrix's reference, `shadow_tree.py`; ~12 s a start). The caches go to __pycache__
+# (ignored by git, or a temporary tree); a stale one is never used (keyed by the source's mtime
+# and size, and pytest's version).
 sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -76,6 +76,26 @@ class Reply:
     total_s: float
 
 
+def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc")) -> list[int]:
+    """Live processes (zombies not counted) of process group `pgid` other than `but`, read from
+    /proc; where there is no /proc, `[pgid]` (taken as alive: stop waits out its grace)."""
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return [pgid]
+    out = []
+    for e in entries:
+        try:
+            stat = (proc / e / "stat").read_text()
+        except OSError:
+            continue                            # exited meanwhile
+        fields = stat[stat.rfind(")") + 2:].split()     # state, ppid, pgrp, ... (comm may hold spaces)
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X") \
+                and int(e) != but:
+            out.append(int(e))
+    return out
+
+
 @dataclass
 class LaunchedServer:
     url: str                             # http://127.0.0.1:PORT
@@ -172,13 +192,18 @@ class LaunchedServer:
             return False
 
     def stop(self, grace: float = 30.0) -> int:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace` s; the launch
-        process's exit status (0 for a server this process did not start)."""
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` s, or at once
+        when the group's leader is all that is left: SGLang's main process takes its scheduler's
+        exit on the SIGTERM for a crash and sleeps 5 s "before crash diagnostics", with nothing
+        of the tier left to finish (the backend lives in the scheduler, which has exited). The
+        launch process's exit status (0 for a server this process did not start)."""
         if self.proc is None:
             return 0
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
+            if self.proc.poll() is None and not group_members(self.proc.pid, but=self.proc.pid):
+                break
             time.sleep(0.2)
         self._signal(signal.SIGKILL)
         return self.proc.wait()

@@ -1,0 +1,76 @@
+"""`LaunchedServer.stop`: the group gets SIGTERM, every process but the leader is waited for, and a
+leader left alone is killed instead of waited out (SGLang's main process sleeps 5 s "before crash
+diagnostics" once its scheduler exits on the SIGTERM). Stand-in processes, real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from offload.launch.server import LaunchedServer, group_members
+
+# The leader: a child in its group that, on SIGTERM, finishes its work (1 s) and writes a marker;
+# the leader itself ignores SIGTERM (SGLang's sets a flag), waits for the child, then "sleeps for
+# diagnostics" far longer than any test would wait and exits 3.
+LEADER = r"""
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, lambda *a: None)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+while not os.path.exists(sys.argv[2] + ".ready"):    # its SIGTERM handler is in place
+    time.sleep(0.02)
+print("up", flush=True)
+child.wait()
+time.sleep(120)
+sys.exit(3)
+"""
+CHILD = r"""
+import signal, sys, time
+from pathlib import Path
+def done(*a):
+    time.sleep(1.0)
+    Path(sys.argv[1]).write_text("flushed")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, done)
+Path(sys.argv[1] + ".ready").touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _server(tmp_path: Path) -> tuple[LaunchedServer, Path]:
+    marker = tmp_path / "child-flushed"
+    proc = subprocess.Popen([sys.executable, "-c", LEADER, CHILD, str(marker)],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+    return LaunchedServer("http://127.0.0.1:1", proc, tmp_path / "log"), marker
+
+
+def test_the_children_finish_and_a_leader_left_alone_is_killed_not_waited_out(tmp_path: Path
+                                                                              ) -> None:
+    server, marker = _server(tmp_path)
+    assert server.proc is not None
+    assert group_members(server.proc.pid, but=server.proc.pid)     # the child, in the group
+    rc = server.stop(grace=300)
+    assert marker.read_text() == "flushed"      # the child's SIGTERM work was waited for
+    assert rc == -signal.SIGKILL                # the leader killed, not its 120 s sleep waited out
+    assert group_members(server.proc.pid) == []
+
+
+def test_group_members_reads_proc_and_skips_zombies_and_the_leader(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+
+    def entry(pid: int, comm: str, state: str, pgrp: int) -> None:
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} 1 {pgrp} {pgrp} 0 -1\n")
+
+    entry(100, "python", "S", 100)              # the leader
+    entry(101, "sglang::sched) R 1 100", "S", 100)   # a comm holding ") " and digits
+    entry(102, "detok", "Z", 100)               # exited, not yet reaped
+    entry(103, "other", "R", 7)                 # another group
+    (proc / "self").mkdir()
+    assert sorted(group_members(100, proc=proc)) == [100, 101]
+    assert group_members(100, but=100, proc=proc) == [101]
+    assert group_members(7, proc=proc) == [103]
+    assert group_members(100, proc=tmp_path / "no-proc") == [100]     # no /proc: taken as alive
