@@ -96,6 +96,16 @@ def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc"))
     return out
 
 
+def outlives_its_leader(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether `pid` is multiprocessing's resource tracker (SGLang's processes start one): it
+    ignores SIGTERM by design and exits, cleaning up, once the processes it serves have; or a
+    process gone meanwhile."""
+    try:
+        return b"multiprocessing.resource_tracker" in (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return True
+
+
 @dataclass
 class LaunchedServer:
     url: str                             # http://127.0.0.1:PORT
@@ -192,18 +202,20 @@ class LaunchedServer:
             return False
 
     def stop(self, grace: float = 30.0) -> int:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace` s, or at once
-        when the group's leader is all that is left: SGLang's main process takes its scheduler's
-        exit on the SIGTERM for a crash and sleeps 5 s "before crash diagnostics", with nothing
-        of the tier left to finish (the backend lives in the scheduler, which has exited). The
-        launch process's exit status (0 for a server this process did not start)."""
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` s; the group's
+        leader is killed at once when all that is left beside it is what waits for it to exit
+        (`outlives_its_leader`): SGLang's main process takes its scheduler's exit on the SIGTERM
+        for a crash and sleeps 5 s "before crash diagnostics", with nothing of the tier left to
+        finish (the backend lives in the scheduler, which has exited). The launch process's exit
+        status (0 for a server this process did not start)."""
         if self.proc is None:
             return 0
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
-            if self.proc.poll() is None and not group_members(self.proc.pid, but=self.proc.pid):
-                break
+            if self.proc.poll() is None and all(
+                    outlives_its_leader(p) for p in group_members(self.proc.pid, but=self.proc.pid)):
+                self.proc.kill()                # the leader only: its helpers then exit by themselves
             time.sleep(0.2)
         self._signal(signal.SIGKILL)
         return self.proc.wait()

@@ -6,7 +6,9 @@ events and then as DISK events after the write-back, with the hashes SGLang comp
 prompt; a restart on the full store announces the same hashes from L3 (through SGLang's replay
 endpoint: the subscriber joins after the announcement); an eviction by another process
 (`sglang-offload cache evict`) produces `BlockRemoved` DISK; two replicas sharing one Redis see
-`EXTERNAL` events for each other's pages, and so do two replicas on one storage agent.
+`EXTERNAL` events for each other's pages, and so do two replicas on one storage agent (the dpu
+path, NIXL over UCX on loopback); in both, the second replica's first request of the first one's
+prompt is then served from the tier they share with the first one's greedy tokens.
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ def _two_replicas_see_each_others_pages(servers: Callable[..., LaunchedServer], 
     wb.until(lambda: wb.holds(ha, "EXTERNAL"), "replica B's EXTERNAL events of A's pages")
     wa.until(lambda: wa.holds(hb, "EXTERNAL"), "replica A's EXTERNAL events of B's pages")
     assert wb.res.prefix_pages(ha, "GPU") == 0 and wb.res.prefix_pages(ha, "DISK") == 0
+    # B's first request of A's prompt: A's pages, in no tier of B's own, come from the one they
+    # share, with A's greedy tokens
+    hit = b.generate(ta)
+    assert (hit.output_ids, hit.text) == (ra.output_ids, ra.text), (hit, ra)
+    assert hit.cached_tokens == full_pages(ra.prompt_tokens), hit
+    assert hit.details.get("storage", 0) > 0, hit.details
     return ha, wa
 
 

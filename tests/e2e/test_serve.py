@@ -5,7 +5,8 @@ the store waited for); each test then works on its own copy of that store, so te
 independent and the seed costs one server start. Greedy decoding: the same prompt gives the same
 tokens whether its KV was computed or loaded. A "hit" is `cached_tokens` = the prompt less its
 last partial page (SGLang always computes the last token), with SGLang's breakdown naming the
-storage tier.
+storage tier. Replicas sharing Redis or a storage agent (the dpu path) and hitting each other's
+pages: tests/e2e/test_kv_events.py, whose two replicas also check their events.
 """
 
 from __future__ import annotations
@@ -111,50 +112,6 @@ def test_restart_serves_from_l3_and_sigkill_mid_write_back_loses_nothing(
     assert r.cached_tokens % PAGE == 0 and r.cached_tokens <= full_pages(cold.prompt_tokens)
     _assert_l3_hit(s2.generate(seeded.prompts[1]), seeded.cold[1])   # old blocks intact
     assert store_blocks(store) >= before
-
-
-def test_replica_b_first_request_hits_replica_a_prefix_in_redis(
-        seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
-    from tests.store.redis_fixtures import RedisProc
-
-    redis = RedisProc(tmp_path / "redis", []).start()
-    try:
-        shared = {"redis": {"url": redis.url}}
-        a = servers(tmp_path / "store-a", name="replica-a", **shared)
-        text = prompt(TOKENS, 4)
-        cold = a.generate(text)
-        pages = full_pages(cold.prompt_tokens) // PAGE
-        assert wait_store(tmp_path / "store-a", pages) >= pages
-        b = servers(tmp_path / "store-b", name="replica-b", **shared)
-        assert store_blocks(tmp_path / "store-b") == 0        # B's own store is empty: Redis it is
-        _assert_l3_hit(b.generate(text), cold)
-    finally:
-        redis.kill()
-
-
-def test_dpu_path_through_an_agent_on_loopback_hits_after_restart(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
-    from tests.agent.conftest import SECRET, AgentProc, needs_nixl
-
-    if needs_nixl.args[0]:
-        pytest.skip(needs_nixl.kwargs["reason"])
-    agent = AgentProc(tmp_path, ["--memory"]).start()
-    try:
-        hosts = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "h100-bf3-dpu"
-        kw = dict(launch_args=("--root", str(hosts)), env={"SGLANG_OFFLOAD_SECRET": SECRET.decode()},
-                  transfer={"path": "dpu"},
-                  agent={"address": agent.address, "transport": "ucx", "timeout_s": 10})
-        text = prompt(TOKENS, 5)
-        first = servers(tmp_path / "unused", name="dpu-1", **kw)
-        cold = first.generate(text)
-        pages = full_pages(cold.prompt_tokens) // PAGE
-        assert wait_metric(first, "sglang_offload_pool_pages_total", 'direction="write"',
-                           pages) >= pages
-        first.stop()
-        second = servers(tmp_path / "unused", name="dpu-2", **kw)
-        _assert_l3_hit(second.generate(text), cold)
-    finally:
-        agent.stop()
 
 
 def test_a_server_on_two_drives_serves_l3_after_restart(

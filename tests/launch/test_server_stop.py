@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from offload.launch.server import LaunchedServer, group_members
+from offload.launch.server import LaunchedServer, group_members, outlives_its_leader
 
-# The leader: a child in its group that, on SIGTERM, finishes its work (1 s) and writes a marker;
-# the leader itself ignores SIGTERM (SGLang's sets a flag), waits for the child, then "sleeps for
-# diagnostics" far longer than any test would wait and exits 3.
+# The leader, with multiprocessing's resource tracker beside it (as SGLang's has), and a child
+# in its group that, on SIGTERM, finishes its work (1 s) and writes a marker; the leader itself
+# ignores SIGTERM (SGLang's sets a flag), waits for the child, then "sleeps for diagnostics" far
+# longer than any test would wait and exits 3.
 LEADER = r"""
 import os, signal, subprocess, sys, time
+from multiprocessing import resource_tracker
 signal.signal(signal.SIGTERM, lambda *a: None)
+resource_tracker.ensure_running()    # as SGLang's main process has: it ignores SIGTERM
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
 while not os.path.exists(sys.argv[2] + ".ready"):    # its SIGTERM handler is in place
     time.sleep(0.02)
@@ -51,11 +54,12 @@ def test_the_children_finish_and_a_leader_left_alone_is_killed_not_waited_out(tm
                                                                               ) -> None:
     server, marker = _server(tmp_path)
     assert server.proc is not None
-    assert group_members(server.proc.pid, but=server.proc.pid)     # the child, in the group
+    others = group_members(server.proc.pid, but=server.proc.pid)
+    assert sorted(outlives_its_leader(p) for p in others) == [False, True]   # child, tracker
     rc = server.stop(grace=300)
     assert marker.read_text() == "flushed"      # the child's SIGTERM work was waited for
     assert rc == -signal.SIGKILL                # the leader killed, not its 120 s sleep waited out
-    assert group_members(server.proc.pid) == []
+    assert group_members(server.proc.pid) == []     # the tracker exited by itself
 
 
 def test_group_members_reads_proc_and_skips_zombies_and_the_leader(tmp_path: Path) -> None:
@@ -74,3 +78,13 @@ def test_group_members_reads_proc_and_skips_zombies_and_the_leader(tmp_path: Pat
     assert group_members(100, but=100, proc=proc) == [101]
     assert group_members(7, proc=proc) == [103]
     assert group_members(100, proc=tmp_path / "no-proc") == [100]     # no /proc: taken as alive
+
+
+def test_only_the_resource_tracker_outlives_its_leader(tmp_path: Path) -> None:
+    for pid, cmd in ((1, b"python\0-c\0from multiprocessing.resource_tracker import main;main(5)\0"),
+                     (2, b"python\0-m\0sglang.launch_server\0"), (3, b"")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmd)
+    assert outlives_its_leader(1, proc=tmp_path)
+    assert not outlives_its_leader(2, proc=tmp_path) and not outlives_its_leader(3, proc=tmp_path)
+    assert outlives_its_leader(4, proc=tmp_path)           # gone meanwhile
