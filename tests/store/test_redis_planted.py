@@ -72,6 +72,7 @@ def test_planted_index_records_never_trip_the_data_path(redis_factory, plant: st
     store.close()
 
 
+@pytest.mark.slow          # 14 s: the quick loop keeps the planted index records above
 def test_a_planted_counter_over_many_blocks_never_trips_the_data_path(redis_factory) -> None:  # noqa: F811
     """A counter planted valid but huge (a number, so not reset) makes every block look past
     the budget: one put must not pop the whole index in one script (a reply of every key we
