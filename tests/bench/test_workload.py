@@ -48,6 +48,21 @@ def test_bad_options_are_one_error_line(argv: list[str], expected: str, tmp_path
     assert "error: " in err
 
 
+def test_the_scratch_directory_is_removed_unless_kept(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--keep leaves each phase's client results and logs in place (a request-by-request
+    comparison of two runs needs them) and names the directory; without it nothing is left."""
+    from offload.bench.workload.main import work_dir
+
+    with work_dir(str(tmp_path), keep=False) as root:
+        (Path(root) / "after.jsonl").write_text("{}\n")
+    assert list(tmp_path.iterdir()) == []
+    with work_dir(str(tmp_path), keep=True) as root:
+        (Path(root) / "after.jsonl").write_text("{}\n")
+    assert (Path(root) / "after.jsonl").read_text() == "{}\n"
+    assert f"keeping {root}" in capsys.readouterr().err
+
+
 def test_the_tiers_differ_only_in_the_storage_backend(tmp_path: Path) -> None:
     argv = ["python", "-m", "sglang.launch_server", "--model-path", "m", "--page-size", "64",
             "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",

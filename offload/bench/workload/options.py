@@ -67,7 +67,11 @@ OPTIONS = (
            "a near-tie of the model, not a real difference", 0.1, positive, metavar="X"),
     Option(("--seed",), "seed of SGLang's generated prompts; 0: a new one each run", 0, int),
     Option(("--dir",), "where the servers' L3 directories, deployment files and logs go "
-           "(default: $TMPDIR; removed at the end)", None, work_dir),
+           "(default: $TMPDIR; removed at the end unless --keep)", None, work_dir),
+    Option(("--keep",), "keep the scratch directory (under --dir) at the end: each phase's "
+           "client results (before.jsonl / after.jsonl: every request's cached tokens by tier), "
+           "server logs and L3s, to compare runs request by request; its path is printed",
+           False, flag=True),
     Option(("--start-timeout",), "seconds a server start may take", 600.0, positive),
     Option(("--client-timeout",), "seconds one run of SGLang's client may take", 3600.0,
            positive),
