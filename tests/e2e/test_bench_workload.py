@@ -1,8 +1,11 @@
 """`sglang-offload bench workload` for real, small: SGLang's own client (multi-turn generated
-shared prefixes) against no L3, SGLang's `file` L3 and ours, each restarted in the middle.
+shared prefixes) against no L3 and ours, each restarted in the middle.
 
-After the restart both L3s serve the conversations' prefixes from storage and no L3 serves none;
-every greedy output agrees with the no-L3 run before the restart. No wall-clock assertion.
+After the restart ours serves the conversations' prefixes from storage and no L3 serves none;
+every greedy output agrees with the no-L3 run before the restart. No wall-clock assertion. The
+`file` tier (the bench's default third) is left out here to save its two server starts: its
+command is checked in tests/bench/test_workload.py and SGLang's `file` L3 serving across a real
+restart in tests/e2e/test_patch_matrix.py.
 """
 
 from __future__ import annotations
@@ -17,18 +20,19 @@ import pytest
 
 from tests.e2e.conftest import deployment, needs_serving
 
-# six server starts and six client starts (~4 min on a quiet 2-core box): more than the
+# four server starts and four client starts (~5 min on a quiet 2-core box): more than the
 # suite's 600 s default where other jobs share the cores
 pytestmark = pytest.mark.timeout(2400)
 
 
 @needs_serving
-def test_storage_hits_after_the_restart_for_both_l3s_none_without_and_outputs_agree(
+def test_storage_hits_after_the_restart_for_ours_none_without_and_outputs_agree(
         tmp_path: Path, demo_model: Path) -> None:
     cfg = deployment(tmp_path / "deploy.yaml", demo_model, 0, tmp_path / "ignored")
     proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "bench", "workload",
-                             "--config", str(cfg), "--groups", "2", "--users", "2", "--turns",
-                             "2", "--prefix-tokens", "256", "--question-tokens", "16",
+                             "--config", str(cfg), "--tiers", "none,ours", "--groups", "2",
+                             "--users", "2", "--turns", "2", "--prefix-tokens", "256",
+                             "--question-tokens", "16",
                              "--output-tokens", "4", "--concurrency", "2", "--seed", "11",
                              "--dir", str(tmp_path), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -42,24 +46,23 @@ def test_storage_hits_after_the_restart_for_both_l3s_none_without_and_outputs_ag
     assert proc.returncode == 0, (out[-3000:], err[-5000:])
     result = json.loads(out[out.index("{\n"):])
     s = result["summary"]
-    for tier in ("none", "file", "ours"):
+    for tier in ("none", "ours"):
         assert s[tier]["before"]["failed"] == s[tier]["after"]["failed"] == 0
         assert s[tier]["before"]["requests"] == 8              # 4 conversations x 2 turns
     assert s["none"]["after"]["cached_by_tier"]["storage"] == 0
-    for tier in ("file", "ours"):
-        after = s[tier]["after"]
-        # each conversation's first turn: its shared prefix's pages come back from the L3
-        assert after["cached_by_tier"]["storage"] >= 2 * 192, (tier, after)
-        assert after["cached_tokens"] > s["none"]["after"]["cached_tokens"]
+    after = s["ours"]["after"]
+    # each conversation's first turn: its shared prefix's pages come back from the L3
+    assert after["cached_by_tier"]["storage"] >= 2 * 192, after
+    assert after["cached_tokens"] > s["none"]["after"]["cached_tokens"]
     assert s["ours"]["after"]["storage_backend"] == "OffloadStorage"
-    for tier in ("none", "file", "ours"):     # SGLang's /metrics answered on every server
+    for tier in ("none", "ours"):             # SGLang's /metrics answered on every server
         for phase in ("before", "after"):
             nl = s[tier][phase]["l3_not_loaded_tokens"]
             assert set(nl) == {"total", "host_capacity"} and nl["total"] >= nl["host_capacity"]
     ag = result["agreement"]
     assert ag["real_differences"] == 0, ag
-    assert ag["requests"] == 8 * 6
-    assert "bench workload:" in out and "outputs: 48 replies compared" in out
+    assert ag["requests"] == 8 * 4
+    assert "bench workload:" in out and "outputs: 32 replies compared" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.yaml"]   # its scratch is gone
 
 
