@@ -76,13 +76,13 @@ class Reply:
     total_s: float
 
 
-def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc")) -> list[int]:
+def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc")) -> list[int] | None:
     """Live processes (zombies not counted) of process group `pgid` other than `but`, read from
-    /proc; where there is no /proc, `[pgid]` (taken as alive: stop waits out its grace)."""
+    /proc; None where /proc cannot be read (stop then waits out its grace, as before)."""
     try:
         entries = [e for e in os.listdir(proc) if e.isdigit()]
     except OSError:
-        return [pgid]
+        return None
     out = []
     for e in entries:
         try:
@@ -195,6 +195,9 @@ class LaunchedServer:
     def _group_alive(self) -> bool:
         if self.proc is None:
             return False
+        members = group_members(self.proc.pid)    # zombies left unreaped by init do not count
+        if members is not None:
+            return bool(members)
         try:
             os.killpg(self.proc.pid, 0)
             return True
@@ -213,8 +216,9 @@ class LaunchedServer:
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
-            if self.proc.poll() is None and all(
-                    outlives_its_leader(p) for p in group_members(self.proc.pid, but=self.proc.pid)):
+            others = group_members(self.proc.pid, but=self.proc.pid)
+            if self.proc.poll() is None and others is not None and all(
+                    outlives_its_leader(p) for p in others):
                 self.proc.kill()                # the leader only: its helpers then exit by themselves
             time.sleep(0.2)
         self._signal(signal.SIGKILL)

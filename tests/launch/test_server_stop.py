@@ -77,7 +77,19 @@ def test_group_members_reads_proc_and_skips_zombies_and_the_leader(tmp_path: Pat
     assert sorted(group_members(100, proc=proc)) == [100, 101]
     assert group_members(100, but=100, proc=proc) == [101]
     assert group_members(7, proc=proc) == [103]
-    assert group_members(100, proc=tmp_path / "no-proc") == [100]     # no /proc: taken as alive
+    assert group_members(100, proc=tmp_path / "no-proc") is None      # no /proc: not known
+
+
+def test_without_proc_stop_waits_for_the_leader_as_before(tmp_path: Path, monkeypatch) -> None:
+    import offload.launch.server as server_mod
+
+    monkeypatch.setattr(server_mod, "group_members", lambda *a, **k: None)
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, sys\n"
+                             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+                             "print('up', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+    assert LaunchedServer("http://127.0.0.1:1", proc, tmp_path / "log").stop(grace=60) == 5
 
 
 def test_only_the_resource_tracker_outlives_its_leader(tmp_path: Path) -> None:
