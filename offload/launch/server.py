@@ -78,15 +78,20 @@ class Reply:
 
 def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc")) -> list[int] | None:
     """Live processes (zombies not counted) of process group `pgid` other than `but`, read from
-    /proc; None where /proc cannot be read (stop then waits out its grace, as before)."""
+    /proc; None where that is not known (no /proc, another pid namespace's, entries hidden by
+    hidepid): stop then waits out its grace, as before."""
     try:
         entries = [e for e in os.listdir(proc) if e.isdigit()]
+        if (proc / "self").is_symlink() and os.readlink(proc / "self") != str(os.getpid()):
+            return None                         # another pid namespace's /proc: not ours
     except OSError:
         return None
     out = []
     for e in entries:
         try:
             stat = (proc / e / "stat").read_text()
+        except PermissionError:
+            return None                         # hidden (hidepid): the group is not known
         except OSError:
             continue                            # exited meanwhile
         fields = stat[stat.rfind(")") + 2:].split()     # state, ppid, pgrp, ... (comm may hold spaces)
@@ -184,8 +189,21 @@ class LaunchedServer:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()
 
+    def _pid_reused(self) -> bool:
+        """The launch exited (reaped here) and a live process holds its PID: the group that PID
+        leads now is someone else's (while the old group had members, the PID was not free)."""
+        if self.proc is None or self.proc.returncode is None:
+            return False
+        try:
+            os.kill(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
     def _signal(self, sig: int) -> None:
-        if self.proc is None:
+        if self.proc is None or self._pid_reused():
             return
         try:
             os.killpg(self.proc.pid, sig)        # the group launch's PID leads (its own session)
@@ -193,7 +211,7 @@ class LaunchedServer:
             pass
 
     def _group_alive(self) -> bool:
-        if self.proc is None:
+        if self.proc is None or self._pid_reused():
             return False
         members = group_members(self.proc.pid)    # zombies left unreaped by init do not count
         if members is not None:
@@ -213,11 +231,13 @@ class LaunchedServer:
         status (0 for a server this process did not start)."""
         if self.proc is None:
             return 0
+        before = group_members(self.proc.pid, but=self.proc.pid)
+        shortcut = bool(before) and not all(outlives_its_leader(p) for p in before or [])
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
             others = group_members(self.proc.pid, but=self.proc.pid)
-            if self.proc.poll() is None and others is not None and all(
+            if shortcut and self.proc.poll() is None and others is not None and all(
                     outlives_its_leader(p) for p in others):
                 self.proc.kill()                # the leader only: its helpers then exit by themselves
             time.sleep(0.2)
