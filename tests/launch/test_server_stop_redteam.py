@@ -30,6 +30,7 @@ import pytest
 
 from offload.launch.server import LaunchedServer
 
+pytestmark = pytest.mark.slow   # pid namespaces, PID reuse; test_server_stop.py stays quick
 ROOT = Path(__file__).resolve().parents[2]
 
 
