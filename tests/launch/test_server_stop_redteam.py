@@ -55,7 +55,7 @@ NS_DRIVER = r"""
 import json, subprocess, sys
 from pathlib import Path
 from offload.launch.server import LaunchedServer
-from tests.launch.test_server_stop import CHILD
+from tests.launch.stand_ins import CHILD
 LEADER = '''
 import os, signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, lambda *a: None)
