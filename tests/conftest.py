@@ -16,8 +16,10 @@ E2E = Path(__file__).resolve().parent / "e2e"
 # every process the tests start compiled what it imported again: `offload` in each CLI and agent
 # process, the whole of SGLang in each process of a server started from an unpacked tree (the
 # patch matrix's reference, `shadow_tree.py`; ~12 s a start). The caches go to __pycache__
-# (ignored by git, or a temporary tree); a stale one is never used (keyed by the source's mtime
-# and size, and pytest's version).
+# (ignored by git, or a temporary tree), checked as CPython always does (the source's mtime in
+# whole seconds and its size; pytest's version too): only a module rewritten in place with the
+# same size within the same second would run stale, which no test does
+# (tests/launch/test_server_stop_redteam.py shows it).
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 

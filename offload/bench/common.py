@@ -10,7 +10,7 @@ Primitives:
   `--plot`) and its exit code.
 - `timed(fn)` -> seconds; `timed_cpu(fn)` -> (seconds, CPU seconds of this process, fn's value).
 - `median_of(tries)`: the leaf-wise median of same-shaped results (dicts of numbers).
-- `scratch(parent, prefix)`: a private temporary directory (mode 0700) under `parent`, removed
+- `scratch(parent, prefix, keep)`: a private temporary directory (mode 0700) under `parent`, removed
   with everything in it on exit, whatever the benchmark wrote there.
 - `drop_cache(directory, suffix)`: evict the files' pages from the page cache (a cold read on a
   buffered file system); `fsync_files(directory, suffix)`: fsync the files and the directory.
@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -75,10 +76,15 @@ def dir_option(what: str) -> Option:
 
 
 @contextmanager
-def scratch(parent: str | None, prefix: str) -> Iterator[str]:
-    """A new directory under `parent` (default $TMPDIR), removed with its contents on exit."""
+def scratch(parent: str | None, prefix: str, keep: bool = False) -> Iterator[str]:
+    """A new directory under `parent` (default $TMPDIR), removed with its contents on exit; with
+    `keep` left in place, its path printed."""
     root = tempfile.mkdtemp(prefix=prefix, dir=parent)
     log.debug("working in %s", root)
+    if keep:
+        print(f"keeping {root}", file=sys.stderr)
+        yield root
+        return
     try:
         yield root
     finally:

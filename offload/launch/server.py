@@ -222,6 +222,13 @@ class LaunchedServer:
         except (ProcessLookupError, PermissionError):
             return False
 
+    def _only_helpers_beside_leader(self) -> bool | None:
+        """Whether every other live process of the group is one that outlives its leader (none
+        at all included); None where the group is not known (`group_members`)."""
+        assert self.proc is not None
+        others = group_members(self.proc.pid, but=self.proc.pid)
+        return None if others is None else all(outlives_its_leader(p) for p in others)
+
     def stop(self, grace: float = 30.0) -> int:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` s; the group's
         leader is killed at once when all that is left beside it is what waits for it to exit
@@ -231,14 +238,11 @@ class LaunchedServer:
         status (0 for a server this process did not start)."""
         if self.proc is None:
             return 0
-        before = group_members(self.proc.pid, but=self.proc.pid)
-        shortcut = bool(before) and not all(outlives_its_leader(p) for p in before or [])
+        shortcut = self._only_helpers_beside_leader() is False    # a child (the scheduler) to wait for
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.proc.poll() is None or self._group_alive()):
-            others = group_members(self.proc.pid, but=self.proc.pid)
-            if shortcut and self.proc.poll() is None and others is not None and all(
-                    outlives_its_leader(p) for p in others):
+            if shortcut and self.proc.poll() is None and self._only_helpers_beside_leader():
                 self.proc.kill()                # the leader only: its helpers then exit by themselves
             time.sleep(0.2)
         self._signal(signal.SIGKILL)

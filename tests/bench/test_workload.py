@@ -52,12 +52,12 @@ def test_the_scratch_directory_is_removed_unless_kept(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """--keep leaves each phase's client results and logs in place (a request-by-request
     comparison of two runs needs them) and names the directory; without it nothing is left."""
-    from offload.bench.workload.main import work_dir
+    from offload.bench.common import scratch
 
-    with work_dir(str(tmp_path), keep=False) as root:
+    with scratch(str(tmp_path), "bench-workload-") as root:
         (Path(root) / "after.jsonl").write_text("{}\n")
     assert list(tmp_path.iterdir()) == []
-    with work_dir(str(tmp_path), keep=True) as root:
+    with scratch(str(tmp_path), "bench-workload-", keep=True) as root:
         (Path(root) / "after.jsonl").write_text("{}\n")
     assert (Path(root) / "after.jsonl").read_text() == "{}\n"
     assert f"keeping {root}" in capsys.readouterr().err

@@ -2,8 +2,8 @@
 
 # The leader, with multiprocessing's resource tracker beside it (as SGLang's has), and a child
 # in its group that, on SIGTERM, finishes its work (1 s) and writes a marker; the leader itself
-# ignores SIGTERM (SGLang's sets a flag), waits for the child, then "sleeps for diagnostics" far
-# longer than any test would wait and exits 3.
+# ignores SIGTERM (SGLang's sets a flag), waits for the child, then "sleeps for diagnostics" (its
+# third argument, s; by default far longer than any test would wait) and exits 3.
 LEADER = r"""
 import os, signal, subprocess, sys, time
 from multiprocessing import resource_tracker
@@ -14,7 +14,7 @@ while not os.path.exists(sys.argv[2] + ".ready"):    # its SIGTERM handler is in
     time.sleep(0.02)
 print("up", flush=True)
 child.wait()
-time.sleep(120)
+time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 120)
 sys.exit(3)
 """
 CHILD = r"""

@@ -9,13 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from offload.launch.server import LaunchedServer, group_members, outlives_its_leader
 from tests.launch.stand_ins import CHILD, LEADER
 
 
-def _server(tmp_path: Path) -> tuple[LaunchedServer, Path]:
+def _server(tmp_path: Path, diagnostics_s: float = 120) -> tuple[LaunchedServer, Path]:
     marker = tmp_path / "child-flushed"
-    proc = subprocess.Popen([sys.executable, "-c", LEADER, CHILD, str(marker)],
+    proc = subprocess.Popen([sys.executable, "-c", LEADER, CHILD, str(marker), str(diagnostics_s)],
                             stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
     return LaunchedServer("http://127.0.0.1:1", proc, tmp_path / "log"), marker
@@ -51,16 +53,14 @@ def test_group_members_reads_proc_and_skips_zombies_and_the_leader(tmp_path: Pat
     assert group_members(100, proc=tmp_path / "no-proc") is None      # no /proc: not known
 
 
-def test_without_proc_stop_waits_for_the_leader_as_before(tmp_path: Path, monkeypatch) -> None:
+def test_where_the_group_is_not_known_stop_waits_for_the_leader_as_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import offload.launch.server as server_mod
 
-    monkeypatch.setattr(server_mod, "group_members", lambda *a, **k: None)
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, sys\n"
-                             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
-                             "print('up', flush=True)\ntime.sleep(60)"],
-                            stdout=subprocess.PIPE, start_new_session=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
-    assert LaunchedServer("http://127.0.0.1:1", proc, tmp_path / "log").stop(grace=60) == 5
+    monkeypatch.setattr(server_mod, "group_members", lambda *a, **k: None)   # no /proc
+    server, marker = _server(tmp_path, diagnostics_s=1.0)
+    assert server.stop(grace=300) == 3          # the leader's own exit: waited for, not killed
+    assert marker.read_text() == "flushed"
 
 
 def test_only_the_resource_tracker_outlives_its_leader(tmp_path: Path) -> None:

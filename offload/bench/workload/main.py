@@ -1,18 +1,15 @@
 """`run(args)` of `bench workload`: the options checked together, the workload built, one of the
-three runs (restart, `--unique`, `--sweep-users`) in a scratch directory (`work_dir`: removed at
-the end, or kept with `--keep`), the table printed and the exit code (1 on a failed request, a
+three runs (restart, `--unique`, `--sweep-users`) in a scratch directory (removed at the end, or
+kept with `--keep`), the table printed and the exit code (1 on a failed request, a
 real output difference, or prompts that shared a page)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from offload.bench.common import Args, Outcome, scratch
 from offload.bench.workload import client as wc
@@ -20,19 +17,6 @@ from offload.bench.workload.options import pools
 from offload.bench.workload.restart import restart_runs
 from offload.bench.workload.server import serve, server_info, terminated
 from offload.errors import UsageError
-
-
-@contextlib.contextmanager
-def work_dir(parent: str | None, keep: bool) -> Iterator[str]:
-    """The run's scratch directory under `parent` (default $TMPDIR): removed at the end, or with
-    `keep` left in place (each phase's client results, server logs and L3), its path printed."""
-    if not keep:
-        with scratch(parent, "bench-workload-") as root:
-            yield root
-        return
-    root = tempfile.mkdtemp(prefix="bench-workload-", dir=parent)
-    print(f"bench workload: keeping {root} (client results, server logs, L3s)", file=sys.stderr)
-    yield root
 
 
 def run(args: Args) -> Outcome:
@@ -66,7 +50,7 @@ def run(args: Args) -> Outcome:
     # started are stopped and the scratch directory removed
     before = signal.signal(signal.SIGTERM, terminated)
     try:
-        with work_dir(args.dir, bool(args.keep)) as root:
+        with scratch(args.dir, "bench-workload-", keep=bool(args.keep)) as root:
             work = Path(root)
             if args.keep:
                 result["work_dir"] = root
