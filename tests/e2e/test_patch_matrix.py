@@ -269,7 +269,9 @@ def test_d_ours_gives_the_same_greedy_output(matrix, demo_model: Path, text: str
                                              tmp_path: Path) -> None:
     ref, _ = matrix("radix")
     port = free_port()
-    cfg = deployment(tmp_path / "ours.yaml", demo_model, port, tmp_path / "store")
+    # the matrix's servers run SGLang's default (bf16) lm head: ours too, to compare tokens
+    cfg = deployment(tmp_path / "ours.yaml", demo_model, port, tmp_path / "store",
+                     {"enable-fp32-lm-head": False})
     log = tmp_path / "ours.log"
     server = _ready(lambda: LaunchedServer.start(cfg, log, f"http://127.0.0.1:{port}",
                                                  env={"UCX_MODULES": "^ib"}), log)
