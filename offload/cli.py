@@ -36,7 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("offload.commands.cache", "inspect and maintain a cache directory"),
     "agent": ("offload.commands.agent", "run the storage agent (on a BlueField DPU or storage host)"),
     "launch": ("offload.commands.launch", "validate a deployment config and exec SGLang with the tier"),
-    "demo-model": ("offload.commands.demo_model", "write a small random-weight model to serve on a CPU box"),
+    "demo-model": ("offload.commands.demo_model",
+                   "write a small real instruct model (SmolLM2-135M) to serve on a CPU box, or "
+                   "--random weights for fast tests"),
     "events": ("offload.commands.events",
                "how much of a prompt's prefix each server holds per tier (KV events)"),
 }
