@@ -1,6 +1,7 @@
-"""`sglang-offload demo-model`: the checkpoint loads as a HuggingFace Llama with its tokenizer,
-the same options write the same bytes, every `--family` writes a checkpoint transformers reads as
-that architecture, and bad options are one `error:` line each (exit 2)."""
+"""`sglang-offload demo-model --random` (random weights, for fast tests): the checkpoint loads as a
+HuggingFace Llama with its tokenizer, the same options write the same bytes, every `--family`
+writes a checkpoint transformers reads as that architecture, and bad options are one `error:` line
+each (exit 2). The real model (no `--random`): tests/commands/test_demo_model_real.py."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def test_family_writes_a_checkpoint_of_its_architecture(family: str, demo: Path,
     from transformers import AutoConfig, AutoTokenizer
 
     out = tmp_path / family
-    assert cli.main(["demo-model", str(out), "--family", family, *SMALL_ARGS]) == 0
-    assert f"({family})" in capsys.readouterr().out
+    assert cli.main(["demo-model", "--random", str(out), "--family", family, *SMALL_ARGS]) == 0
+    assert f"({family}, random weights)" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in demo.iterdir())
     cfg = AutoConfig.from_pretrained(out)
     assert (cfg.model_type, cfg.architectures, cfg.num_hidden_layers) == (
@@ -84,14 +85,14 @@ def test_family_writes_a_checkpoint_of_its_architecture(family: str, demo: Path,
 ])
 def test_bad_options_are_error_lines(argv: list[str], expected: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo-model", str(tmp_path / "m"), *argv]) == 2
+    assert cli.main(["demo-model", "--random", str(tmp_path / "m"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[0] == expected and "Traceback" not in err
     assert not (tmp_path / "m").exists()
 
 
 def test_a_bad_family_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo-model", str(tmp_path / "m"), "--family", "gpt"]) == 2
+    assert cli.main(["demo-model", "--random", str(tmp_path / "m"), "--family", "gpt"]) == 2
     err = capsys.readouterr().err
     assert [ln for ln in err.splitlines() if "error:" in ln] == [
         "sglang-offload demo-model: error: argument --family: invalid choice: 'gpt' "
@@ -102,7 +103,7 @@ def test_a_bad_family_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFi
 def test_refuses_a_non_empty_directory_without_force(demo: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "keep.txt").write_text("x")
-    assert cli.main(["demo-model", str(tmp_path)]) == 2
+    assert cli.main(["demo-model", "--random", str(tmp_path)]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
     cfg = json.loads((demo / "config.json").read_text())
