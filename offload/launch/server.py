@@ -9,8 +9,9 @@ Primitives:
   naming the log; `tail()` reads its last lines) or the time is up.
 - `generate(prompt or token ids, max_new_tokens) -> Reply`: one greedy `/generate` request (text,
   or `input_ids` for an exact length with any model); the reply's text, token ids,
-  `cached_tokens`, SGLang's breakdown (device / host / storage tokens) and the seconds to the
-  first token (the request streams, so the first chunk is the first token).
+  `cached_tokens`, SGLang's breakdown (device / host / storage tokens), the seconds to the
+  first token (the request streams, so the first chunk is the first token) and its `answer`
+  (`offload.agree.Answer`: each token's logprob and top-k, to `compare` with another reply).
 - `wait_store(dir, blocks)`: poll until a write-back landed.
 - `store_usage(dir) -> (blocks, data bytes)` of a cache directory (0, 0 before its first block),
   read through the store as `cache stats` does (safe while the server writes).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from offload.agree import REQUEST, Answer, Streamed
 from offload.errors import RunError
 
 
@@ -74,6 +76,7 @@ class Reply:
     details: dict[str, Any]              # SGLang's cached_tokens_details: device, host, storage
     ttft_s: float                        # request sent -> first streamed chunk
     total_s: float
+    answer: Answer                       # ids, logprobs, top-k (offload.agree): compare()
 
 
 def group_members(pgid: int, but: int | None = None, proc: Path = Path("/proc")) -> list[int] | None:
@@ -162,13 +165,14 @@ class LaunchedServer:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 8, timeout: float = 600.0
                  ) -> Reply:
         body = json.dumps({"text" if isinstance(prompt, str) else "input_ids": prompt,
-                           "stream": True, "sampling_params": {
+                           "stream": True, **REQUEST, "sampling_params": {
                                "max_new_tokens": max_new_tokens, "temperature": 0.0}}).encode()
         req = urllib.request.Request(self.url + "/generate", data=body,
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
         ttft: float | None = None
         last: dict[str, Any] = {}
+        stream = Streamed()
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
@@ -177,13 +181,19 @@ class LaunchedServer:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 last = json.loads(line[5:])
+                stream.add(last)
         total = time.perf_counter() - t0
         meta = last.get("meta_info") or {}
-        return Reply(text=str(last.get("text", "")), output_ids=list(last.get("output_ids") or []),
+        try:
+            answer = stream.answer()
+        except ValueError as e:
+            raise RunError(f"{self.url}/generate: {e}") from None
+        return Reply(text=str(last.get("text", "")), output_ids=stream.ids,
                      prompt_tokens=int(meta.get("prompt_tokens", 0)),
                      cached_tokens=int(meta.get("cached_tokens", 0)),
                      details=dict(meta.get("cached_tokens_details") or {}),
-                     ttft_s=ttft if ttft is not None else total, total_s=total)
+                     ttft_s=ttft if ttft is not None else total, total_s=total,
+                     answer=answer)
 
     def get(self, path: str, timeout: float = 30.0) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
