@@ -146,7 +146,7 @@ def test_config_imports_no_store() -> None:
 
 def test_top_level_holds_only_the_shared_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
-    assert top == ["__init__.py", "argtypes.py", "cli.py", "errors.py", "keys.py",
+    assert top == ["__init__.py", "agree.py", "argtypes.py", "cli.py", "errors.py", "keys.py",
                    "metrics.py", "redact.py", "secret.py"]
 
 
