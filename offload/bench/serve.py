@@ -8,8 +8,15 @@ from before the restart (an L3 hit from the offload store), the same again (an L
 the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between; every timed request
 starts on a quiet server (`serve_target.settle`: the last one's write-back done). The L3 target:
 the L3 hit's first token at most the L1/L2 hit's plus twice that raw read plus 30 ms (medians of
-the triples). Each reply's cached tokens and its greedy output (which must equal the cold one)
-are recorded, and the store's blocks and bytes. A short warm-up prompt goes through each phase
+the triples), and where it is missed for a known cause, why (`serve_target.why_missed`: the
+worth-it rule recomputed, or the cold prefill is itself within the limit). Each reply's cached
+tokens are recorded, and the store's blocks and bytes; each hit's reply is compared with the
+cold reply of its prompt at the logprob (`offload.agree.compare`: chosen tokens and top-5 within
+`TOLERANCE`), per phase `agreement` (the worst verdict, the largest |delta logprob|, the top-k
+mismatches; `same_output` = not "different", kept for older readers), and the run's own
+cold-vs-L1/L2 spread is reported beside the tolerance (`spread`); a "different" exits 1. The
+servers compute the lm head in float32 (`enable-fp32-lm-head` in the deployment copy: bf16
+logits move in steps too coarse to compare). A short warm-up prompt goes through each phase
 first (the first load from the store pays one-off costs: its time is reported apart,
 `first_l3_request_s`; `native_hash_at_start`: each started server's line on SGLang's page-hash
 extension, built or loaded before it answered). `--kv-cache-dtype` starts the servers with that
@@ -47,12 +54,15 @@ import yaml
 from offload.argtypes import count, names, positive, work_dir
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
 from offload.bench.serve_target import (
+    agreement,
     has_patch,
     raw_read_s,
     settle,
+    spread,
     store_blocks,
     triple_prompts,
     verdict,
+    why_missed,
 )
 from offload.errors import RunError, UsageError
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
@@ -126,7 +136,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 def deployment(src: str, store: Path, port: int, sglang: dict[str, Any] | None = None,
                name: str = "bench-serve.yaml") -> Path:
     """A copy of the deployment file `src` (written beside `store` as `name`) on a loopback
-    `port`, the cache report on, its store at `store`, and `sglang` keys (SGLang's own
+    `port`, the cache report on, the lm head in float32 (`enable-fp32-lm-head`: logprobs fine
+    enough for `offload.agree`), its store at `store`, and `sglang` keys (SGLang's own
     arguments) set over the file's: `bench serve` and `bench workload` start servers from it."""
     try:
         doc = yaml.safe_load(Path(src).read_text())
@@ -135,7 +146,7 @@ def deployment(src: str, store: Path, port: int, sglang: dict[str, Any] | None =
     if not isinstance(doc, dict) or not isinstance(doc.get("sglang"), dict):
         raise UsageError(f"--config {src}: expected a deployment file with a sglang: section")
     doc["sglang"] = {**doc["sglang"], **(sglang or {}), "host": "127.0.0.1", "port": port,
-                     "enable-cache-report": True}
+                     "enable-cache-report": True, "enable-fp32-lm-head": True}
     off = doc.get("offload") or {}
     if not isinstance(off, dict) or not isinstance(off.get("store") or {}, dict):
         raise UsageError(f"--config {src}: offload: and offload.store: must be mappings")
@@ -173,7 +184,7 @@ def run(args: Args) -> Outcome:
     if args.json:
         print(json.dumps(result, indent=2))
     bad = [n for n, row in result["rows"].items() for p in row.values()
-           if isinstance(p, dict) and p.get("same_output") is False]
+           if isinstance(p, dict) and (p.get("agreement") or {}).get("verdict") == "different"]
     return Outcome(result, 1 if bad or "l3_failed" in result else 0)
 
 
@@ -184,7 +195,8 @@ def _summary(replies: list[Reply], cold: list[Reply] | None) -> dict[str, Any]:
                            "cached_tokens": min(r.cached_tokens for r in replies),
                            "cached_details": replies[0].details}
     if cold is not None:
-        out["same_output"] = all(r.output_ids == c.output_ids for r, c in zip(replies, cold))
+        out["agreement"] = agreement(replies, cold)
+        out["same_output"] = out["agreement"]["verdict"] != "different"
     return out
 
 
@@ -266,8 +278,12 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
             if row.get("l1l2_restarted") and row.get("raw_read_s_tries"):
                 row["target"] = verdict(row["l1l2_restarted"]["ttft_s"], row["l3"]["ttft_s"],
                                         statistics.median(row["raw_read_s_tries"]))
+                why = why_missed(row, n, servers[-1].log)
+                if why:
+                    row["target"]["why_missed"] = why
             if "l3_failed" in result and not row.get("target"):
                 row["l3_failed"] = result["l3_failed"]
+        result["spread"] = spread(result["rows"])
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data,
                            "block_bytes": data // blocks if blocks and data else None}
@@ -320,15 +336,30 @@ def _print(result: dict[str, Any]) -> None:
           f"{srv.get('attention_backend')}, page {srv.get('page_size')} tokens, KV cache "
           f"{srv.get('kv_cache_dtype')}")
     print(f"{'tokens':>8} {'cold s':>8} {'L1/L2 s':>8} {'x':>6} {'cached':>7} "
-          f"{'L3 s':>8} {'x':>6} {'cached':>7} {'same':>5}")
+          f"{'L3 s':>8} {'x':>6} {'cached':>7} {'max |d|':>8} {'answer':>9}")
     for n, row in result["rows"].items():
         c, a, b = row.get("cold", {}), row.get("l1l2", {}), row.get("l3", {})
         f = _fmt
-        same = all(d.get("same_output", True) for d in (a, b))
+        ags = [p["agreement"] for p in row.values() if isinstance(p, dict) and "agreement" in p]
+        worst = {"d": max((g["max_delta"] for g in ags), default=None)}
+        said = next((v for v in ("different", "near-tie", "same")
+                     if any(g["verdict"] == v for g in ags)), "-")
         print(f"{n:>8} {f(c, 'ttft_s', '.3f'):>8} {f(a, 'ttft_s', '.3f'):>8} "
               f"{f(a, 'speedup', '.2f'):>6} {f(a, 'cached_tokens', 'd'):>7} "
               f"{f(b, 'ttft_s', '.3f'):>8} {f(b, 'speedup', '.2f'):>6} "
-              f"{f(b, 'cached_tokens', 'd'):>7} {'yes' if same else 'NO':>5}")
+              f"{f(b, 'cached_tokens', 'd'):>7} {f(worst, 'd', '.4f'):>8} "
+              f"{said.upper() if said == 'different' else said:>9}")
+    sp = result.get("spread") or {}
+    if sp:
+        print(f"answers at the logprob (chosen token and top-5, each hit against its prompt's cold "
+              f"reply): largest |delta| vs L1/L2 {_fmt(sp, 'l1l2_max_delta', '.4f')} (this "
+              f"run's own spread), vs L3 {_fmt(sp, 'l3_max_delta', '.4f')}; tolerance "
+              f"{sp['tolerance']:.4f} nats (docs/design/agreement.md)"
+              + (f"; {sp['note']}" if sp.get("note") else ""))
+    for n, row in result["rows"].items():
+        for phase, p in row.items():
+            for line in (p.get("agreement") or {}).get("why", []) if isinstance(p, dict) else []:
+                print(f"{n} tokens, {phase}: {line}")
     for n, row in result["rows"].items():
         t = row.get("target")
         if t:
@@ -338,7 +369,8 @@ def _print(result: dict[str, Any]) -> None:
                   f"{t['l1l2_s']:.3f} s, raw read {1000 * t['raw_read_s']:.1f} ms; limit "
                   f"{t['limit_s']:.3f} s (L1/L2 + 2 x raw + 30 ms): "
                   f"{'met' if t['met'] else 'MISSED'} (L3 - L1/L2 = "
-                  f"{1000 * t['l3_extra_s']:.0f} ms)")
+                  f"{1000 * t['l3_extra_s']:.0f} ms)"
+                  + (f"; why: {t['why_missed']}" if t.get("why_missed") else ""))
     for n, row in result["rows"].items():
         if row.get("l3_failed"):
             print(f"L3 at {n} tokens: FAILED, {row['l3_failed']} (the rows above were measured "

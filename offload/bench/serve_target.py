@@ -12,6 +12,14 @@ each prefix, and the verdict.
   request plus its pages; None: no store to watch), then `SETTLE_S` more
   for SGLang's device -> host copy, which runs on the scheduler's thread after a prefill and
   would otherwise be paid by whatever request comes next;
+- `agreement(replies, cold)`: each hit's reply against its prompt's cold one at the logprob
+  (`offload.agree.compare`): the worst verdict, the largest |delta logprob|, the top-k mismatches
+  and each try's figures; `spread(rows)`: the run's own largest |delta| cold vs L1/L2 and vs L3
+  beside `offload.agree.TOLERANCE` (a note where the L1/L2 spread alone exceeds it);
+- `why_missed(row, tokens, log)`: why a missed L3 target was missed where the cause is known:
+  the hit recomputed instead of loaded (the worth-it rule, `offload.hicache.worth_it`, whose line
+  in the restarted server's log is quoted), or the prefill a hit saves is less than the load
+  costs (a load cannot beat a cheap prefill); None otherwise;
 - `has_patch(prefix)`: whether the SGLang this process imports was built with a patch of
   `patches/` (the wheel's OFFLOAD_PATCHES record), read without importing SGLang;
 - `private_server(config, work)`: a server started from a deployment file through launch, on a
@@ -26,14 +34,16 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from offload.agree import TOLERANCE, compare
 from offload.bench.rawdisk import raw_bandwidth
-from offload.launch.server import LaunchedServer, free_port, store_usage, wait_store
+from offload.launch.server import LaunchedServer, Reply, free_port, store_usage, wait_store
 
 SLACK_S = 0.030       # the target's fixed allowance
 SETTLE_S = 1.0        # after a request's write-back reached the store: SGLang's own host copy
@@ -75,6 +85,62 @@ def verdict(l1l2_s: float, l3_s: float, raw_s: float) -> dict[str, Any]:
     return {"l1l2_s": round(l1l2_s, 4), "l3_s": round(l3_s, 4), "raw_read_s": round(raw_s, 4),
             "limit_s": round(limit, 4), "l3_extra_s": round(l3_s - l1l2_s, 4),
             "met": l3_s <= limit}
+
+
+def agreement(replies: list[Reply], cold: list[Reply]) -> dict[str, Any]:
+    """A phase's replies, each against the cold reply of the same prompt."""
+    got = [compare(c.answer, r.answer) for r, c in zip(replies, cold)]
+    worst = next((v for v in ("different", "near-tie", "same") if any(g.verdict == v for g in got)),
+                 "same")
+    out: dict[str, Any] = {"verdict": worst,
+                           "max_delta": round(max((g.max_delta for g in got), default=0.0), 5),
+                           "topk_mismatches": sum(g.topk_mismatches for g in got),
+                           "tolerance": TOLERANCE, "tries": [g.as_dict() for g in got]}
+    bad = [str(g) for g in got if not g.ok]
+    if bad:
+        out["why"] = bad
+    return out
+
+
+def spread(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The run's own largest |delta logprob|: cold vs L1/L2 (both servers), cold vs L3."""
+    def worst(phases: tuple[str, ...]) -> float | None:
+        got = [row[p]["agreement"]["max_delta"] for row in rows.values() for p in phases
+               if isinstance(row.get(p), dict) and "agreement" in row[p]]
+        return max(got) if got else None
+
+    out: dict[str, Any] = {"l1l2_max_delta": worst(("l1l2", "l1l2_restarted")),
+                           "l3_max_delta": worst(("l3",)), "tolerance": TOLERANCE}
+    if (out["l1l2_max_delta"] or 0.0) > TOLERANCE:
+        out["note"] = ("this run's own cold-vs-L1/L2 spread exceeds the tolerance: re-measure "
+                       "it on this machine (scripts/measure-tolerance.py)")
+    return out
+
+
+WORTH_IT_LINE = re.compile(r"offload: worth-it threshold [^\n]*")
+
+
+def why_missed(row: dict[str, Any], tokens: int, log: Path) -> str | None:
+    """Why the row's L3 target was missed, where the cause is known; None if met or unknown."""
+    t = row.get("target") or {}
+    if t.get("met", True):
+        return None
+    try:
+        said = WORTH_IT_LINE.findall(log.read_text(errors="replace"))
+    except OSError:
+        said = []
+    rule = f" (the restarted server's {said[-1]})" if said else ""
+    storage = ((row.get("l3") or {}).get("cached_details") or {}).get("storage") or 0
+    if not storage:
+        return (f"the L3 hit was recomputed, not loaded (0 of {tokens} tokens from storage): the "
+                f"worth-it rule skips a load slower than the prefill{rule}")
+    cold = (row.get("cold_restarted") or {}).get("ttft_s")
+    if isinstance(cold, (int, float)) and cold - t["l1l2_s"] <= t["l3_extra_s"]:
+        return (f"a hit saves {1000 * (cold - t['l1l2_s']):.0f} ms of prefill here (cold "
+                f"{cold:.3f} s - L1/L2 {t['l1l2_s']:.3f} s), less than the load adds "
+                f"({1000 * t['l3_extra_s']:.0f} ms): a load cannot beat a prefill this cheap "
+                f"(the worth-it rule, offload/hicache/worth_it.py){rule}")
+    return None
 
 
 def has_patch(prefix: str) -> bool | None:

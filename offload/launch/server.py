@@ -162,11 +162,12 @@ class LaunchedServer:
         raise RunError(f"the server did not answer {self.url} within {timeout:.0f} s (its log: "
                        f"{self.log})")
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 8, timeout: float = 600.0
-                 ) -> Reply:
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 8, timeout: float = 600.0,
+                 ignore_eos: bool = False) -> Reply:
         body = json.dumps({"text" if isinstance(prompt, str) else "input_ids": prompt,
                            "stream": True, **REQUEST, "sampling_params": {
-                               "max_new_tokens": max_new_tokens, "temperature": 0.0}}).encode()
+                               "max_new_tokens": max_new_tokens, "temperature": 0.0,
+                               "ignore_eos": ignore_eos}}).encode()
         req = urllib.request.Request(self.url + "/generate", data=body,
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()

@@ -1,5 +1,7 @@
 """`bench serve`'s L3 target (offload.bench.serve_target): the verdict's arithmetic, fresh triple
-prompts, a raw read timed on a real file, and the wheel's patch record."""
+prompts, a raw read timed on a real file, the wheel's patch record, each hit's agreement with its
+cold reply at the logprob, the run's spread beside the tolerance, why a target was missed, and
+the table that prints them."""
 
 from __future__ import annotations
 
@@ -8,8 +10,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from offload.bench.serve import _prompt
-from offload.bench.serve_target import has_patch, raw_read_s, triple_prompts, verdict
+from offload.agree import TOLERANCE, Answer
+from offload.bench.serve import _print, _prompt, _summary
+from offload.bench.serve_target import (
+    agreement,
+    has_patch,
+    raw_read_s,
+    spread,
+    triple_prompts,
+    verdict,
+    why_missed,
+)
+from offload.launch.server import Reply
+
+
+def reply(ids: list[int], lps: list[float], cached: int = 0) -> Reply:
+    return Reply(text="", output_ids=ids, prompt_tokens=512, cached_tokens=cached, details={},
+                 ttft_s=0.1, total_s=0.2,
+                 answer=Answer(ids, lps, [{i: lp} for i, lp in zip(ids, lps)]))
 
 
 def test_the_limit_is_l1l2_plus_twice_the_raw_read_plus_30_ms() -> None:
@@ -85,3 +103,76 @@ def test_the_benchs_copy_of_a_deployment_loads_under_launchs_strict_rules(tmp_pa
     cfg = load_file(out)
     assert cfg.offload.store.directories() == [str(tmp_path / "store")]
     assert cfg.offload.store.salt == "tenant-salt-0123"
+
+
+def test_each_hit_is_judged_against_its_prompts_cold_reply_at_the_logprob() -> None:
+    cold = [reply([1, 2], [-0.5, -1.0]), reply([3, 4], [-0.2, -0.3])]
+    near = [reply([1, 2], [-0.5, -1.0 + TOLERANCE / 2], 448), reply([3, 4], [-0.2, -0.3], 448)]
+    got = _summary(near, cold)
+    ag = got["agreement"]
+    assert ag["verdict"] == "same" and got["same_output"] is True and "why" not in ag
+    assert ag["max_delta"] == pytest.approx(TOLERANCE / 2) and ag["topk_mismatches"] == 0
+    assert len(ag["tries"]) == 2 and ag["tolerance"] == TOLERANCE
+    # the same tokens with a logprob moved past the tolerance: a wrong KV, not a tie
+    far = [reply([1, 2], [-0.5, -1.0 - 3 * TOLERANCE]), reply([3, 4], [-0.2, -0.3])]
+    bad = _summary(far, cold)
+    assert bad["agreement"]["verdict"] == "different" and bad["same_output"] is False
+    assert bad["agreement"]["why"][0].startswith("different: max |delta logprob|")
+    assert agreement(far[1:], cold[1:])["verdict"] == "same"
+
+
+def test_the_runs_own_spread_is_reported_beside_the_tolerance() -> None:
+    row = lambda d: {"agreement": {"max_delta": d}}     # noqa: E731
+    rows = {"512": {"cold": {}, "l1l2": row(0.01), "l3": row(0.02), "l1l2_restarted": row(0.03)},
+            "1024": {"cold": {}, "l1l2": row(0.005)}}
+    sp = spread(rows)
+    assert sp == {"l1l2_max_delta": 0.03, "l3_max_delta": 0.02, "tolerance": TOLERANCE}
+    wide = spread({"512": {"l1l2": row(2 * TOLERANCE)}})
+    assert "re-measure" in wide["note"] and wide["l3_max_delta"] is None
+
+
+def test_a_missed_target_says_why_where_the_cause_is_known(tmp_path: Path) -> None:
+    log = tmp_path / "server-2.log"
+    log.write_text("x\n[t] offload: worth-it threshold 4,096 tokens (prefill 900 tokens/s measured, "
+                   "load 0.250 s per hit + 1.00 GB/s)\n")
+    missed = verdict(l1l2_s=0.10, l3_s=0.40, raw_s=0.01)
+    row = {"target": missed, "l3": {"cached_details": {"storage": 0}},
+           "cold_restarted": {"ttft_s": 0.9}}
+    why = why_missed(row, 512, log)
+    assert why and "recomputed, not loaded (0 of 512 tokens" in why
+    assert "worth-it threshold 4,096 tokens" in why
+    cheap = {**row, "l3": {"cached_details": {"storage": 448}}, "cold_restarted": {"ttft_s": 0.2}}
+    why = why_missed(cheap, 512, tmp_path / "absent.log")
+    assert why and "saves 100 ms of prefill" in why and "cannot beat a prefill this cheap" in why
+    dear = {**cheap, "cold_restarted": {"ttft_s": 2.0}}      # a slow load: the cause is not known
+    assert why_missed(dear, 512, log) is None
+    assert why_missed({**row, "target": verdict(0.1, 0.1, 0.01)}, 512, log) is None
+
+
+def test_the_table_shows_the_largest_delta_per_row_and_names_a_difference(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ag = lambda v, d: {"verdict": v, "max_delta": d, "topk_mismatches": 0}     # noqa: E731
+    result = {"server": {}, "rows": {
+        "512": {"cold": {"ttft_s": 1.0}, "l1l2": {"ttft_s": 0.5, "agreement": ag("same", 0.012)},
+                "l3": {"ttft_s": 0.6, "agreement": ag("near-tie", 0.02)}},
+        "1024": {"cold": {"ttft_s": 2.0}, "l1l2": {"ttft_s": 0.5, "agreement": ag("same", 0.01)},
+                 "l3": {"ttft_s": 0.6, "agreement": {**ag("different", 1.5),
+                                                     "why": ["different: max |delta| 1.5"]}}}},
+        "spread": {"l1l2_max_delta": 0.012, "l3_max_delta": 1.5, "tolerance": TOLERANCE}}
+    _print(result)
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.split()[:1] in (["512"], ["1024"])][:2]
+    lines = {ln.split()[0]: ln for ln in rows}
+    assert lines["512"].split()[-2:] == ["0.0200", "near-tie"]
+    assert lines["1024"].split()[-2:] == ["1.5000", "DIFFERENT"]
+    assert "largest |delta| vs L1/L2 0.0120 (this run's own spread), vs L3 1.5000" in out
+    assert "1024 tokens, l3: different: max |delta| 1.5" in out
+
+
+def test_the_benchs_servers_compute_the_lm_head_in_float32(tmp_path: Path) -> None:
+    from offload.bench.serve import deployment
+
+    src = tmp_path / "deploy.yaml"
+    src.write_text("sglang: {model-path: /models/x, enable-fp32-lm-head: false}\n")
+    doc = yaml.safe_load(deployment(str(src), tmp_path / "store", 4321).read_text())
+    assert doc["sglang"]["enable-fp32-lm-head"] is True

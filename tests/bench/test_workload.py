@@ -1,5 +1,6 @@
 """`bench workload` without a server: its options, the tiers' command lines, SGLang's client
-(installed by the set-up, offline), agreement and the top-2 margin."""
+(installed by the set-up, offline), agreement, a differing turn judged at the logprob, and why a
+missed target was missed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from offload import cli
+from offload.agree import TOLERANCE, Answer
 from offload.bench.workload import client as wc
-from offload.bench.workload.margin import margin_at, messages
+from offload.bench.workload.margin import messages, parting
 from offload.bench.workload.tiers import swap_backend
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,8 @@ BENCH_DEPS = REPO / "distro" / "sglang-bench-deps.txt"
     (["--config", "{tmp}/nope.yaml"], "--config {tmp}/nope.yaml: cannot read it"),
     (["--config", "{tmp}/list.yaml"], "expected a deployment file with a sglang: section"),
     (["--config", "{cfg}", "--turns", "0"], "argument --turns: '0': must be at least 1"),
+    (["--config", "{cfg}", "--tie-margin", "0.1"], "--tie-margin is gone: a differing turn is "
+     "now asked again with logprobs and judged at the logprob"),
 ])
 def test_bad_options_are_one_error_line(argv: list[str], expected: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,15 +125,69 @@ def test_a_difference_counts_once_per_conversation_at_its_first_turn() -> None:
     assert wc.disagreements(ref, ["a", "b", None, "d", "e", "f"], 2) == [(1, 0)]
 
 
-def test_the_margin_is_taken_where_the_texts_part() -> None:
-    tokens = [{"token": "ab", "top_logprobs": [{"logprob": -0.1}, {"logprob": -3.0}]},
-              {"token": "cd", "top_logprobs": [{"logprob": -0.70}, {"logprob": -0.72}]}]
-    assert margin_at(tokens, 1) == 2.9               # in the first token
-    assert margin_at(tokens, 2) == 0.02              # the second: a near-tie
-    assert margin_at(tokens, 9) is None
+class Letters:
+    """A tokenizer of one letter per id (97: 'a')."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_the_margin_is_the_references_own_token_against_the_others_where_they_part() -> None:
+    a, b, c, x = 97, 98, 99, 120
+    ans = Answer([a, b, c], [-0.1, -0.70, -0.2],
+                 [{a: -0.1, x: -3.0}, {b: -0.70, x: -0.72, c: -2.0}, {c: -0.2}])
+    assert parting(Letters(), ans, "abc") == (None, None)          # spelt alike throughout
+    pos, margin = parting(Letters(), ans, "axc")                    # parts at 1: a near-tie
+    assert pos == 1 and margin == pytest.approx(0.02) and margin <= TOLERANCE
+    pos, margin = parting(Letters(), ans, "ac")                     # 'c' at 1: 1.3 nats below
+    assert pos == 1 and margin == pytest.approx(1.3)
+    assert parting(Letters(), ans, "az") == (1, None)               # not in the top-k: real
     assert messages(["q0", "q1"], ["r0", "r1"], 1) == [
         {"role": "user", "content": "q0"}, {"role": "assistant", "content": "r0"},
         {"role": "user", "content": "q1"}]
+
+
+def test_a_missed_target_says_why_where_the_cause_is_known(tmp_path: Path) -> None:
+    from offload.bench.workload.restart import why_missed
+
+    def summary(storage: int, none_ms: float) -> dict:
+        return {"ours": {"after": {"cached_by_tier": {"storage": storage}}},
+                "none": {"after": {"ttft_ms": {"mean": none_ms}}}}
+    log = tmp_path / "server-2.log"
+    log.write_text("[t] offload: worth-it threshold 2,048 tokens (prefill 1,200 tokens/s measured, "
+                   "load 0.300 s per hit + 0.80 GB/s)\n")
+    why = why_missed(summary(0, 900.0), [log, tmp_path / "absent.log"], 1024)
+    assert why and "recomputed, not loaded (0 tokens from storage)" in why
+    assert "break-even is 2,048 tokens" in why and "cannot beat a cheap prefill" in why
+    why = why_missed(summary(4096, 500.0), [log], 4096)          # loaded, but 300 of 500 ms fixed
+    assert why and "one load's fixed cost (300 ms per hit" in why and "500 ms" in why
+    assert why_missed(summary(4096, 5000.0), [log], 4096) is None      # the cause is not known
+    assert "served no tokens" in (why_missed(summary(0, 500.0), [], 4096) or "")
+
+
+def test_the_agreement_line_reports_the_re_asks(capsys: pytest.CaptureFixture[str]) -> None:
+    from offload.bench.workload.report import print_result
+
+    diff = {"tier": "ours", "round": 0, "phase": "after", "conversation": 1, "turn": 0,
+            "verdict": "different", "margin": 1.25, "first_diff": 3, "probe_reproduces": "reference"}
+    result = {"mode": "restart", "workload": {"groups": 1, "prefix": 8, "users": 1, "turns": 1,
+                                              "question": 1, "output": 1, "concurrency": 1,
+                                              "seed": 1},
+              "client": "c", "tiers": ["none", "ours"],
+              "ratios": {"ours/none": {"after": {"mean": 0.9, "p50": 0.9, "p90": 0.9},
+                                       "target": {"after_mean_at_most": 0.5, "met": False,
+                                                  "why": "the prefill is cheap"}}},
+              "agreement": {"requests": 8, "reference": "none before the restart",
+                            "differing_conversations": 2, "near_ties": 1, "real_differences": 1,
+                            "tolerance": TOLERANCE, "max_delta": 0.0312, "topk_mismatches": 2,
+                            "measured_over": "the differing turns", "differences": [diff]}}
+    print_result(result)
+    out = capsys.readouterr().out
+    assert "(target <= 0.5x: MISSED); why: the prefill is cheap" in out
+    assert (f"1 near-ties: the reference's margin within the tolerance of {TOLERANCE} nats; 1 "
+            "real differences); re-asked with logprobs: largest |delta logprob| 0.0312, 2 top-k "
+            "mismatches (over the differing turns)") in out
+    assert "DIFFERENT: ours round 1 after, conversation 1 turn 0: margin 1.2500 at token 3" in out
 
 
 def test_a_summary_counts_cached_tokens_by_tier_and_skips_failures() -> None:

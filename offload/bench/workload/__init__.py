@@ -3,7 +3,7 @@
 The package, one role per module: `options` (the flags and their checks), `main` (`run`: one of
 the three runs below, the exit code), `server` (a tier's server started and warmed), `restart`
 (the restart run, its ratios and output agreement), `sweep`, `unique`, `tiers` (the three L3
-set-ups), `client` (SGLang's client), `margin` (a differing turn's logprob margin), `report` (the
+set-ups), `client` (SGLang's client), `margin` (a differing turn judged at the logprob), `report` (the
 text table), `plot` (the figure).
 
 The workload is SGLang's own: `python -m sglang.benchmark.serving --dataset-name
@@ -23,9 +23,13 @@ SGLang's cached_tokens_details), and the storage hits SGLang did not load (by it
 on for every tier: `host_capacity` is a hit trimmed to the L2 host pool's room, the rest
 recomputed; it falls on whichever users' prefetches overlap, so it moves the mean TTFT of any L3
 from run to run); ratios of ours to no L3 and to `file` (targets: <= 0.5x and <=
-0.8x, after the restart); greedy-output agreement with the reference (the first tier's first
-phase), where a differing turn's top-2 logprob margin (`margin`) tells a
-near-tie of a random-weight model (margin below `--tie-margin`) from a real difference (exit 1).
+0.8x, after the restart; a missed one says why where the cause is known: the worth-it rule,
+a load cannot beat a cheap prefill); greedy-output agreement with the reference (the first
+tier's first phase), where a differing turn is asked again with logprobs on a server without L3
+and judged at the logprob (`margin`): a near-tie where the reference ranked the other's token
+within `offload.agree.TOLERANCE` of its own, else a real difference (exit 1); the re-asks'
+largest |delta logprob| and top-k mismatches are reported. Every server computes the lm head
+in float32 (`enable-fp32-lm-head`). `--tie-margin` (the old top-2 rule) is an error now.
 `--repeat` rounds alternate the tiers (A B C A B C); medians are reported, every round in --json.
 
 Unique (`--unique`, `unique`): no prefix ever repeats; as many requests

@@ -1,24 +1,39 @@
-"""Is a greedy difference a near-tie of the model, or a real one? The top-2 logprob margin.
+"""Is a greedy difference a near-tie of the model, or a real one? Judged at the logprob.
 
-A random-weight model's next-token distribution is nearly flat: two candidates often lie within
-bf16 rounding of each other, and a cached prefix (attention computed in another order, another
-batch) can flip the greedy pick without anything being wrong. For each conversation's first turn
-whose text differs from the reference, `margins` rebuilds that turn's messages (SGLang's own
-generated-shared-prefix generator, same seed and tokenizer as its client: `conversations`),
-asks a server for the reference's greedy continuation with `top_logprobs: 2`, and takes the margin
-(top-1 minus top-2 logprob, nats) at the first token where the two texts part. A margin below
-`--tie-margin` is a near-tie; above it, a real difference.
+Two replies to one prompt part where the greedy pick differs. A cached prefix moves the logits by
+a little (`offload.agree`: attention computed in another order, other matrix shapes), so where the
+reference itself ranked the other's token within `offload.agree.TOLERANCE` nats of its own, the
+parting is a near-tie of the model; further apart, or the other's token not in its top-5, a real
+difference. SGLang's benchmark client keeps each reply's text only (no logprobs), so a differing
+turn is asked again here:
+
+- `conversations(model, w, scratch)`: each conversation's user turns, exactly as SGLang's client
+  built them (its own generated-shared-prefix generator, same seed and tokenizer: `load_tokenizer`);
+  `messages`: one turn's chat so far; `prompt_ids(tokenizer, msgs)`: its token ids (the model's
+  chat template).
+- `judge(server, tokenizer, msgs, reference, other, max_tokens)`: on a server without L3, the
+  turn asked cold (`/flush_cache` first) and again (an L1/L2 hit), greedy with
+  `offload.agree.REQUEST`; the cold reply's margin where it parts from whichever of the two texts
+  it did not reproduce (`parting`), the verdict, and the cold-vs-hit agreement of the re-ask (the
+  run's measured |delta logprob| and top-k mismatches).
 """
 
 from __future__ import annotations
 
-import json
 import random
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from offload.agree import TOLERANCE, Answer, compare
 from offload.bench.workload.client import Workload
+from offload.launch.server import LaunchedServer
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 def conversations(model: str, w: Workload, scratch: Path) -> list[list[str]]:
@@ -54,36 +69,64 @@ def messages(turns: list[str], replies: list[str | None], upto: int) -> list[dic
     return out
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer, as SGLang's client loads it (local files only)."""
+    from sglang.benchmark.utils import get_tokenizer
+
+    return get_tokenizer(model)
 
 
-def margin_at(tokens: list[dict[str, Any]], split: int) -> float | None:
-    """Top-1 minus top-2 logprob of the token that covers character `split` of the text."""
-    pos = 0
-    for tok in tokens:
-        pos += len(tok.get("token") or "")
-        if pos > split:
-            top = sorted((float(c["logprob"]) for c in tok.get("top_logprobs") or []),
-                         reverse=True)
-            return round(top[0] - top[1], 4) if len(top) >= 2 else None
-    return None
+def prompt_ids(tokenizer: Any, msgs: list[dict[str, str]]) -> list[int]:
+    """The chat's token ids as SGLang's chat endpoint builds them (the model's template)."""
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def probe(url: str, model_id: str, msgs: list[dict[str, str]], reference: str, other: str,
-          max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
-    """The margin where `reference` and `other` part, from the server's greedy continuation."""
-    reply = _post(url + "/v1/chat/completions", {
-        "model": model_id, "messages": msgs, "max_completion_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
-        "stream": False}, timeout)
-    choice = reply["choices"][0]
-    text = choice["message"].get("content") or ""
-    split = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b),
-                 min(len(reference), len(other)))
-    tokens = (choice.get("logprobs") or {}).get("content") or []
-    return {"margin": margin_at(tokens, split), "split_char": split,
-            "probe_reproduces": text in (reference, other)}
+def parting(tokenizer: Tokenizer, ans: Answer, text: str) -> tuple[int | None, float | None]:
+    """(position, margin) where `ans` stops spelling `text`: the margin is `ans`'s logprob of its
+    own token minus its logprob of the top-k candidate that spells `text` on (the likeliest, if
+    several); None when none does. (None, None) where `ans` spells a prefix of `text` throughout."""
+    def spelt(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    for i in range(len(ans.ids)):
+        if text.startswith(spelt(ans.ids[:i + 1])):
+            continue
+        before = len(spelt(ans.ids[:i]))
+        alts = [lp for c, lp in ans.top[i].items() if c != ans.ids[i]
+                and len(spelt(ans.ids[:i] + [c])) > before
+                and text.startswith(spelt(ans.ids[:i] + [c]))]
+        return i, (ans.logprobs[i] - max(alts)) if alts else None
+    return None, None
+
+
+def flush(server: LaunchedServer, timeout: float = 120.0) -> None:
+    """SGLang's /flush_cache (asked again while its scheduler is not idle: 400)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                r.read()
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
+def judge(server: LaunchedServer, tokenizer: Any, msgs: list[dict[str, str]], reference: str,
+          other: str, max_tokens: int) -> dict[str, Any]:
+    """A differing turn asked cold and again on `server` (no L3), judged at the logprob."""
+    ids = prompt_ids(tokenizer, msgs)
+    flush(server)
+    cold = server.generate(ids, max_tokens, ignore_eos=True)
+    hit = server.generate(ids, max_tokens, ignore_eos=True)
+    again = compare(cold.answer, hit.answer)
+    spelt = tokenizer.decode(cold.answer.ids, skip_special_tokens=True)
+    reproduces = "reference" if spelt == reference else "other" if spelt == other else None
+    first, margin = parting(tokenizer, cold.answer, other if reproduces != "other" else reference)
+    near = margin is not None and margin <= TOLERANCE and again.ok
+    return {"verdict": "near-tie" if near else "different",
+            "margin": None if margin is None else round(margin, 5), "first_diff": first,
+            "probe_reproduces": reproduces, "reask": again.as_dict()}

@@ -55,6 +55,8 @@ def print_result(result: dict[str, Any]) -> None:
         if "target" in r:
             line += (f" (target <= {r['target']['after_mean_at_most']}x: "
                      f"{'met' if r['target']['met'] else 'MISSED'})")
+            if r["target"].get("why"):
+                line += f"; why: {r['target']['why']}"
         print(line)
     ag = result.get("agreement") or {}
     if ag:
@@ -62,9 +64,19 @@ def print_result(result: dict[str, Any]) -> None:
         line = (f"outputs: {ag['requests']} replies compared with {ag['reference']}: "
                 f"{'all agree' if not n else f'{n} conversations differ'}")
         if n:
-            line += (f" ({ag['near_ties']} near-ties below a top-2 margin of {ag['tie_margin']}, "
-                     f"{ag['real_differences']} real differences)")
+            line += (f" ({ag['near_ties']} near-ties: the reference's margin within the "
+                     f"tolerance of {ag['tolerance']} nats; {ag['real_differences']} real "
+                     f"differences); re-asked with logprobs: largest |delta logprob| "
+                     f"{_f(ag['max_delta'], '.4f')}, {ag['topk_mismatches']} top-k mismatches "
+                     f"(over {ag['measured_over']})")
         print(line)
+        for d in ag.get("differences", []):
+            if d.get("verdict") == "different":
+                print(f"  DIFFERENT: {d['tier']} round {d['round'] + 1} {d['phase']}, "
+                      f"conversation {d['conversation']} turn {d['turn']}: margin "
+                      f"{_f(d.get('margin'), '.4f')} at token {d.get('first_diff')} (None: the "
+                      f"other's token not in the reference's top-5), probe reproduces "
+                      f"{d.get('probe_reproduces')}")
     print("tiers: " + ", ".join(f"{t} = {STORAGE_NAMES[t]}" for t in result["tiers"]))
 
 
