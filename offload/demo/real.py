@@ -226,19 +226,20 @@ def _fsync(path: Path) -> None:
 
 
 def _publish(stage: Path, out: Path, names: list[str], overwrite: bool) -> None:
-    """Move the staged files into `out`: the whole directory renamed (onto a new or empty `out`;
-    one filled meanwhile is refused), or with `overwrite` onto a non-empty `out` file by file,
-    PROVENANCE.json removed first and put last (a half-replaced DIR never verifies)."""
+    """Move the staged files into `out`. A new `out` is the staging directory renamed: the whole
+    checkpoint or nothing (one made meanwhile is refused if not empty). An existing `out` (its
+    inode, owner and mode kept: a mount point, a shell's working directory) gets the files one by
+    one, PROVENANCE.json removed first and put last: a half-replaced DIR never verifies."""
     mask = os.umask(0)
     os.umask(mask)
     for n in names:
         (stage / n).chmod(0o666 & ~mask)
         _fsync(stage / n)
-    if stage.parent == out.parent and not (overwrite and out.is_dir() and any(out.iterdir())):
+    if stage.parent == out.parent and not out.exists():
         stage.chmod(0o777 & ~mask)
         _fsync(stage)
         try:
-            os.rename(stage, out)            # replaces an empty `out` only
+            os.rename(stage, out)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
@@ -246,6 +247,9 @@ def _publish(stage: Path, out: Path, names: list[str], overwrite: bool) -> None:
                                "or empty directory, or pass --force"]) from e
         _fsync(out.parent)
         return
+    if not overwrite and any(p != stage for p in out.iterdir()):
+        raise ConfigError([f"DIR: {out} is not empty (filled while converting); name a new or "
+                           "empty directory, or pass --force"])
     blocked = [n for n in names if (out / n).is_dir() and not (out / n).is_symlink()]
     if blocked:
         raise ConfigError([f"DIR: {out / blocked[0]} is a directory; the model writes a file "
@@ -264,7 +268,7 @@ def write_real(directory: str | Path, overwrite: bool = False,
     """Convert the pinned GGUF into `directory` (new or empty; with `overwrite` only the model's
     files are replaced). Every check runs before anything is written; `starting` is called once
     they passed, before the conversion. Returns the files."""
-    out = Path(directory)
+    out = Path(os.path.abspath(directory))   # "." or "m/": a name and a parent (links kept)
     _check_target(out, overwrite)
     _check_modules()
     wheel = (locate or locate_wheel)()

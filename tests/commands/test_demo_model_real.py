@@ -200,10 +200,39 @@ def test_force_replaces_only_the_model_s_files(stand_in: list[Path], tmp_path: P
     assert real.verify_real(tmp_path) == []
 
 
-def test_an_empty_directory_is_used(stand_in: list[Path], tmp_path: Path) -> None:
-    (tmp_path / "m").mkdir()
-    assert cli.main(["demo-model", str(tmp_path / "m")]) == 0
+def test_an_empty_directory_is_used_in_place(stand_in: list[Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing DIR keeps its inode and mode (a mount point, a shell's working directory)."""
+    (tmp_path / "m").mkdir(mode=0o750)
+    before = (tmp_path / "m").stat()
+    monkeypatch.chdir(tmp_path / "m")
+    assert cli.main(["demo-model", "."]) == 0
+    after = (tmp_path / "m").stat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
     assert real.verify_real(tmp_path / "m") == [] and sorted(os.listdir(tmp_path)) == ["m"]
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_directory_filled_while_converting_is_refused(exists: bool, converted: Path,
+                                                        tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m"
+    if exists:
+        out.mkdir()
+
+    def someone_writes(gguf: Path, stage: Path) -> None:
+        out.mkdir(exist_ok=True)
+        (out / "theirs.txt").write_text("theirs")
+        for name in MODEL_FILES:
+            os.link(converted / name, stage / name)
+
+    monkeypatch.setattr(real, "convert_gguf", someone_writes)
+    assert cli.main(["demo-model", str(out)]) == 2
+    assert _one_error(capsys, started=True) == (
+        f"error: DIR: {out} is not empty (filled while converting); name a new or empty "
+        "directory, or pass --force")
+    assert sorted(os.listdir(tmp_path)) == ["m"] and os.listdir(out) == ["theirs.txt"]
 
 
 def test_random_still_writes_the_random_model(tmp_path: Path,
