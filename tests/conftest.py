@@ -28,3 +28,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
+            # pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts): every e2e test on one
+            # worker, one after another, so no two of their servers (each a host pool of GiBs
+            # and SGLang's host-memory check at start) ever run at once; the other worker takes
+            # everything else meanwhile
+            item.add_marker(pytest.mark.xdist_group("e2e"))
