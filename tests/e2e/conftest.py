@@ -70,7 +70,9 @@ def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if why is not None:
         pytest.fail(f"the real model cannot be made here: {why} (bash scripts/install.sh "
                     "installs what it needs)")
-    return real.cached_real_model(tmp_path_factory.getbasetemp() / "real-model")
+    # beside this worker's base directory: one conversion for the run's workers (and, outside
+    # xdist, reused by later runs while every file still verifies)
+    return real.cached_real_model(tmp_path_factory.getbasetemp().parent / "real-model")
 
 
 def prompt(tokens: int, seed: int) -> str:
