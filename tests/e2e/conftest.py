@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from offload.launch.server import LaunchedServer, free_port, store_usage
+from offload.agree import Agreement, compare
+from offload.launch.server import LaunchedServer, Reply, free_port, store_usage
 
 PAGE = 64
 SERVING_DEPS = ("fastapi", "uvicorn", "uvloop", "partial_json_parser", "xgrammar", "openai")
@@ -84,6 +85,17 @@ def prompt(tokens: int, seed: int) -> str:
     r = random.Random(seed)
     # the demo BPE holds most of these words as one token with its leading space
     return f"[{seed}]" + " ".join(r.choice(_WORDS) for _ in range(tokens))
+
+
+def assert_agrees(ref: Reply, other: Reply, what: str = "") -> Agreement:
+    """`other` gives `ref`'s answer at the logprob (`offload.agree`): the same tokens and text,
+    every chosen token's and top-k candidate's logprob within the measured TOLERANCE. A
+    near-tie is not enough here: these requests are deterministic, so the tokens must agree."""
+    a = compare(ref.answer, other.answer)
+    assert a.verdict == "same" and (other.output_ids, other.text) == (ref.output_ids, ref.text), (
+        f"{what or 'reply'} does not agree with its reference: {a}; "
+        f"{other.text!r} vs {ref.text!r}")
+    return a
 
 
 def full_pages(prompt_tokens: int) -> int:

@@ -16,18 +16,15 @@ success ... loaded=N" in the log) with the same greedy tokens and log-probabilit
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from offload.demo import FAMILIES, DemoSpec
 from offload.demo.swa import WINDOW
 from offload.launch.server import LaunchedServer, free_port, wait_store
-from tests.e2e.conftest import PAGE, deployment, full_pages, needs_serving, prompt
+from tests.e2e.conftest import PAGE, assert_agrees, deployment, full_pages, needs_serving, prompt
 
 pytestmark = needs_serving
 TOKENS = 1200
@@ -55,21 +52,6 @@ def _start(tmp: Path, model: Path, store: Path, name: str) -> LaunchedServer:
     return server
 
 
-def _ask(server: LaunchedServer, text: str) -> dict[str, Any]:
-    """One greedy request: its text, token ids and their log-probabilities, and cache report."""
-    body = json.dumps({"text": text, "return_logprob": True,
-                       "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}).encode()
-    req = urllib.request.Request(server.url + "/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.load(r)
-    meta = out["meta_info"]
-    return {"text": out["text"], "ids": [int(t) for _lp, t, _x in meta["output_token_logprobs"]],
-            "logprobs": [float(lp) for lp, _t, _x in meta["output_token_logprobs"]],
-            "prompt_tokens": int(meta["prompt_tokens"]), "cached": int(meta["cached_tokens"]),
-            "details": dict(meta.get("cached_tokens_details") or {})}
-
-
 @pytest.mark.parametrize("family", sorted(SERVED))
 def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path) -> None:
     pools_line, sidecar = SERVED[family]
@@ -78,9 +60,9 @@ def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path)
     store, text = tmp_path / "store", prompt(TOKENS, 11)
     first = _start(tmp_path, model, store, f"{family}-cold")
     try:
-        cold = _ask(first, text)
-        assert cold["cached"] == 0, cold
-        blocks = full_pages(cold["prompt_tokens"]) // PAGE + sidecar    # KV + the window's pages
+        cold = first.generate(text)
+        assert cold.cached_tokens == 0, cold
+        blocks = full_pages(cold.prompt_tokens) // PAGE + sidecar    # KV + the window's pages
         assert wait_store(store, blocks) >= blocks, first.tail()
     finally:
         first.stop()
@@ -88,12 +70,11 @@ def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path)
 
     second = _start(tmp_path, model, store, f"{family}-restart")
     try:
-        hit = _ask(second, text)
+        hit = second.generate(text)
     finally:
         second.stop()
-    assert hit["ids"] == cold["ids"] and hit["text"] == cold["text"]
-    assert hit["logprobs"] == pytest.approx(cold["logprobs"], abs=1e-2)
-    assert hit["cached"] == full_pages(cold["prompt_tokens"]), hit
-    assert hit["details"].get("storage", 0) == hit["cached"], hit["details"]
+    assert_agrees(cold, hit, f"{family}: the L3 hit")
+    assert hit.cached_tokens == full_pages(cold.prompt_tokens), hit
+    assert hit.details.get("storage", 0) == hit.cached_tokens, hit.details
     loaded = re.findall(r"HiCache prefetch success .* loaded=(\d+)", second.tail(400))
-    assert loaded == [str(hit["cached"])], loaded
+    assert loaded == [str(hit.cached_tokens)], loaded

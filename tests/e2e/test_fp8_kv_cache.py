@@ -30,7 +30,7 @@ import pytest
 
 from offload import cli
 from offload.launch.server import LaunchedServer, Reply, wait_store
-from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt
+from tests.e2e.conftest import PAGE, assert_agrees, full_pages, needs_serving, prompt
 
 pytestmark = needs_serving
 TOKENS = 700                        # ~11 pages each
@@ -87,7 +87,7 @@ def test_bench_serve_sets_the_dtype_over_the_deployment_file(tmp_path: Path) -> 
 
 
 def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, real_model: Path) -> None:
     from tests.store.redis_fixtures import RedisProc
 
     redis = RedisProc(tmp_path / "redis", []).start()
@@ -96,14 +96,14 @@ def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
         store = tmp_path / "cache"
         a, b = prompt(TOKENS, 81), prompt(TOKENS, 82)
 
-        fp8 = servers(store, name="fp8", sglang=FP8, **shared)
+        fp8 = servers(store, name="fp8", sglang=FP8, model=real_model, **shared)
         cold_a = fp8.generate(a)
         _miss(cold_a)
         blocks = _stored(cold_a)
         assert wait_store(store, blocks) >= blocks, fp8.tail()
         fp8.stop()
 
-        bf16 = servers(store, name="bf16", **shared)
+        bf16 = servers(store, name="bf16", model=real_model, **shared)
         replies = [bf16.generate(a), bf16.generate(b)]
         for r in replies:                                # A: fp8 -> bf16, not loaded
             _miss(r)
@@ -111,9 +111,9 @@ def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
         assert wait_store(store, blocks) >= blocks, bf16.tail()
         bf16.stop()
 
-        again = servers(store, name="fp8-restart", sglang=FP8, **shared)
+        again = servers(store, name="fp8-restart", sglang=FP8, model=real_model, **shared)
         hit = again.generate(a)                          # a restart: L1 and L2 are empty
-        assert hit.output_ids == cold_a.output_ids and hit.text == cold_a.text
+        assert_agrees(cold_a, hit, "fp8 from L3")
         assert hit.cached_tokens == full_pages(cold_a.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
         r = again.generate(b)

@@ -24,7 +24,7 @@ from typing import Callable
 import pytest
 
 from offload.launch.server import LaunchedServer, free_port, wait_store
-from tests.e2e.conftest import PAGE, full_pages, needs_serving
+from tests.e2e.conftest import PAGE, assert_agrees, full_pages, needs_serving
 
 pytestmark = [needs_serving, pytest.mark.timeout(1800)]   # two server lifecycles on 2 cores
 TOKENS = 640                 # 10 pages
@@ -127,15 +127,18 @@ def test_disk_events_follow_gpu_then_restart_announces_and_eviction_removes(
 
 
 def _two_replicas_see_each_others_pages(servers: Callable[..., LaunchedServer], tmp_path: Path,
-                                        **shared: object) -> tuple[list[int], Watch]:
+                                        model: Path, **shared: object
+                                        ) -> tuple[list[int], Watch]:
     """Two servers sharing a tier: each one's subscriber sees EXTERNAL events of the other's
     pages (and none of them in its own GPU or DISK tier). Returns A's hashes and A's watch."""
     from offload.events.subscribe import prompt_hashes
 
     pa, pb = free_port(), free_port()
     small = {"max-total-tokens": 16384, "hicache-ratio": 2}    # two servers at once
-    a = servers(tmp_path / "store-a", name="replica-a", sglang={**kv_events(pa), **small}, **shared)
-    b = servers(tmp_path / "store-b", name="replica-b", sglang={**kv_events(pb), **small}, **shared)
+    a = servers(tmp_path / "store-a", name="replica-a", sglang={**kv_events(pa), **small},
+                model=model, **shared)
+    b = servers(tmp_path / "store-b", name="replica-b", sglang={**kv_events(pb), **small},
+                model=model, **shared)
     wa, wb = Watch(pa), Watch(pb)
     ta, tb = ids(2), ids(3)
     ra, rb = a.generate(ta), b.generate(tb)
@@ -147,19 +150,19 @@ def _two_replicas_see_each_others_pages(servers: Callable[..., LaunchedServer], 
     # B's first request of A's prompt: A's pages, in no tier of B's own, come from the one they
     # share, with A's greedy tokens
     hit = b.generate(ta)
-    assert (hit.output_ids, hit.text) == (ra.output_ids, ra.text), (hit, ra)
+    assert_agrees(ra, hit, "replica B's hit of replica A's pages")
     assert hit.cached_tokens == full_pages(ra.prompt_tokens), hit
     assert hit.details.get("storage", 0) > 0, hit.details
     return ha, wa
 
 
 def test_two_replicas_on_one_redis_see_external_events_of_each_others_pages(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, real_model: Path) -> None:
     from tests.store.redis_fixtures import RedisProc
 
     redis = RedisProc(tmp_path / "redis", []).start()
     try:
-        ha, wa = _two_replicas_see_each_others_pages(servers, tmp_path,
+        ha, wa = _two_replicas_see_each_others_pages(servers, tmp_path, real_model,
                                                      redis={"url": redis.url})
         wa.until(lambda: wa.holds(ha, "DISK"), "replica A's DISK events of its own pages")
     finally:
@@ -167,7 +170,7 @@ def test_two_replicas_on_one_redis_see_external_events_of_each_others_pages(
 
 
 def test_two_replicas_on_one_agent_see_external_events_of_each_others_pages(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, real_model: Path) -> None:
     """The dpu path: both replicas' blocks live on one agent (the store they share), named to
     each other through the agent's announcement feed (ANNOUNCE / FEED)."""
     from tests.agent.conftest import SECRET, AgentProc, needs_nixl
@@ -178,7 +181,7 @@ def test_two_replicas_on_one_agent_see_external_events_of_each_others_pages(
     try:
         hosts = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "h100-bf3-dpu"
         _two_replicas_see_each_others_pages(
-            servers, tmp_path, launch_args=("--root", str(hosts)),
+            servers, tmp_path, real_model, launch_args=("--root", str(hosts)),
             env={"SGLANG_OFFLOAD_SECRET": SECRET.decode()}, transfer={"path": "dpu"},
             agent={"address": agent.address, "transport": "ucx", "timeout_s": 10})
     finally:

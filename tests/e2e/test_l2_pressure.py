@@ -28,7 +28,7 @@ from typing import Callable
 import pytest
 
 from offload.launch.server import LaunchedServer, Reply, wait_store
-from tests.e2e.conftest import PAGE, flush_l1_l2, full_pages, needs_serving, prompt
+from tests.e2e.conftest import PAGE, assert_agrees, flush_l1_l2, full_pages, needs_serving, prompt
 
 pytestmark = [needs_serving, pytest.mark.timeout(1200)]
 TOKENS = 1200            # ~19 pages per prompt
@@ -76,6 +76,6 @@ def test_concurrent_storage_hits_past_l2_room_load_in_full_with_the_same_output(
               for r, c in zip(again, cold)]
     print(f"L2 free room ~{room} pages; storage tokens loaded / full pages per user: {loaded}")
     for r, c in zip(again, cold):
-        assert r.output_ids == c.output_ids and r.text == c.text, (r, c)
+        assert_agrees(c, r, "a concurrent storage hit")
         assert r.details.get("storage", 0) == full_pages(c.prompt_tokens), (loaded, r.details)
         assert r.cached_tokens == full_pages(c.prompt_tokens), (loaded, r)

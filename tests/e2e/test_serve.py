@@ -1,12 +1,14 @@
 """The tier under a real SGLang server, started through `sglang-offload launch` on the CPU.
 
-One server seeds a store (module fixture `seeded`: two prompts served cold, their write-back to
-the store waited for); each test then works on its own copy of that store, so tests stay
-independent and the seed costs one server start. Greedy decoding: the same prompt gives the same
-tokens whether its KV was computed or loaded. A "hit" is `cached_tokens` = the prompt less its
-last partial page (SGLang always computes the last token), with SGLang's breakdown naming the
-storage tier. Replicas sharing Redis or a storage agent (the dpu path) and hitting each other's
-pages: tests/e2e/test_kv_events.py, whose two replicas also check their events.
+One server seeds a store (module fixture `seeded`: two prompts served cold on the real model,
+their write-back to the store waited for); each test then works on its own copy of that store, so
+tests stay independent and the seed costs one server start. Greedy decoding: the same prompt gives
+the same answer whether its KV was computed or loaded, checked at the logprob (`assert_agrees`:
+the same tokens, every logprob within offload.agree's measured tolerance). A "hit" is
+`cached_tokens` = the prompt less its last partial page (SGLang always computes the last
+token), with SGLang's breakdown naming the storage tier. Replicas sharing Redis or a storage
+agent (the dpu path) and hitting each other's pages: tests/e2e/test_kv_events.py, whose two
+replicas also check their events.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Callable
 import pytest
 
 from offload.launch.server import LaunchedServer, Reply, wait_store
-from tests.e2e.conftest import PAGE, full_pages, needs_serving, prompt, store_blocks, wait_metric
+from tests.e2e.conftest import (
+    PAGE,
+    assert_agrees,
+    full_pages,
+    needs_serving,
+    prompt,
+    store_blocks,
+    wait_metric,
+)
 
 pytestmark = needs_serving
 TOKENS = 1200                       # ~19 pages: long enough to matter, short for 2 cores
@@ -34,13 +44,13 @@ class Seed:
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Seed:
+def seeded(tmp_path_factory: pytest.TempPathFactory, real_model: Path) -> Seed:
     from tests.e2e.conftest import deployment, free_port
 
     tmp = tmp_path_factory.mktemp("seed")
     store = tmp / "store"
     port = free_port()
-    cfg = deployment(tmp / "seed.yaml", demo_model, port, store)
+    cfg = deployment(tmp / "seed.yaml", real_model, port, store)
     server = LaunchedServer.start(cfg, tmp / "seed.log", f"http://127.0.0.1:{port}",
                                   env={"UCX_MODULES": "^ib"})
     try:
@@ -65,7 +75,7 @@ def _copy(seed: Seed, tmp_path: Path) -> Path:
 
 
 def _assert_l3_hit(r: Reply, cold: Reply) -> None:
-    assert r.output_ids == cold.output_ids and r.text == cold.text
+    assert_agrees(cold, r, "the L3 hit")
     assert r.cached_tokens == full_pages(cold.prompt_tokens), r
     assert r.details.get("storage", 0) > 0, r.details
 
@@ -81,13 +91,14 @@ def _corrupt_one_block(store: Path) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
-def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_path: Path) -> None:
+def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_path: Path,
+                                                     real_model: Path) -> None:
     store = _copy(seeded, tmp_path)
     _corrupt_one_block(store)
-    s = servers(store)
+    s = servers(store, model=real_model)
     replies = [s.generate(p) for p in seeded.prompts]
     for r, cold in zip(replies, seeded.cold):
-        assert r.output_ids == cold.output_ids and r.text == cold.text   # recomputed, same output
+        assert_agrees(cold, r, "recomputed past the corrupt block")
     full = sum(full_pages(c.prompt_tokens) for c in seeded.cold)
     assert sum(r.cached_tokens for r in replies) < full             # the bad block was not used
     # counted as the store saw it; the exporter thread publishes every 10 s
@@ -95,20 +106,24 @@ def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_
 
 
 def test_restart_serves_from_l3_and_sigkill_mid_write_back_loses_nothing(
-        seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        seeded: Seed, servers: Callable[..., LaunchedServer], tmp_path: Path,
+        real_model: Path) -> None:
     store = _copy(seeded, tmp_path)
-    s = servers(store, name="restart")                        # a restart: L1 and L2 are empty
-    _assert_l3_hit(s.generate(seeded.prompts[0]), seeded.cold[0])
-    again = s.generate(seeded.prompts[0])                    # now from L1/L2, same tokens
-    assert again.output_ids == seeded.cold[0].output_ids
+    s = servers(store, name="restart", model=real_model)      # a restart: L1 and L2 are empty
+    hit = s.generate(seeded.prompts[0])
+    _assert_l3_hit(hit, seeded.cold[0])
+    again = s.generate(seeded.prompts[0])                    # now from L1/L2, same answer
+    assert_agrees(seeded.cold[0], again, "the L1/L2 hit")
+    # the same KV bytes and the same shapes: an L3 hit is exactly the L1/L2 hit that follows it
+    assert again.answer == hit.answer, (again.answer, hit.answer)
     assert again.cached_tokens == full_pages(seeded.cold[0].prompt_tokens)
     before = store_blocks(store)
     long = prompt(4 * TOKENS, 3)
     cold = s.generate(long)                  # its write-back starts as the reply is sent
     s.kill()                                 # SIGKILL the whole server: no flush, no close
-    s2 = servers(store, name="after-kill")
+    s2 = servers(store, name="after-kill", model=real_model)
     r = s2.generate(long)
-    assert r.output_ids == cold.output_ids and r.text == cold.text
+    assert_agrees(cold, r, "after the SIGKILL")
     assert r.cached_tokens % PAGE == 0 and r.cached_tokens <= full_pages(cold.prompt_tokens)
     _assert_l3_hit(s2.generate(seeded.prompts[1]), seeded.cold[1])   # old blocks intact
     assert store_blocks(store) >= before

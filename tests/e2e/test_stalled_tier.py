@@ -22,7 +22,15 @@ from typing import Callable
 import pytest
 
 from offload.launch.server import LaunchedServer
-from tests.e2e.conftest import PAGE, flush_l1_l2, full_pages, needs_serving, prompt, wait_metric
+from tests.e2e.conftest import (
+    PAGE,
+    assert_agrees,
+    flush_l1_l2,
+    full_pages,
+    needs_serving,
+    prompt,
+    wait_metric,
+)
 
 pytestmark = [needs_serving, pytest.mark.timeout(1200)]
 TOKENS = 1200
@@ -56,7 +64,7 @@ def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
                            pages) >= pages
         flush_l1_l2(s)
         hit = s.generate(text)                               # from the agent, inside the deadline
-        assert hit.output_ids == cold.output_ids and hit.text == cold.text
+        assert_agrees(cold, hit, "the agent's hit")
         assert hit.cached_tokens == full_pages(cold.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
         flush_l1_l2(s)
@@ -64,7 +72,7 @@ def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
         stopped = True
         miss = s.generate(text, timeout=READ_TIMEOUT_S)
         assert agent.proc.poll() is None                     # still there, still stopped
-        assert miss.output_ids == cold.output_ids and miss.text == cold.text
+        assert_agrees(cold, miss, "the miss while the agent is stopped")
         assert miss.details.get("storage", 0) == 0, miss.details
         assert miss.cached_tokens == 0, miss
         print(f"stalled tier: answered in {miss.total_s:.1f} s (deadline "
