@@ -1,5 +1,6 @@
 """`sglang-offload bench serve`: its options are checked before any work, its plot draws, and a
-real run (two server starts through launch) reports an L3 hit with the cold output."""
+real run (two server starts through launch) reports an L3 hit agreeing with the cold reply at the
+logprob (offload.agree)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from offload import cli
+from offload.agree import TOLERANCE
 from tests.e2e.conftest import deployment, full_pages
 
 
@@ -41,6 +43,16 @@ def test_a_real_run_reports_cold_l1l2_and_l3(tmp_path: Path, demo_model: Path) -
     assert row["cold"]["cached_tokens"] == 0
     assert row["l1l2"]["cached_tokens"] == full_pages(512) and row["l1l2"]["same_output"]
     assert row["l3"]["cached_tokens"] == full_pages(512) and row["l3"]["same_output"]
+    # each hit against the cold reply at the logprob, within the measured tolerance
+    for phase in ("l1l2", "l3", "l1l2_restarted"):
+        ag = row[phase]["agreement"]
+        assert ag["verdict"] != "different" and ag["max_delta"] <= TOLERANCE, (phase, ag)
+        assert ag["tolerance"] == TOLERANCE and len(ag["tries"]) == 1
+    spread = result["spread"]
+    assert spread["tolerance"] == TOLERANCE and "note" not in spread
+    assert spread["l1l2_max_delta"] == max(row[p]["agreement"]["max_delta"]
+                                           for p in ("l1l2", "l1l2_restarted"))
+    assert "largest |delta| vs L1/L2" in out and "max |d|" in out
     assert row["l3"]["cached_details"]["storage"] == full_pages(512)
     assert result["server"]["attention_backend"] == "torch_native"
     assert "note" not in result      # the wheel has patches/0008: no note about recomputation
