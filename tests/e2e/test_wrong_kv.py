@@ -12,19 +12,23 @@ pages, in a mode the test switches at run time (one server covers every mode):
 - `heads`: KV heads 0 and 1 swapped within each page: on the demo model (2 KV heads) exactly TP
   rank 0's heads given to rank 1 and back at TP 2; the real model (3 KV heads, 9 query heads)
   cannot run at TP 2 at all, so there it is heads 0 <-> 1 of 3;
-- `fp8-scale` (an fp8_e4m3 KV server, the demo model): pages decoded, doubled, re-encoded: as if
-  written with the wrong scale;
+- `fp8-scale` (an fp8_e4m3 KV server): pages decoded, doubled, re-encoded: as if written with
+  the wrong scale;
 - `none`: the control, the plant on and nothing changed (first and last: the faults did not
   poison the L3).
 
-Per server: prompt A cold (greedy, `NEW` tokens, logprobs); its write-back; then per mode:
-`flush_l1_l2` (L1/L2 empty, L3 kept), the mode set, A again -> an L3 hit (storage covers its full
-pages, the plant's log shows the pages it changed) -> `offload.agree.compare(cold, hit)` must be
-"different" under a fault and ok under `none`. Each mode's max |delta logprob|, first differing
-token and margin are printed: the size of a real error, which the docs cite. The old check
-(equal greedy token ids) is shown blind where it is: on the demo model under `shift`.
+Per server: prompt A cold (greedy, `NEW` tokens, logprobs); its write-back; A again at once (an
+L1 hit); then per mode: `flush_l1_l2` (L1/L2 empty, L3 kept), the mode set, A again -> an L3 hit
+(storage covers its full pages, the plant's log shows the pages it changed) ->
+`offload.agree.compare(reference, hit)` must be "different" under a fault and ok under `none`.
+The reference is the cold reply, except with fp8 KV (the L1 hit: see that test). Each mode's
+verdict, max |delta logprob|, first differing token and margin are printed (`pytest -s`): the
+size of a real error, which the docs cite, with the cold-vs-L1 spread and the "same ids" column
+of the old check (equal greedy token ids).
 
-Three server starts: the demo model (bf16), the demo model with an fp8 KV cache, the real model.
+Three server starts: the demo model, the real model, the real model with an fp8 KV cache (it
+starts as fast as the bf16 one; the demo model's random weights barely react to KV: doubled fp8
+pages moved its logprobs by 0.12 nats, where the real model's first token left the top 5).
 """
 
 from __future__ import annotations
@@ -94,13 +98,19 @@ class Outcome:
     changed: int                   # pages the plant changed in the hit's reads
     notes: list[str]
 
-    def row(self) -> str:
+    def row(self, ref: Reply) -> str:
         a = self.agreement
         margin = "-" if a.margin is None else f"{a.margin:.4f}"
+        parting = ""
+        i = a.first_diff
+        if i is not None and i < min(len(ref.answer.ids), len(self.hit.answer.ids)):
+            r, h = ref.answer, self.hit.answer     # margin "-": the hit's pick is not in ref's top-k
+            parting = (f"  at {i}: reference picks {r.ids[i]} ({r.logprobs[i]:.4f}), the hit "
+                       f"{h.ids[i]} ({h.logprobs[i]:.4f})")
         return (f"{self.mode:13s} {a.verdict:9s} max_delta {a.max_delta:8.4f}  first_diff "
                 f"{str(a.first_diff):4s} margin {margin:>8s}  topk_mismatches "
                 f"{a.topk_mismatches:2d}  same ids {'yes' if self.same_ids else 'no ':3s}  "
-                f"storage {self.storage}  pages changed {self.changed}")
+                f"storage {self.storage}  pages changed {self.changed}{parting}")
 
 
 def _stored(r: Reply) -> int:
@@ -112,8 +122,20 @@ def _miss(r: Reply) -> None:
     assert r.cached_tokens == 0, (r.cached_tokens, r.details)
 
 
+@dataclass
+class Run:
+    cold: Reply
+    l1: Reply                      # A again at once: served from L1 (the device)
+    reference: str                 # "cold" or "l1": what each hit is compared with
+    outcomes: list[Outcome]
+
+    @property
+    def ref(self) -> Reply:
+        return self.cold if self.reference == "cold" else self.l1
+
+
 def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list[int],
-              donor: str | list[int] | None, modes: tuple[str, ...]) -> tuple[Reply, list[Outcome]]:
+              donor: str | list[int] | None, modes: tuple[str, ...], reference: str = "cold") -> Run:
     """The procedure of the module docstring; every mode's outcome, nothing asserted on them."""
     blocks = 0
     if donor is not None:                  # `other-prompt` serves these pages
@@ -127,7 +149,9 @@ def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list
     _miss(cold)
     blocks += _stored(cold)
     assert wait_store(store, blocks) >= blocks, s.tail()
-    out = []
+    l1 = s.generate(a, NEW)
+    assert l1.details.get("device", 0) == full_pages(cold.prompt_tokens), l1.details
+    run = Run(cold, l1, reference, [])
     for mode in modes:
         flush_l1_l2(s)
         plant.set(mode)
@@ -135,23 +159,25 @@ def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list
         hit = s.generate(a, NEW)
         plant.set("none")
         reads = [r for r in plant.records()[seen:] if r["op"] == "read"]
-        out.append(Outcome(mode, compare(cold.answer, hit.answer), hit.output_ids == cold.output_ids,
-                           hit, int(hit.details.get("storage", 0) or 0),
-                           sum(r["changed"] for r in reads),
-                           sorted({r["note"] for r in reads if r["note"]})))
-    return cold, out
+        run.outcomes.append(Outcome(
+            mode, compare(run.ref.answer, hit.answer), hit.output_ids == run.ref.output_ids, hit,
+            int(hit.details.get("storage", 0) or 0), sum(r["changed"] for r in reads),
+            sorted({r["note"] for r in reads if r["note"]})))
+    return run
 
 
-def check(label: str, cold: Reply, outcomes: list[Outcome]) -> None:
+def check(label: str, run: Run) -> None:
     """Print every mode's figures, then assert: each hit was an L3 hit of the whole prefix; the
     control agrees with nothing changed; every fault changed pages and is caught ("different")."""
-    print(f"\n{label}: cold {cold.prompt_tokens} prompt tokens, {len(cold.output_ids)} generated, "
-          f"tolerance {TOLERANCE} nats, text {cold.text!r}")
+    cold, outcomes = run.cold, run.outcomes
+    print(f"\n{label}: {cold.prompt_tokens} prompt tokens, {len(cold.output_ids)} generated, "
+          f"cold text {cold.text!r}\n  tolerance {TOLERANCE} nats; cold vs L1 hit: "
+          f"{compare(cold.answer, run.l1.answer)}\n  each L3 hit against the {run.reference} reply:")
     for o in outcomes:
-        print("  " + o.row() + (f"  notes {o.notes}" if o.notes else ""))
+        print("  " + o.row(run.ref) + (f"  notes {o.notes}" if o.notes else ""))
     spread = max(o.agreement.max_delta for o in outcomes if o.mode == "none")
     print(f"  (for scale, at twice this run's own control spread, {2 * spread:.4f} nats: "
-          + ", ".join(f"{o.mode} {compare(cold.answer, o.hit.answer, 2 * spread).verdict}"
+          + ", ".join(f"{o.mode} {compare(run.ref.answer, o.hit.answer, 2 * spread).verdict}"
                       for o in outcomes if o.mode != "none") + ")")
     want = full_pages(cold.prompt_tokens)
     problems = []
@@ -239,22 +265,9 @@ def test_demo_model_every_wrong_kv_mode_fails_the_logprob_check(
     plant = PlantControl(tmp_path / "plant")
     store = tmp_path / "store"
     s = servers(store, name="demo-wrong-kv", env=plant.env(), **NO_DECLINE)
-    cold, outcomes = run_modes(s, store, plant, prompt(DEMO_TOKENS, 4701), prompt(DEMO_TOKENS, 4702),
-                               ("none", *FAULTS, "none"))
-    check("demo model (bf16 KV)", cold, outcomes)
-
-
-@needs_serving
-@pytest.mark.timeout(600)
-def test_fp8_kv_with_the_wrong_scale_fails_the_logprob_check(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
-    plant = PlantControl(tmp_path / "plant")
-    store = tmp_path / "store"
-    s = servers(store, name="fp8-wrong-kv", env=plant.env(), sglang={"kv-cache-dtype": "fp8_e4m3"},
-                **NO_DECLINE)
-    cold, outcomes = run_modes(s, store, plant, prompt(DEMO_TOKENS, 4711), None,
-                               ("none", "fp8-scale", "none"))
-    check("demo model (fp8_e4m3 KV)", cold, outcomes)
+    run = run_modes(s, store, plant, prompt(DEMO_TOKENS, 4701), prompt(DEMO_TOKENS, 4702),
+                    ("none", *FAULTS, "none"))
+    check("demo model (bf16 KV)", run)
 
 
 def _chat(model: Path, tokens: range, question: str) -> list[int]:
@@ -271,16 +284,34 @@ def _chat(model: Path, tokens: range, question: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
+QUESTION_A = "What does this document say the product guarantees? Answer in one sentence."
+QUESTION_B = "Which commands does this document describe? Answer in one sentence."
+
+
 @needs_serving
 @pytest.mark.timeout(1200)
 def test_real_model_every_wrong_kv_mode_fails_the_logprob_check(
         servers: Callable[..., LaunchedServer], real_model: Path, tmp_path: Path) -> None:
     plant = PlantControl(tmp_path / "plant")
     store = tmp_path / "store"
-    a = _chat(real_model, range(0, REAL_TOKENS), "What does this document say the product "
-              "guarantees? Answer in one sentence.")
-    b = _chat(real_model, range(REAL_TOKENS, 2 * REAL_TOKENS), "Which commands does this "
-              "document describe? Answer in one sentence.")
+    a = _chat(real_model, range(0, REAL_TOKENS), QUESTION_A)
+    b = _chat(real_model, range(REAL_TOKENS, 2 * REAL_TOKENS), QUESTION_B)
     s = servers(store, name="real-wrong-kv", env=plant.env(), model=real_model, **NO_DECLINE)
-    cold, outcomes = run_modes(s, store, plant, a, b, ("none", *FAULTS, "none"))
-    check("real model (SmolLM2-135M-Instruct, bf16 KV)", cold, outcomes)
+    run = run_modes(s, store, plant, a, b, ("none", *FAULTS, "none"))
+    check("real model (SmolLM2-135M-Instruct, bf16 KV)", run)
+
+
+@needs_serving
+@pytest.mark.timeout(900)
+def test_real_model_fp8_kv_with_the_wrong_scale_fails_the_logprob_check(
+        servers: Callable[..., LaunchedServer], real_model: Path, tmp_path: Path) -> None:
+    """The reference is the L1 hit, not the cold reply: a cold prefill attends over its prompt's
+    K/V before they are quantized to fp8, every cached serving after they are (measured here:
+    cold vs L1 up to ~0.67 nats with the same tokens; an L3 hit equals an L1 hit bit for bit)."""
+    plant = PlantControl(tmp_path / "plant")
+    store = tmp_path / "store"
+    a = _chat(real_model, range(0, REAL_TOKENS), QUESTION_A)
+    s = servers(store, name="real-fp8-wrong-kv", env=plant.env(), model=real_model,
+                sglang={"kv-cache-dtype": "fp8_e4m3"}, **NO_DECLINE)
+    run = run_modes(s, store, plant, a, None, ("none", "fp8-scale", "none"), reference="l1")
+    check("real model (SmolLM2-135M-Instruct, fp8_e4m3 KV)", run)
