@@ -175,7 +175,10 @@ def check(label: str, run: Run) -> None:
           f"{compare(cold.answer, run.l1.answer)}\n  each L3 hit against the {run.reference} reply:")
     for o in outcomes:
         print("  " + o.row(run.ref) + (f"  notes {o.notes}" if o.notes else ""))
-    spread = max(o.agreement.max_delta for o in outcomes if o.mode == "none")
+    controls = [o for o in outcomes if o.mode == "none"]
+    print("  the controls' L3 hits against the L1 hit: "
+          + "; ".join(str(compare(run.l1.answer, o.hit.answer)) for o in controls))
+    spread = max(o.agreement.max_delta for o in controls)
     print(f"  (for scale, at twice this run's own control spread, {2 * spread:.4f} nats: "
           + ", ".join(f"{o.mode} {compare(run.ref.answer, o.hit.answer, 2 * spread).verdict}"
                       for o in outcomes if o.mode != "none") + ")")
