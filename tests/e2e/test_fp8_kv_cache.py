@@ -1,15 +1,16 @@
 """An FP8 KV cache with the tier, served through `sglang-offload launch` on the CPU (patch 0017).
 
-`kv-cache-dtype: fp8_e4m3` under `sglang:` on the demo model: SGLang's pool holds float8 K/V,
+`kv-cache-dtype: fp8_e4m3` under `sglang:` on the real model: SGLang's pool holds float8 K/V,
 torch_native computes in bfloat16, and HiCache writes the fp8 pages to the L3. One cache directory
 and one real redis-server are shared, in turn, by an fp8 server, a bf16 server and the fp8 server
 again (three start-ups, small prompts: the CI budget):
 
-1. fp8 serves prompt A cold; its pages reach the L3;
+1. fp8 serves prompt A cold, then again from L1 (the reference: a cold prefill attends over K/V
+   not yet quantized, a hit over the fp8 pages); its pages reach the L3;
 2. bf16 on the same directory and Redis: A is a miss (fp8 pages are never loaded by a bf16
    server), and it serves B cold: B's pages are bf16 only;
-3. fp8 restarted: A comes back from the L3 (storage tokens, the same greedy tokens as before the
-   restart) and B is a miss (bf16 pages are never loaded by an fp8 server);
+3. fp8 restarted: A comes back from the L3 (storage tokens, the L1 hit's answer at the logprob)
+   and B is a miss (bf16 pages are never loaded by an fp8 server);
 4. `cache stats --json`: each dtype's namespace holds A's and B's pages, the fp8 one in half the
    bytes of the bf16 one.
 
@@ -99,6 +100,11 @@ def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
         fp8 = servers(store, name="fp8", sglang=FP8, model=real_model, **shared)
         cold_a = fp8.generate(a)
         _miss(cold_a)
+        # with fp8 KV a cold prefill attends over the prompt's K/V before they are quantized, a
+        # hit over the fp8 pages (0.67 nats apart on the real model): the reference of an fp8
+        # hit is the same prompt served from L1, whose pages are the ones the L3 holds
+        l1_a = fp8.generate(a)
+        assert l1_a.cached_tokens == full_pages(cold_a.prompt_tokens), l1_a
         blocks = _stored(cold_a)
         assert wait_store(store, blocks) >= blocks, fp8.tail()
         fp8.stop()
@@ -113,7 +119,7 @@ def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
 
         again = servers(store, name="fp8-restart", sglang=FP8, model=real_model, **shared)
         hit = again.generate(a)                          # a restart: L1 and L2 are empty
-        assert_agrees(cold_a, hit, "fp8 from L3")
+        assert_agrees(l1_a, hit, "fp8 from L3 against fp8 from L1")
         assert hit.cached_tokens == full_pages(cold_a.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
         r = again.generate(b)
