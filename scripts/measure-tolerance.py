@@ -5,7 +5,7 @@ SGLang's `enable-fp32-lm-head` (the servers every agreement check runs against),
 length, `--prompts` prompts of exactly that many tokens, each asked
   cold  (nothing cached),
   l1    (the same again: SGLang's device pool),
-  l2    (after filler prompts pushed it out of the device pool: HiCache's host pool),
+  l2    (after two filler prompts pushed it out of the device pool: HiCache's host pool),
   l3    (after /flush_cache emptied L1 and L2: the offload store),
 (l2 for the first `--l2-prompts` prompts of each length only, where given: its filler prefills
 the whole L1),
@@ -123,6 +123,16 @@ def quiet_store(store: Path, still_s: float = 3.0, timeout: float = 120.0) -> in
     return last
 
 
+def push_out(server: LaunchedServer, l1: int, n: int, seed: int) -> None:
+    """Push the last prompt (n tokens) out of the device pool (L1 tokens): one filler that fits
+    in what it left free, then one of its size, which evicts the least recently used: it. (One
+    filler of the whole L1 waits in SGLang's queue for ever: it never fits beside the prompt.)"""
+    first = (l1 - n - 2 * PAGE) // PAGE * PAGE
+    for k, size in enumerate((first, n + PAGE)):
+        if size > 0:
+            server.generate(id_prompts(size, 1, seed * 7 + k)[0], 1)
+
+
 def row(cold: Reply, hit: Reply) -> dict[str, Any]:
     ag = compare(cold.answer, hit.answer, tolerance=math.inf)
     return {"cached": hit.cached_tokens, "details": {k: hit.details.get(k) for k in
@@ -149,7 +159,9 @@ def main() -> int:
     ap.add_argument("--l2-prompts", type=int, default=None,
                     help="prompts per length that also get the L2 phase (its filler prefills "
                     "the whole L1: slow on a CPU); default all")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write everything here (after every prompt)")
+    ap.add_argument("--log", default=None, help="the server's log (default: in the temporary "
+                    "directory, removed at the end)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     l1 = a.l1_tokens or max(lengths) + 512
@@ -163,7 +175,8 @@ def main() -> int:
         work = Path(tmp)
         port = free_port()
         cfg = config(work / "deploy.yaml", a.model, work / "store", port, l1, context)
-        server = LaunchedServer.start(cfg, work / "server.log", f"http://127.0.0.1:{port}")
+        server = LaunchedServer.start(cfg, a.log or work / "server.log",
+                                      f"http://127.0.0.1:{port}")
         try:
             server.wait_ready(600)
             server.generate(id_prompts(256, 1, 99)[0], 2)            # warm-up
@@ -176,14 +189,15 @@ def main() -> int:
                            "text": cold.text}
                     res["l1"] = row(cold, server.generate(ids, a.new_tokens))
                     if a.l2_prompts is None or k < a.l2_prompts:
-                        filler = id_prompts(l1 - PAGE, 1, a.seed * 31 + n + k)[0]
-                        server.generate(filler, 1)                  # pushes ids out of L1
+                        push_out(server, l1, n, a.seed * 31 + n + k)
                         res["l2"] = row(cold, server.generate(ids, a.new_tokens))
                     quiet_store(work / "store")                     # the write-back landed
                     flush(server)
                     res["l3"] = row(cold, server.generate(ids, a.new_tokens))
                     flush(server)
                     out["rows"].append(res)
+                    if a.json:
+                        Path(a.json).write_text(json.dumps(out, indent=2))
                     print(json.dumps({k2: v for k2, v in res.items() if k2 != "text"}),
                           flush=True)
         finally:

@@ -11,11 +11,22 @@ from it by slicing, as the server slices (`_slice_streaming_output_meta_info`).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from offload.agree import REQUEST, TOLERANCE, TOP_K, Agreement, Answer, Streamed, compare
+from offload.agree import (
+    RANDOM_TOLERANCE,
+    REQUEST,
+    TOLERANCE,
+    TOP_K,
+    Agreement,
+    Answer,
+    Streamed,
+    compare,
+    tolerance_for,
+)
 
 REAL_LAST: dict[str, Any] = {
     "output_ids": [1348, 3140, 314, 563],
@@ -55,6 +66,21 @@ def test_request_asks_for_the_chosen_tokens_and_the_top_k() -> None:
     assert REQUEST["return_logprob"] is True and REQUEST["top_logprobs_num"] == TOP_K == 5
     assert REQUEST["logprob_start_len"] == -1        # no input logprobs: the prefix stays cached
     assert 0 < TOLERANCE < 0.5
+
+
+def test_the_random_demo_model_gets_its_own_tighter_tolerance(tmp_path: Path) -> None:
+    from offload.demo import DemoSpec, write_demo
+
+    write_demo(tmp_path / "demo", DemoSpec(layers=1, hidden=64, heads=1, kv_heads=1,
+                                           intermediate=64, vocab=512, context=256))
+    assert tolerance_for(tmp_path / "demo") == RANDOM_TOLERANCE < TOLERANCE
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "config.json").write_text('{"_name_or_path": "HuggingFaceTB/x"}')
+    assert tolerance_for(tmp_path / "real") == TOLERANCE
+    assert tolerance_for(tmp_path / "absent") == tolerance_for(None) == TOLERANCE
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("[not json")
+    assert tolerance_for(str(tmp_path / "bad")) == TOLERANCE
 
 
 def test_from_meta_reads_a_real_reply() -> None:

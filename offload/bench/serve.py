@@ -9,11 +9,12 @@ the raw disk's O_DIRECT read of that prefix's KV bytes, measured in between; eve
 starts on a quiet server (`serve_target.settle`: the last one's write-back done). The L3 target:
 the L3 hit's first token at most the L1/L2 hit's plus twice that raw read plus 30 ms (medians of
 the triples), and where it is missed for a known cause, why (`serve_target.why_missed`: the
-worth-it rule recomputed, or the cold prefill is itself within the limit). Each reply's cached
-tokens are recorded, and the store's blocks and bytes; each hit's reply is compared with the
-cold reply of its prompt at the logprob (`offload.agree.compare`: chosen tokens and top-5 within
-`TOLERANCE`), per phase `agreement` (the worst verdict, the largest |delta logprob|, the top-k
-mismatches; `same_output` = not "different", kept for older readers), and the run's own
+worth-it rule recomputed, or the prefill a hit saves is less than the load adds). Each reply's
+cached tokens are recorded, and the store's blocks and bytes; each hit's reply is compared with
+the cold reply of its prompt at the logprob (`offload.agree.compare`: chosen tokens and top-5
+within the model's measured tolerance, `offload.agree.tolerance_for`), per phase `agreement`
+(the worst verdict, the largest |delta logprob|, the top-k mismatches; `same_output` = not
+"different", kept for older readers), and the run's own
 cold-vs-L1/L2 spread is reported beside the tolerance (`spread`); a "different" exits 1. The
 servers compute the lm head in float32 (`enable-fp32-lm-head` in the deployment copy: bf16
 logits move in steps too coarse to compare). A short warm-up prompt goes through each phase
@@ -51,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from offload.agree import TOLERANCE, tolerance_for
 from offload.argtypes import count, names, positive, work_dir
 from offload.bench.common import JSON, Args, Option, Outcome, scratch
 from offload.bench.serve_target import (
@@ -188,14 +190,15 @@ def run(args: Args) -> Outcome:
     return Outcome(result, 1 if bad or "l3_failed" in result else 0)
 
 
-def _summary(replies: list[Reply], cold: list[Reply] | None) -> dict[str, Any]:
+def _summary(replies: list[Reply], cold: list[Reply] | None, tolerance: float = TOLERANCE
+             ) -> dict[str, Any]:
     """The median time to first token of a phase's tries, with what every try got."""
     out: dict[str, Any] = {"ttft_s": round(statistics.median(r.ttft_s for r in replies), 4),
                            "ttft_tries_s": [round(r.ttft_s, 4) for r in replies],
                            "cached_tokens": min(r.cached_tokens for r in replies),
                            "cached_details": replies[0].details}
     if cold is not None:
-        out["agreement"] = agreement(replies, cold)
+        out["agreement"] = agreement(replies, cold, tolerance)
         out["same_output"] = out["agreement"]["verdict"] != "different"
     return out
 
@@ -265,12 +268,13 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                 print(f"--- {server.log} (last lines) ---\n{server.tail()}", file=sys.stderr)
                 result["l3_failed"] = (f"the restarted server failed: {e}" if isinstance(e, OSError)
                                        else str(e))
+        tol = tolerance_for(result["server"].get("model_path"))     # the demo's is tighter
         for n in lengths:
             row = result["rows"][str(n)]
             row["cold"] = _summary(tries["cold"][n], None)
             for p in ("l1l2", "l3", "l1l2_restarted"):
                 if tries[p][n]:
-                    row[p] = _summary(tries[p][n], tries["cold"][n])
+                    row[p] = _summary(tries[p][n], tries["cold"][n], tol)
                     row[p]["speedup"] = (round(row["cold"]["ttft_s"] / row[p]["ttft_s"], 3)
                                          if row[p]["ttft_s"] > 0 else None)
             if tries["cold_restarted"][n]:
@@ -283,7 +287,7 @@ def _measure(args: Args, work: Path, lengths: list[int], phases: set[str], seed:
                     row["target"]["why_missed"] = why
             if "l3_failed" in result and not row.get("target"):
                 row["l3_failed"] = result["l3_failed"]
-        result["spread"] = spread(result["rows"])
+        result["spread"] = spread(result["rows"], tol)
         blocks, data = store_usage(store) if not args.url else (None, None)
         result["store"] = {"blocks": blocks, "data_bytes": data,
                            "block_bytes": data // blocks if blocks and data else None}

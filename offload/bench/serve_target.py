@@ -13,9 +13,10 @@ each prefix, and the verdict.
   for SGLang's device -> host copy, which runs on the scheduler's thread after a prefill and
   would otherwise be paid by whatever request comes next;
 - `agreement(replies, cold)`: each hit's reply against its prompt's cold one at the logprob
-  (`offload.agree.compare`): the worst verdict, the largest |delta logprob|, the top-k mismatches
-  and each try's figures; `spread(rows)`: the run's own largest |delta| cold vs L1/L2 and vs L3
-  beside `offload.agree.TOLERANCE` (a note where the L1/L2 spread alone exceeds it);
+  (`offload.agree.compare`, the model's measured tolerance: `offload.agree.tolerance_for`): the
+  worst verdict, the largest |delta logprob|, the top-k mismatches and each try's figures;
+  `spread(rows, tolerance)`: the run's own largest |delta| cold vs L1/L2 and vs L3 beside the
+  tolerance (a note where the L1/L2 spread alone exceeds it);
 - `why_missed(row, tokens, log)`: why a missed L3 target was missed where the cause is known:
   the hit recomputed instead of loaded (the worth-it rule, `offload.hicache.worth_it`, whose line
   in the restarted server's log is quoted), or the prefill a hit saves is less than the load
@@ -87,22 +88,23 @@ def verdict(l1l2_s: float, l3_s: float, raw_s: float) -> dict[str, Any]:
             "met": l3_s <= limit}
 
 
-def agreement(replies: list[Reply], cold: list[Reply]) -> dict[str, Any]:
+def agreement(replies: list[Reply], cold: list[Reply], tolerance: float = TOLERANCE
+              ) -> dict[str, Any]:
     """A phase's replies, each against the cold reply of the same prompt."""
-    got = [compare(c.answer, r.answer) for r, c in zip(replies, cold)]
+    got = [compare(c.answer, r.answer, tolerance) for r, c in zip(replies, cold)]
     worst = next((v for v in ("different", "near-tie", "same") if any(g.verdict == v for g in got)),
                  "same")
     out: dict[str, Any] = {"verdict": worst,
                            "max_delta": round(max((g.max_delta for g in got), default=0.0), 5),
                            "topk_mismatches": sum(g.topk_mismatches for g in got),
-                           "tolerance": TOLERANCE, "tries": [g.as_dict() for g in got]}
+                           "tolerance": tolerance, "tries": [g.as_dict() for g in got]}
     bad = [str(g) for g in got if not g.ok]
     if bad:
         out["why"] = bad
     return out
 
 
-def spread(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def spread(rows: dict[str, dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str, Any]:
     """The run's own largest |delta logprob|: cold vs L1/L2 (both servers), cold vs L3."""
     def worst(phases: tuple[str, ...]) -> float | None:
         got = [row[p]["agreement"]["max_delta"] for row in rows.values() for p in phases
@@ -110,8 +112,8 @@ def spread(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return max(got) if got else None
 
     out: dict[str, Any] = {"l1l2_max_delta": worst(("l1l2", "l1l2_restarted")),
-                           "l3_max_delta": worst(("l3",)), "tolerance": TOLERANCE}
-    if (out["l1l2_max_delta"] or 0.0) > TOLERANCE:
+                           "l3_max_delta": worst(("l3",)), "tolerance": tolerance}
+    if (out["l1l2_max_delta"] or 0.0) > tolerance:
         out["note"] = ("this run's own cold-vs-L1/L2 spread exceeds the tolerance: re-measure "
                        "it on this machine (scripts/measure-tolerance.py)")
     return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.agree import TOLERANCE
+from offload.agree import tolerance_for
 from tests.e2e.conftest import deployment, needs_serving
 
 # four server starts and four client starts (~5 min on a quiet 2-core box): more than the
@@ -63,7 +63,9 @@ def test_storage_hits_after_the_restart_for_ours_none_without_and_outputs_agree(
             assert set(nl) == {"total", "host_capacity"} and nl["total"] >= nl["host_capacity"]
     ag = result["agreement"]
     assert ag["real_differences"] == 0, ag
-    assert ag["requests"] == 8 * 4 and ag["tolerance"] == TOLERANCE
+    assert ag["requests"] == 8 * 4
+    TOLERANCE = tolerance_for(demo_model)
+    assert ag["tolerance"] in (None, TOLERANCE)       # None: no turn differed, none re-asked
     for d in ag["differences"]:       # each re-asked with logprobs and judged: a near-tie here
         assert d["verdict"] == "near-tie" and d["margin"] <= TOLERANCE, d
         assert d["reask"]["max_delta"] <= TOLERANCE, d

@@ -27,7 +27,8 @@ from run to run); ratios of ours to no L3 and to `file` (targets: <= 0.5x and <=
 a load cannot beat a cheap prefill); greedy-output agreement with the reference (the first
 tier's first phase), where a differing turn is asked again with logprobs on a server without L3
 and judged at the logprob (`margin`): a near-tie where the reference ranked the other's token
-within `offload.agree.TOLERANCE` of its own, else a real difference (exit 1); the re-asks'
+within the model's measured tolerance (`offload.agree.tolerance_for`) of its own, else a real
+difference (exit 1); the re-asks'
 largest |delta logprob| and top-k mismatches are reported. Every server computes the lm head
 in float32 (`enable-fp32-lm-head`). `--tie-margin` (the old top-2 rule) is an error now.
 `--repeat` rounds alternate the tiers (A B C A B C); medians are reported, every round in --json.

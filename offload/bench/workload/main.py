@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offload.agree import TOLERANCE
+from offload.agree import RANDOM_TOLERANCE, TOLERANCE
 from offload.bench.common import Args, Outcome, scratch
 from offload.bench.workload import client as wc
 from offload.bench.workload.options import pools
@@ -24,9 +24,9 @@ def run(args: Args) -> Outcome:
     if args.tie_margin is not None:
         raise UsageError(f"--tie-margin is gone: a differing turn is now asked again with "
                          f"logprobs and judged at the logprob, a near-tie where the reference "
-                         f"ranked the other's token within offload.agree.TOLERANCE "
-                         f"({TOLERANCE} nats, measured: docs/design/agreement.md) of its own; "
-                         f"drop the option")
+                         f"ranked the other's token within the model's measured tolerance "
+                         f"({TOLERANCE} nats; {RANDOM_TOLERANCE} for the random-weight demo: "
+                         f"docs/design/agreement.md) of its own; drop the option")
     if args.sweep_users and not args.ttft_target_ms:
         raise UsageError("--sweep-users needs --ttft-target-ms MS (the p90 TTFT to stay within)")
     if args.cold_restart and args.sweep_users:

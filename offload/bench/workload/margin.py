@@ -2,7 +2,8 @@
 
 Two replies to one prompt part where the greedy pick differs. A cached prefix moves the logits by
 a little (`offload.agree`: attention computed in another order, other matrix shapes), so where the
-reference itself ranked the other's token within `offload.agree.TOLERANCE` nats of its own, the
+reference itself ranked the other's token within the model's measured tolerance
+(`offload.agree.tolerance_for`) of its own, the
 parting is a near-tie of the model; further apart, or the other's token not in its top-5, a real
 difference. SGLang's benchmark client keeps each reply's text only (no logprobs), so a differing
 turn is asked again here:
@@ -116,17 +117,17 @@ def flush(server: LaunchedServer, timeout: float = 120.0) -> None:
 
 
 def judge(server: LaunchedServer, tokenizer: Any, msgs: list[dict[str, str]], reference: str,
-          other: str, max_tokens: int) -> dict[str, Any]:
+          other: str, max_tokens: int, tolerance: float = TOLERANCE) -> dict[str, Any]:
     """A differing turn asked cold and again on `server` (no L3), judged at the logprob."""
     ids = prompt_ids(tokenizer, msgs)
     flush(server)
     cold = server.generate(ids, max_tokens, ignore_eos=True)
     hit = server.generate(ids, max_tokens, ignore_eos=True)
-    again = compare(cold.answer, hit.answer)
+    again = compare(cold.answer, hit.answer, tolerance)
     spelt = tokenizer.decode(cold.answer.ids, skip_special_tokens=True)
     reproduces = "reference" if spelt == reference else "other" if spelt == other else None
     first, margin = parting(tokenizer, cold.answer, other if reproduces != "other" else reference)
-    near = margin is not None and margin <= TOLERANCE and again.ok
+    near = margin is not None and margin <= tolerance and again.ok
     return {"verdict": "near-tie" if near else "different",
             "margin": None if margin is None else round(margin, 5), "first_diff": first,
             "probe_reproduces": reproduces, "reask": again.as_dict()}

@@ -65,7 +65,7 @@ def print_result(result: dict[str, Any]) -> None:
                 f"{'all agree' if not n else f'{n} conversations differ'}")
         if n:
             line += (f" ({ag['near_ties']} near-ties: the reference's margin within the "
-                     f"tolerance of {ag['tolerance']} nats; {ag['real_differences']} real "
+                     f"tolerance of {_f(ag['tolerance'], 'g')} nats; {ag['real_differences']} real "
                      f"differences); re-asked with logprobs: largest |delta logprob| "
                      f"{_f(ag['max_delta'], '.4f')}, {ag['topk_mismatches']} top-k mismatches "
                      f"(over {ag['measured_over']})")

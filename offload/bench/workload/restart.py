@@ -2,9 +2,9 @@
 write-back, a restart on the same L3, the same workload again; the medians, the ratios of ours to
 no L3 and to `file` against the targets of issue 25 (a missed one with its cause where known,
 `why`), and the greedy outputs' agreement with the reference: a differing turn asked again with
-logprobs and judged at the logprob (`margin.judge`: the reference's margin against
-`offload.agree.TOLERANCE`, a near-tie or a real difference), with the largest |delta logprob| and
-top-k mismatches of those re-asks.
+logprobs and judged at the logprob (`margin.judge`: the reference's margin against the model's
+measured tolerance, `offload.agree.tolerance_for`: a near-tie or a real difference), with the
+largest |delta logprob| and top-k mismatches of those re-asks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from offload.agree import TOLERANCE
+from offload.agree import tolerance_for
 from offload.bench.common import Args, drop_tree_cache, median_of
 from offload.bench.workload import client as wc
 from offload.bench.workload.server import describe, serve, server_info
@@ -156,7 +156,7 @@ def _agreement(args: Args, work: Path, tiers: list[str], over: dict[str, Any], w
     out: dict[str, Any] = {"reference": f"{tiers[0]} before the restart",
                            "requests": len(ref) * len(outputs),
                            "differing_conversations": len(diffs), "near_ties": 0,
-                           "real_differences": 0, "differences": diffs, "tolerance": TOLERANCE,
+                           "real_differences": 0, "differences": diffs, "tolerance": None,
                            "max_delta": None, "topk_mismatches": None, "measured_over": MEASURED}
     if not diffs:
         out["measured_over"] = "no turn differed from the reference's text: none re-asked"
@@ -166,6 +166,7 @@ def _agreement(args: Args, work: Path, tiers: list[str], over: dict[str, Any], w
     t = serve(args, "none", work / "probe", over, "probe")     # no L3: the re-ask starts cold
     try:
         model = str(server_info(t).get("model_path") or "")
+        out["tolerance"] = tol = tolerance_for(model)
         convs = wm.conversations(model, w, work / "probe")
         tokenizer = wm.load_tokenizer(model)
         for d in diffs:
@@ -173,7 +174,7 @@ def _agreement(args: Args, work: Path, tiers: list[str], over: dict[str, Any], w
             base = c * w.turns
             msgs = wm.messages(convs[c], ref[base:base + w.turns], turn)
             d.update(wm.judge(t.server, tokenizer, msgs, ref[base + turn] or "",
-                              d.pop("text") or "", w.output))
+                              d.pop("text") or "", w.output, tol))
     finally:
         t.server.stop()
     out["near_ties"] = sum(1 for d in diffs if d["verdict"] == "near-tie")
