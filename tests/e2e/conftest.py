@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from offload.agree import Agreement, compare
+from offload.agree import Agreement, compare, tolerance_for
 from offload.launch.server import LaunchedServer, Reply, free_port, store_usage
 
 PAGE = 64
@@ -87,11 +87,12 @@ def prompt(tokens: int, seed: int) -> str:
     return f"[{seed}]" + " ".join(r.choice(_WORDS) for _ in range(tokens))
 
 
-def assert_agrees(ref: Reply, other: Reply, what: str = "") -> Agreement:
+def assert_agrees(ref: Reply, other: Reply, what: str, model: Path) -> Agreement:
     """`other` gives `ref`'s answer at the logprob (`offload.agree`): the same tokens and text,
-    every chosen token's and top-k candidate's logprob within the measured TOLERANCE. A
-    near-tie is not enough here: these requests are deterministic, so the tokens must agree."""
-    a = compare(ref.answer, other.answer)
+    every chosen token's and top-k candidate's logprob within `model`'s measured tolerance
+    (`tolerance_for`: the random-weight demo's is tight, a real model's wider). A near-tie is not
+    enough here: these requests are deterministic, so the tokens must agree."""
+    a = compare(ref.answer, other.answer, tolerance_for(model))
     assert a.verdict == "same" and (other.output_ids, other.text) == (ref.output_ids, ref.text), (
         f"{what or 'reply'} does not agree with its reference: {a}; "
         f"{other.text!r} vs {ref.text!r}")

@@ -73,7 +73,7 @@ def test_restart_serves_the_repeated_prompt_from_l3(family: str, tmp_path: Path)
         hit = second.generate(text)
     finally:
         second.stop()
-    assert_agrees(cold, hit, f"{family}: the L3 hit")
+    assert_agrees(cold, hit, f"{family}: the L3 hit", model)
     assert hit.cached_tokens == full_pages(cold.prompt_tokens), hit
     assert hit.details.get("storage", 0) == hit.cached_tokens, hit.details
     loaded = re.findall(r"HiCache prefetch success .* loaded=(\d+)", second.tail(400))

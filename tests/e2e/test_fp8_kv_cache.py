@@ -119,7 +119,7 @@ def test_fp8_restarts_from_l3_in_half_the_bytes_and_never_meets_bf16_pages(
 
         again = servers(store, name="fp8-restart", sglang=FP8, model=real_model, **shared)
         hit = again.generate(a)                          # a restart: L1 and L2 are empty
-        assert_agrees(l1_a, hit, "fp8 from L3 against fp8 from L1")
+        assert_agrees(l1_a, hit, "fp8 from L3 against fp8 from L1", real_model)
         assert hit.cached_tokens == full_pages(cold_a.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
         r = again.generate(b)

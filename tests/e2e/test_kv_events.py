@@ -150,7 +150,7 @@ def _two_replicas_see_each_others_pages(servers: Callable[..., LaunchedServer], 
     # B's first request of A's prompt: A's pages, in no tier of B's own, come from the one they
     # share, with A's greedy tokens
     hit = b.generate(ta)
-    assert_agrees(ra, hit, "replica B's hit of replica A's pages")
+    assert_agrees(ra, hit, "replica B's hit of replica A's pages", model)
     assert hit.cached_tokens == full_pages(ra.prompt_tokens), hit
     assert hit.details.get("storage", 0) > 0, hit.details
     return ha, wa

@@ -43,7 +43,7 @@ def _pages(replies: list[Reply]) -> int:
 
 
 def test_concurrent_storage_hits_past_l2_room_load_in_full_with_the_same_output(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, demo_model: Path) -> None:
     store = tmp_path / "store"
     s = servers(store, name="l2-pressure",
                 sglang={"max-total-tokens": L1_TOKENS, "hicache-ratio": L2_RATIO,
@@ -76,6 +76,6 @@ def test_concurrent_storage_hits_past_l2_room_load_in_full_with_the_same_output(
               for r, c in zip(again, cold)]
     print(f"L2 free room ~{room} pages; storage tokens loaded / full pages per user: {loaded}")
     for r, c in zip(again, cold):
-        assert_agrees(c, r, "a concurrent storage hit")
+        assert_agrees(c, r, "a concurrent storage hit", demo_model)
         assert r.details.get("storage", 0) == full_pages(c.prompt_tokens), (loaded, r.details)
         assert r.cached_tokens == full_pages(c.prompt_tokens), (loaded, r)

@@ -74,8 +74,8 @@ def _copy(seed: Seed, tmp_path: Path) -> Path:
     return out
 
 
-def _assert_l3_hit(r: Reply, cold: Reply) -> None:
-    assert_agrees(cold, r, "the L3 hit")
+def _assert_l3_hit(r: Reply, cold: Reply, model: Path) -> None:
+    assert_agrees(cold, r, "the L3 hit", model)
     assert r.cached_tokens == full_pages(cold.prompt_tokens), r
     assert r.details.get("storage", 0) > 0, r.details
 
@@ -98,7 +98,7 @@ def test_a_corrupted_block_is_recomputed_and_counted(seeded: Seed, servers, tmp_
     s = servers(store, model=real_model)
     replies = [s.generate(p) for p in seeded.prompts]
     for r, cold in zip(replies, seeded.cold):
-        assert_agrees(cold, r, "recomputed past the corrupt block")
+        assert_agrees(cold, r, "recomputed past the corrupt block", real_model)
     full = sum(full_pages(c.prompt_tokens) for c in seeded.cold)
     assert sum(r.cached_tokens for r in replies) < full             # the bad block was not used
     # counted as the store saw it; the exporter thread publishes every 10 s
@@ -111,9 +111,9 @@ def test_restart_serves_from_l3_and_sigkill_mid_write_back_loses_nothing(
     store = _copy(seeded, tmp_path)
     s = servers(store, name="restart", model=real_model)      # a restart: L1 and L2 are empty
     hit = s.generate(seeded.prompts[0])
-    _assert_l3_hit(hit, seeded.cold[0])
+    _assert_l3_hit(hit, seeded.cold[0], real_model)
     again = s.generate(seeded.prompts[0])                    # now from L1/L2, same answer
-    assert_agrees(seeded.cold[0], again, "the L1/L2 hit")
+    assert_agrees(seeded.cold[0], again, "the L1/L2 hit", real_model)
     # the same KV bytes and the same shapes: an L3 hit is exactly the L1/L2 hit that follows it
     assert again.answer == hit.answer, (again.answer, hit.answer)
     assert again.cached_tokens == full_pages(seeded.cold[0].prompt_tokens)
@@ -123,14 +123,14 @@ def test_restart_serves_from_l3_and_sigkill_mid_write_back_loses_nothing(
     s.kill()                                 # SIGKILL the whole server: no flush, no close
     s2 = servers(store, name="after-kill", model=real_model)
     r = s2.generate(long)
-    assert_agrees(cold, r, "after the SIGKILL")
+    assert_agrees(cold, r, "after the SIGKILL", real_model)
     assert r.cached_tokens % PAGE == 0 and r.cached_tokens <= full_pages(cold.prompt_tokens)
-    _assert_l3_hit(s2.generate(seeded.prompts[1]), seeded.cold[1])   # old blocks intact
+    _assert_l3_hit(s2.generate(seeded.prompts[1]), seeded.cold[1], real_model)   # old blocks intact
     assert store_blocks(store) >= before
 
 
 def test_a_server_on_two_drives_serves_l3_after_restart(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, demo_model: Path) -> None:
     """`offload.store.paths`: a real server through `launch` writes a prompt's pages back over two
     directories (each holds a share) and, restarted, serves them from L3 with the same tokens."""
     drives = [tmp_path / f"nvme{i}" / "offload" for i in range(2)]
@@ -145,4 +145,4 @@ def test_a_server_on_two_drives_serves_l3_after_restart(
     assert all(store_blocks(d) > 0 for d in drives)
     first.stop()
     second = servers(drives, name="drives-2")
-    _assert_l3_hit(second.generate(text), cold)
+    _assert_l3_hit(second.generate(text), cold, demo_model)

@@ -41,7 +41,7 @@ CAP_S = 120               # launch's cap: 7.5 s per 1K tokens at the 16K context
 
 
 def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, demo_model: Path) -> None:
     from tests.agent.conftest import SECRET, AgentProc, needs_nixl
 
     if needs_nixl.args[0]:
@@ -64,7 +64,7 @@ def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
                            pages) >= pages
         flush_l1_l2(s)
         hit = s.generate(text)                               # from the agent, inside the deadline
-        assert_agrees(cold, hit, "the agent's hit")
+        assert_agrees(cold, hit, "the agent's hit", demo_model)
         assert hit.cached_tokens == full_pages(cold.prompt_tokens), hit
         assert hit.details.get("storage", 0) > 0, hit.details
         flush_l1_l2(s)
@@ -72,7 +72,7 @@ def test_a_stopped_agent_is_a_miss_within_the_deadline_with_the_same_output(
         stopped = True
         miss = s.generate(text, timeout=READ_TIMEOUT_S)
         assert agent.proc.poll() is None                     # still there, still stopped
-        assert_agrees(cold, miss, "the miss while the agent is stopped")
+        assert_agrees(cold, miss, "the miss while the agent is stopped", demo_model)
         assert miss.details.get("storage", 0) == 0, miss.details
         assert miss.cached_tokens == 0, miss
         print(f"stalled tier: answered in {miss.total_s:.1f} s (deadline "
