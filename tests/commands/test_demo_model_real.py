@@ -189,6 +189,22 @@ def test_the_command_writes_the_real_model(stand_in: list[Path], tmp_path: Path,
     assert out.stat().st_mode & 0o777 == 0o777 & ~mask                # not mkdtemp's 0700
 
 
+def test_run_again_on_its_own_conversion_it_writes_nothing(stand_in: list[Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """The quick start pasted twice: the second `demo-model` finds the verified model, exit 0,
+    nothing converted or written; one changed file and it is refused as any non-empty DIR."""
+    out = tmp_path / "model"
+    assert cli.main(["demo-model", str(out)]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli.main(["demo-model", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"{out} already holds SmolLM2-135M-Instruct")
+    assert _snapshot(out) == before and len(stand_in) == 1
+    _rewrite(out / "config.json", "{}")
+    assert _refused([str(out)], out, capsys).startswith("error: DIR: ")
+
+
 def test_force_replaces_only_the_model_s_files(stand_in: list[Path], tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "keep.txt").write_text("mine")
