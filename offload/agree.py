@@ -45,13 +45,15 @@ REQUEST: dict[str, Any] = {"return_logprob": True, "top_logprobs_num": TOP_K,
 # nats. Measured 2026-12-08 on the 2-core CPU VM (device cpu, torch_native attention, SGLang
 # 0.5.23, enable-fp32-lm-head) with scripts/measure-tolerance.py: the largest |delta logprob|
 # between a cold reply and the same prompt served from L1, L2 and L3, over chosen tokens and
-# common top-5 candidates. SmolLM2-135M-Instruct (bf16, chat prompts of 512-4096 tokens): up to
-# REAL_MAX; TOLERANCE is about twice that, rounded up. The random-weight demo model
-# (`sglang-offload demo-model --random`, 512-4096 token ids): 0.0 exactly, every tier, every
-# length; RANDOM_TOLERANCE is a floor for other CPUs' kernels, tight so that a check on it keeps
-# its power (a random model's wrong KV moves logprobs by little). `tolerance_for(model_dir)`
-# picks. Method, figures, how to re-measure: docs/design/agreement.md.
-TOLERANCE: float = 0.1
+# common top-5 candidates, 12-16 greedy tokens. SmolLM2-135M-Instruct (bf16, chat prompts of
+# 512-4096 tokens, 50 hits of 23 prompts): up to 0.341 (a top-5 candidate; chosen tokens up to
+# 0.105), no length trend (512: 0.177, 1K: 0.341, 2K: 0.191, 4K: 0.317); TOLERANCE is twice the
+# largest, rounded up. The random-weight demo model (`demo-model --random`, token ids of
+# 512-4096, 24 hits): 0.0 exactly, every tier and length; RANDOM_TOLERANCE is a floor for other
+# CPUs' kernels, tight so that a check on it keeps its power (a random model's wrong KV moves
+# its near-flat logprobs by little). `tolerance_for(model_dir)` picks. Method, figures, how to
+# re-measure: docs/design/agreement.md.
+TOLERANCE: float = 0.7
 RANDOM_TOLERANCE: float = 0.01
 RANDOM_MODEL = "sglang-offload-demo"      # the random-weight demo's config.json _name_or_path
 

@@ -68,7 +68,7 @@ def chat_prompts(model: str, files: list[str], length: int, count: int, seed: in
     for _ in range(count):
         body = length - len(frame)
         start = r.randrange(0, max(1, len(words) - body))
-        doc = tok.decode(words[start:start + body])
+        doc = str(tok.decode(words[start:start + body]))
         ids = chat(doc)
         # the decode/encode round trip moves the count by a few: cut or pad the document part
         cut = len(ids) - len(frame) // 2          # inside the document, before its end
@@ -139,7 +139,23 @@ def row(cold: Reply, hit: Reply) -> dict[str, Any]:
                                                      ("device", "host", "storage")},
             "max_delta": ag.max_delta, "topk_mismatches": ag.topk_mismatches,
             "first_diff": ag.first_diff, "margin": ag.margin,
-            "chosen_max_delta": _chosen(cold.answer, hit.answer, ag.first_diff)}
+            "chosen_max_delta": _chosen(cold.answer, hit.answer, ag.first_diff),
+            "worst": _worst(cold.answer, hit.answer, ag.first_diff)}
+
+
+def _worst(a: Answer, b: Answer, first: int | None) -> dict[str, Any] | None:
+    """Where the largest top-k |delta| is: position, the candidate's rank in the cold reply's
+    top-k (0: its pick), its logprob cold and from the hit."""
+    best: dict[str, Any] | None = None
+    upto = len(a.ids) if first is None else first + 1
+    for i in range(min(upto, len(a.top), len(b.top))):
+        ranked = sorted(a.top[i], key=lambda t: -a.top[i][t])
+        for t in a.top[i].keys() & b.top[i].keys():
+            d = abs(a.top[i][t] - b.top[i][t])
+            if best is None or d > best["delta"]:
+                best = {"delta": d, "position": i, "rank": ranked.index(t),
+                        "cold": a.top[i][t], "hit": b.top[i][t]}
+    return best
 
 
 def _chosen(a: Answer, b: Answer, first: int | None) -> float:

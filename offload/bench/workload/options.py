@@ -64,8 +64,8 @@ OPTIONS = (
     Option(("--ttft-target-ms",), "with --sweep-users: the p90 TTFT a user count must stay "
            "within (the sweep stops past it)", None, positive, metavar="MS"),
     Option(("--tie-margin",), "removed: a differing turn is judged at the logprob against the "
-           "measured tolerance (offload.agree.TOLERANCE, docs/design/agreement.md); giving it is "
-           "an error", None, positive, metavar="X"),
+           "measured tolerance (offload.agree.tolerance_for, docs/design/agreement.md); giving "
+           "it is an error", None, positive, metavar="X"),
     Option(("--seed",), "seed of SGLang's generated prompts; 0: a new one each run", 0, int),
     Option(("--dir",), "where the servers' L3 directories, deployment files and logs go "
            "(default: $TMPDIR; removed at the end unless --keep)", None, work_dir),
