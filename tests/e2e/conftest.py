@@ -88,14 +88,17 @@ def prompt(tokens: int, seed: int) -> str:
 
 
 def assert_agrees(ref: Reply, other: Reply, what: str, model: Path) -> Agreement:
-    """`other` gives `ref`'s answer at the logprob (`offload.agree`): the same tokens and text,
-    every chosen token's and top-k candidate's logprob within `model`'s measured tolerance
-    (`tolerance_for`: the random-weight demo's is tight, a real model's wider). A near-tie is not
-    enough here: these requests are deterministic, so the tokens must agree."""
+    """`other` gives `ref`'s answer at the logprob (`offload.agree`): every chosen token's and
+    top-k candidate's logprob within `model`'s measured tolerance (`tolerance_for`: the
+    random-weight demo's is tight, a real model's wider), the same tokens and text, or a parting
+    at a near-tie of the model (the reference ranked the other's token within the tolerance of
+    its own: a real model parts so in ~1 prompt of 4 from a cache hit with nothing wrong,
+    docs/design/agreement.md), and nothing after it compared."""
     a = compare(ref.answer, other.answer, tolerance_for(model))
-    assert a.verdict == "same" and (other.output_ids, other.text) == (ref.output_ids, ref.text), (
-        f"{what or 'reply'} does not agree with its reference: {a}; "
-        f"{other.text!r} vs {ref.text!r}")
+    assert a.ok, (f"{what} does not agree with its reference: {a}; "
+                  f"{other.text!r} vs {ref.text!r}")
+    if a.verdict == "same":
+        assert (other.output_ids, other.text) == (ref.output_ids, ref.text), (what, a)
     return a
 
 
