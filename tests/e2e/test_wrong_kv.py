@@ -20,7 +20,8 @@ pages, in a mode the test switches at run time (one server covers every mode):
 Per server: prompt A cold (greedy, `NEW` tokens, logprobs); its write-back; A again at once (an
 L1 hit); then per mode: `flush_l1_l2` (L1/L2 empty, L3 kept), the mode set, A again -> an L3 hit
 (storage covers its full pages, the plant's log shows the pages it changed) ->
-`offload.agree.compare(reference, hit)` must be "different" under a fault and ok under `none`.
+`offload.agree.compare(reference, hit, tolerance_for(model))` (each model's measured tolerance)
+must be "different" under a fault and ok under `none`.
 The reference is the cold reply, except with fp8 KV (the L1 hit: see that test). Each mode's
 verdict, max |delta logprob|, first differing token and margin are printed (`pytest -s`): the
 size of a real error, which the docs cite, with the cold-vs-L1 spread and the "same ids" column
@@ -43,7 +44,7 @@ from typing import Any, Callable
 
 import pytest
 
-from offload.agree import TOLERANCE, Agreement, compare
+from offload.agree import Agreement, compare, tolerance_for
 from offload.launch.server import LaunchedServer, Reply, wait_store
 from tests.e2e.conftest import PAGE, flush_l1_l2, full_pages, needs_serving, prompt
 
@@ -127,6 +128,7 @@ class Run:
     cold: Reply
     l1: Reply                      # A again at once: served from L1 (the device)
     reference: str                 # "cold" or "l1": what each hit is compared with
+    tolerance: float               # the model's measured tolerance (offload.agree.tolerance_for)
     outcomes: list[Outcome]
 
     @property
@@ -135,7 +137,8 @@ class Run:
 
 
 def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list[int],
-              donor: str | list[int] | None, modes: tuple[str, ...], reference: str = "cold") -> Run:
+              donor: str | list[int] | None, modes: tuple[str, ...], model: Path,
+              reference: str = "cold") -> Run:
     """The procedure of the module docstring; every mode's outcome, nothing asserted on them."""
     blocks = 0
     if donor is not None:                  # `other-prompt` serves these pages
@@ -151,7 +154,7 @@ def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list
     assert wait_store(store, blocks) >= blocks, s.tail()
     l1 = s.generate(a, NEW)
     assert l1.details.get("device", 0) == full_pages(cold.prompt_tokens), l1.details
-    run = Run(cold, l1, reference, [])
+    run = Run(cold, l1, reference, tolerance_for(model), [])
     for mode in modes:
         flush_l1_l2(s)
         plant.set(mode)
@@ -160,7 +163,8 @@ def run_modes(s: LaunchedServer, store: Path, plant: PlantControl, a: str | list
         plant.set("none")
         reads = [r for r in plant.records()[seen:] if r["op"] == "read"]
         run.outcomes.append(Outcome(
-            mode, compare(run.ref.answer, hit.answer), hit.output_ids == run.ref.output_ids, hit,
+            mode, compare(run.ref.answer, hit.answer, run.tolerance),
+            hit.output_ids == run.ref.output_ids, hit,
             int(hit.details.get("storage", 0) or 0), sum(r["changed"] for r in reads),
             sorted({r["note"] for r in reads if r["note"]})))
     return run
@@ -171,13 +175,14 @@ def check(label: str, run: Run) -> None:
     control agrees with nothing changed; every fault changed pages and is caught ("different")."""
     cold, outcomes = run.cold, run.outcomes
     print(f"\n{label}: {cold.prompt_tokens} prompt tokens, {len(cold.output_ids)} generated, "
-          f"cold text {cold.text!r}\n  tolerance {TOLERANCE} nats; cold vs L1 hit: "
-          f"{compare(cold.answer, run.l1.answer)}\n  each L3 hit against the {run.reference} reply:")
+          f"cold text {cold.text!r}\n  tolerance {run.tolerance} nats; cold vs L1 hit: "
+          f"{compare(cold.answer, run.l1.answer, run.tolerance)}\n"
+          f"  each L3 hit against the {run.reference} reply:")
     for o in outcomes:
         print("  " + o.row(run.ref) + (f"  notes {o.notes}" if o.notes else ""))
     controls = [o for o in outcomes if o.mode == "none"]
     print("  the controls' L3 hits against the L1 hit: "
-          + "; ".join(str(compare(run.l1.answer, o.hit.answer)) for o in controls))
+          + "; ".join(str(compare(run.l1.answer, o.hit.answer, run.tolerance)) for o in controls))
     spread = max(o.agreement.max_delta for o in controls)
     print(f"  (for scale, at twice this run's own control spread, {2 * spread:.4f} nats: "
           + ", ".join(f"{o.mode} {compare(run.ref.answer, o.hit.answer, 2 * spread).verdict}"
@@ -264,12 +269,12 @@ def test_the_plant_lands_each_fault_where_it_says() -> None:
 @needs_serving
 @pytest.mark.timeout(900)
 def test_demo_model_every_wrong_kv_mode_fails_the_logprob_check(
-        servers: Callable[..., LaunchedServer], tmp_path: Path) -> None:
+        servers: Callable[..., LaunchedServer], tmp_path: Path, demo_model: Path) -> None:
     plant = PlantControl(tmp_path / "plant")
     store = tmp_path / "store"
     s = servers(store, name="demo-wrong-kv", env=plant.env(), **NO_DECLINE)
     run = run_modes(s, store, plant, prompt(DEMO_TOKENS, 4701), prompt(DEMO_TOKENS, 4702),
-                    ("none", *FAULTS, "none"))
+                    ("none", *FAULTS, "none"), demo_model)
     check("demo model (bf16 KV)", run)
 
 
@@ -300,7 +305,7 @@ def test_real_model_every_wrong_kv_mode_fails_the_logprob_check(
     a = _chat(real_model, range(0, REAL_TOKENS), QUESTION_A)
     b = _chat(real_model, range(REAL_TOKENS, 2 * REAL_TOKENS), QUESTION_B)
     s = servers(store, name="real-wrong-kv", env=plant.env(), model=real_model, **NO_DECLINE)
-    run = run_modes(s, store, plant, a, b, ("none", *FAULTS, "none"))
+    run = run_modes(s, store, plant, a, b, ("none", *FAULTS, "none"), real_model)
     check("real model (SmolLM2-135M-Instruct, bf16 KV)", run)
 
 
@@ -316,5 +321,6 @@ def test_real_model_fp8_kv_with_the_wrong_scale_fails_the_logprob_check(
     a = _chat(real_model, range(0, REAL_TOKENS), QUESTION_A)
     s = servers(store, name="real-fp8-wrong-kv", env=plant.env(), model=real_model,
                 sglang={"kv-cache-dtype": "fp8_e4m3"}, **NO_DECLINE)
-    run = run_modes(s, store, plant, a, None, ("none", "fp8-scale", "none"), reference="l1")
+    run = run_modes(s, store, plant, a, None, ("none", "fp8-scale", "none"), real_model,
+                    reference="l1")
     check("real model (SmolLM2-135M-Instruct, fp8_e4m3 KV)", run)
