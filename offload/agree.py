@@ -98,10 +98,16 @@ class Answer:
             lp, tid = _entry(tok, f"output_token_logprobs[{i}]")
             ids.append(tid)
             lps.append(lp)
+            if not isinstance(cands, list) or not cands:
+                raise ValueError(f"meta_info output_top_logprobs[{i}]: no candidates (ask with "
+                                 f"top_logprobs_num {TOP_K})")
             row: dict[int, float] = {}
-            for j, c in enumerate(cands or []):
+            for j, c in enumerate(cands):
                 clp, cid = _entry(c, f"output_top_logprobs[{i}][{j}]")
+                if cid in row:
+                    raise ValueError(f"meta_info output_top_logprobs[{i}]: token {cid} twice")
                 row[cid] = clp
+            _check_chosen(row, tid, lp, i)
             top.append(row)
         return cls(ids, lps, top)
 
@@ -118,6 +124,20 @@ def _entry(item: Any, where: str) -> tuple[float, int]:
     return float(lp), tid
 
 
+def _check_chosen(row: dict[int, float], tid: int, lp: float, i: int) -> None:
+    """A position's chosen token is in its own top-k row with the same logprob whenever it ranks
+    there (a greedy reply's is its top-1); a row without it would hide how far it moved."""
+    if tid in row:
+        same = row[tid] == lp or abs(row[tid] - lp) <= 1e-4 or (math.isnan(row[tid])
+                                                                and math.isnan(lp))
+        if not same:
+            raise ValueError(f"meta_info position {i}: token {tid} at {lp} but {row[tid]} in its "
+                             "top-k")
+    elif math.isnan(lp) or lp > min(row.values()):
+        raise ValueError(f"meta_info position {i}: token {tid} (logprob {lp}) ranks in the top-k "
+                         "but is not in its row")
+
+
 STREAMED = ("output_token_logprobs", "output_top_logprobs")    # lists per generated position
 
 
@@ -129,13 +149,22 @@ class Streamed:
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.lists: dict[str, list[Any]] = {k: [] for k in STREAMED}
+        self.expected = 0                    # the highest completion_tokens a chunk named
 
     def add(self, chunk: dict[str, Any]) -> None:
+        """Put one chunk in place; ValueError where it cannot be placed exactly (no
+        `completion_tokens`, or positions between those held and the chunk's missing)."""
         new = [int(t) for t in chunk.get("output_ids") or []]
         meta = chunk.get("meta_info") or {}
         done = meta.get("completion_tokens")
-        done = done if isinstance(done, int) and done >= len(new) else len(self.ids) + len(new)
-        start = min(done - len(new), len(self.ids))
+        if isinstance(done, bool) or not isinstance(done, int) or done < len(new):
+            raise ValueError(f"a streamed chunk's meta_info.completion_tokens {done!r} does not "
+                             f"cover its {len(new)} output_ids")
+        self.expected = max(self.expected, done)
+        start = done - len(new)
+        if start > len(self.ids):
+            raise ValueError(f"a streamed chunk starts at position {start} but only "
+                             f"{len(self.ids)} are held: a chunk is missing")
         self.ids = self.ids[:start] + new
         for key, values in self.lists.items():
             got = meta.get(key)
@@ -146,6 +175,9 @@ class Streamed:
     def answer(self) -> Answer:
         """The whole reply's Answer; ValueError where the logprobs do not cover exactly the
         tokens streamed (a server that ignored `REQUEST`, a malformed chunk)."""
+        if not self.ids or len(self.ids) != self.expected:
+            raise ValueError(f"the stream held {len(self.ids)} tokens of the "
+                             f"{self.expected} its chunks named")
         got = Answer.from_meta(self.lists)
         if got.ids != self.ids:
             raise ValueError(f"the reply's logprobs name {len(got.ids)} tokens "
@@ -192,7 +224,12 @@ def _topk_differs(a: dict[int, float], b: dict[int, float], tolerance: float) ->
 
 
 def compare(ref: Answer, other: Answer, tolerance: float = TOLERANCE) -> Agreement:
-    """`other` against the reference `ref` (see the module's rules)."""
+    """`other` against the reference `ref` (see the module's rules). ValueError on a tolerance
+    that is not a number >= 0; an answer with no positions agrees with nothing."""
+    if not isinstance(tolerance, (int, float)) or not tolerance >= 0:   # NaN fails too
+        raise ValueError(f"tolerance {tolerance!r}: expected a number of nats >= 0")
+    if not ref.ids or not other.ids:
+        return Agreement("different", math.inf, 0, 0, None, tolerance)
     n = min(len(ref.ids), len(other.ids))
     first = next((i for i in range(n) if ref.ids[i] != other.ids[i]), None)
     if first is None and len(ref.ids) != len(other.ids):
@@ -205,6 +242,7 @@ def compare(ref: Answer, other: Answer, tolerance: float = TOLERANCE) -> Agreeme
             deltas.append(abs(_at(ref.logprobs, i) - _at(other.logprobs, i)))
         rt, ot = _at_top(ref.top, i), _at_top(other.top, i)
         deltas += [abs(rt[t] - ot[t]) for t in rt.keys() & ot.keys()]
+        deltas += _one_sided(rt, ot) + _one_sided(ot, rt)
         if i != first and _topk_differs(rt, ot, tolerance):
             mismatches += 1
     finite = [d for d in deltas if math.isfinite(d)]
@@ -226,6 +264,16 @@ def compare(ref: Answer, other: Answer, tolerance: float = TOLERANCE) -> Agreeme
     else:
         verdict = "different"
     return Agreement(verdict, worst, mismatches, first, margin, tolerance)
+
+
+def _one_sided(mine: dict[int, float], theirs: dict[int, float]) -> list[float]:
+    """A lower bound of |delta| for each id in `mine`'s top-k only: in `theirs` it ranks below
+    their k-th, so it moved by at least its logprob here less that k-th (0 for a tie at the
+    cut)."""
+    if not theirs:
+        return [math.inf] if mine else []
+    kth = min(theirs.values())
+    return [max(0.0, lp - kth) for t, lp in mine.items() if t not in theirs]
 
 
 def _at(values: list[float], i: int) -> float:

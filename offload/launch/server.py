@@ -67,6 +67,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _refuse_failed(url: str, chunk: dict[str, Any]) -> None:
+    """SGLang streams a failed request as HTTP 200 with `{"error": ...}` (an input longer than
+    the context, ...) and an aborted one as a chunk whose finish_reason is `abort`: RunError,
+    never a short reply that would compare as an answer."""
+    if not isinstance(chunk, dict) or "error" in chunk:
+        raise RunError(f"{url}/generate: the server answered {str(chunk)[:300]}")
+    finish = (chunk.get("meta_info") or {}).get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise RunError(f"{url}/generate: the request was aborted: {finish.get('message')}")
+
+
 @dataclass
 class Reply:
     text: str
@@ -182,7 +193,11 @@ class LaunchedServer:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 last = json.loads(line[5:])
-                stream.add(last)
+                _refuse_failed(self.url, last)
+                try:
+                    stream.add(last)
+                except ValueError as e:
+                    raise RunError(f"{self.url}/generate: {e}") from None
         total = time.perf_counter() - t0
         meta = last.get("meta_info") or {}
         try:
