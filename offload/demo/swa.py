@@ -12,6 +12,7 @@ Serving it with `torch_native` attention needs patches/0007 (SWA layers read at 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,15 @@ def _config(spec: DemoSpec, base: dict[str, Any]) -> dict[str, Any]:
 
 def write_swa_demo(directory: str | Path, spec: DemoSpec, overwrite: bool = False) -> list[Path]:
     """The Llama demo's files with a Mellum config.json and q/k norms. Raises ConfigError first."""
+    return write_demo(directory, spec, overwrite=overwrite, adjust=partial(_mellum, spec))
+
+
+def _mellum(spec: DemoSpec, stage: Path) -> None:
+    """The staged Llama files made Mellum's: its config.json, q/k norms added to the weights."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    files = write_demo(directory, spec, overwrite=overwrite)
-    config, weights = files[0], files[2]
+    config, weights = stage / "config.json", stage / "model.safetensors"
     config.write_text(json.dumps(_config(spec, json.loads(config.read_text())), indent=2,
                                  sort_keys=True) + "\n")
     tensors = load_file(str(weights))
@@ -57,4 +62,3 @@ def write_swa_demo(directory: str | Path, spec: DemoSpec, overwrite: bool = Fals
             tensors[f"model.layers.{i}.self_attn.{norm}.weight"] = torch.ones(
                 spec.head_dim, dtype=getattr(torch, spec.dtype))
     save_file({k: tensors[k] for k in sorted(tensors)}, str(weights), metadata={"format": "pt"})
-    return files

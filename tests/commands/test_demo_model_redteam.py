@@ -1,12 +1,14 @@
 """Red team of `sglang-offload demo-model DIR`: its refusals, what it leaves in DIR, and the
 "already holds the verified model" exit 0. No real conversion runs: `convert_gguf` is replaced by
 one that writes small stand-in files (the wheel's GGUF is still located and checked for real), so
-PROVENANCE.json is the one `write_real` writes. An attack that held is a plain test; a hole is a
-strict xfail naming the fix."""
+PROVENANCE.json is the one `write_real` writes (the stand-ins' sha256s pinned as the installed
+versions' conversion). An attack that held is a plain test; a hole is a strict xfail naming the
+fix (none left: each hole's test now passes)."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import threading
@@ -28,8 +30,14 @@ MODEL_FILES = ("chat_template.jinja", "config.json", "generation_config.json",
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """`convert_gguf` writing small stand-ins (fresh files, no links): the calls made."""
+    """`convert_gguf` writing small stand-ins (fresh files, no links): the calls made. The
+    stand-ins' sha256s are the pins of the installed versions (`real.PINS`): their conversion."""
     calls: list[Path] = []
+    wheel = real.locate_wheel()
+    pins = {n: hashlib.sha256(f"stand-in {n}\n".encode()).hexdigest() for n in MODEL_FILES}
+    pins |= {"LICENSE": _sha(wheel.license),
+             "README.md": hashlib.sha256(real._readme(wheel).encode()).hexdigest()}
+    monkeypatch.setattr(real, "PINS", {real.installed_versions(): pins})
 
     def convert(gguf: Path, out: Path) -> None:
         calls.append(out)
@@ -118,11 +126,6 @@ def test_a_provenance_naming_a_path_outside_is_not_the_model(name: str, fake: li
     assert not _holds(d, capsys)
 
 
-@pytest.mark.xfail(strict=True, reason="verify_real checks only the files PROVENANCE.json lists: "
-                   "an extra weights file (SGLang loads every *.safetensors of a directory "
-                   "without an index) still 'verifies' and demo-model exits 0 'already holds'; "
-                   "verify_real should report any file in DIR that PROVENANCE.json does not list "
-                   "(or at least any *.safetensors / *.bin / *.json / tokenizer file)")
 def test_an_unlisted_extra_weights_file_is_not_the_verified_model(fake: list[Path],
                                                                   tmp_path: Path,
                                                                   capsys) -> None:
@@ -131,10 +134,6 @@ def test_an_unlisted_extra_weights_file_is_not_the_verified_model(fake: list[Pat
     assert not _holds(d, capsys)
 
 
-@pytest.mark.xfail(strict=True, reason="a PROVENANCE.json listing fewer files (only "
-                   "model.safetensors, the one name required) verifies with every other file "
-                   "changed (here config.json): verify_real should require the listed names to "
-                   "be exactly the set write_real writes")
 def test_a_provenance_listing_fewer_files_does_not_verify_the_rest(fake: list[Path],
                                                                    tmp_path: Path,
                                                                    capsys) -> None:
@@ -145,12 +144,6 @@ def test_a_provenance_listing_fewer_files_does_not_verify_the_rest(fake: list[Pa
     assert not _holds(d, capsys)
 
 
-@pytest.mark.xfail(strict=True, reason="verification anchors on PROVENANCE.json inside DIR only "
-                   "(plus the GGUF sha256, a constant anyone can copy): model.safetensors swapped "
-                   "for another file with PROVENANCE.json's sha256 rewritten to match exits 0 "
-                   "'already holds SmolLM2-135M-Instruct'; pin the conversion's own file hashes "
-                   "in offload/demo/real.py (per converted_with versions; the dequantization is "
-                   "deterministic) or keep the record outside DIR, and check against those")
 def test_a_swapped_model_with_a_matching_provenance_is_not_the_verified_model(
         fake: list[Path], tmp_path: Path, capsys) -> None:
     d = _made(tmp_path / "m", capsys)
@@ -160,10 +153,6 @@ def test_a_swapped_model_with_a_matching_provenance_is_not_the_verified_model(
     assert not _holds(d, capsys)
 
 
-@pytest.mark.xfail(strict=True, reason="a PROVENANCE.json that is a FIFO (or any file that never "
-                   "ends) makes demo-model DIR hang before any check: verify_real reads it with "
-                   "read_text() unconditionally; read it only when it is a regular file, with a "
-                   "size cap")
 def test_a_fifo_provenance_does_not_hang(tmp_path: Path) -> None:
     d = tmp_path / "m"
     d.mkdir()
@@ -207,7 +196,8 @@ def test_force_replaces_a_linked_model_file_not_its_target(fake: list[Path], tmp
     (d / "keep.txt").write_text("keep")
     assert cli.main(["demo-model", str(d), "--force"]) == 0
     assert mine.read_text() == "my precious config" and not (d / "config.json").is_symlink()
-    assert (d / "keep.txt").read_text() == "keep" and real.verify_real(d) == []
+    assert (d / "keep.txt").read_text() == "keep"          # kept, so DIR is not only the model:
+    assert real.verify_real(d) == [f"{d / 'keep.txt'}: not a file of the model (not in {PROVENANCE})"]
 
 
 def test_force_refuses_a_directory_under_a_model_file_s_name_touching_nothing(
@@ -222,11 +212,6 @@ def test_force_refuses_a_directory_under_a_model_file_s_name_touching_nothing(
     assert sorted(os.listdir(tmp_path)) == ["m"]
 
 
-@pytest.mark.xfail(strict=True, reason="DIR is checked for a symbolic link before the conversion "
-                   "only: a link put there meanwhile (to an empty directory) is followed at "
-                   "publish and the model lands in the link's target, exit 0; _publish should "
-                   "lstat DIR again (and compare st_dev/st_ino with the first check) before "
-                   "writing")
 def test_a_dir_turned_into_a_symlink_while_converting_is_refused(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys) -> None:
@@ -245,12 +230,6 @@ def test_a_dir_turned_into_a_symlink_while_converting_is_refused(tmp_path: Path,
     assert os.listdir(elsewhere) == [] and rc == 2
 
 
-@pytest.mark.xfail(strict=True, reason="with --force a failure while the files are moved into "
-                   "DIR (EXDEV: DIR a mount point, its staging directory made in the parent on "
-                   "another file system, which _publish says it supports) leaves DIR changed: the "
-                   "old PROVENANCE.json deleted, exit 2 'name a writable directory with 300 MB "
-                   "free'; stage inside DIR when its st_dev differs from its parent's, and move "
-                   "each replaced file aside (back on error) so a failure leaves DIR as it was")
 def test_force_failing_midway_leaves_dir_as_it_was(fake: list[Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    capsys) -> None:
@@ -270,9 +249,6 @@ def test_force_failing_midway_leaves_dir_as_it_was(fake: list[Path], tmp_path: P
     assert rc == 2 and _snapshot(d) == before
 
 
-@pytest.mark.xfail(strict=True, reason="DIR '' (an unset shell variable: demo-model \"$DIR\") is "
-                   "os.path.abspath('') = the working directory, and an empty one gets the model "
-                   "written into it, exit 0; run() should refuse an empty DIR with one error line")
 def test_an_empty_dir_argument_is_refused(fake: list[Path], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     (tmp_path / "cwd").mkdir()
@@ -282,10 +258,6 @@ def test_an_empty_dir_argument_is_refused(fake: list[Path], tmp_path: Path,
     assert os.listdir(tmp_path / "cwd") == [] and rc == 2
 
 
-@pytest.mark.xfail(strict=True, reason="a DIR name over NAME_MAX (ENAMETOOLONG from the first "
-                   "lstat in _check_target, which pathlib does not swallow) is exit 1 through "
-                   "the CLI's generic OSError line, not the documented exit 2 with a 'DIR:' "
-                   "line; _check_target should turn an OSError into ConfigError naming DIR")
 def test_a_too_long_dir_name_is_one_dir_error_exit_2(fake: list[Path], tmp_path: Path,
                                                      capsys) -> None:
     rc = cli.main(["demo-model", str(tmp_path / ("x" * 300))])
@@ -309,11 +281,7 @@ SMALL = ["--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("config.json", marks=pytest.mark.xfail(strict=True, reason=(
-        "--random --force writes config.json (and generation_config.json, tokenizer files, "
-        "README.md) in place through a symbolic link already in DIR: a file of the user's "
-        "elsewhere is overwritten; write_demo should write into a staging directory and "
-        "os.replace the names as write_real does"))),
+    "config.json",
     "model.safetensors",          # held: safetensors replaces the link, not its target
 ])
 def test_random_force_does_not_write_through_a_link(name: str, tmp_path: Path, capsys) -> None:
@@ -327,11 +295,6 @@ def test_random_force_does_not_write_through_a_link(name: str, tmp_path: Path, c
     assert mine.read_bytes() == b"my file"
 
 
-@pytest.mark.xfail(strict=True, reason="--random has no staging: a failure midway (disk full at "
-                   "model.safetensors) leaves the previous model's model.safetensors beside the "
-                   "new config.json (--force), or a half model in a new DIR that the next run "
-                   "refuses as not empty; write_demo should stage beside DIR and publish as "
-                   "write_real does")
 @pytest.mark.parametrize("force", [False, True])
 def test_random_failing_midway_leaves_nothing(force: bool, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -350,3 +313,70 @@ def test_random_failing_midway_leaves_nothing(force: bool, tmp_path: Path,
     assert cli.main(argv + (["--force"] if force else [])) == 2
     assert "No space left" in _one_error(capsys)
     assert _snapshot(tmp_path) == before
+
+
+# --- the fixes, further ------------------------------------------------------------------------------
+def test_force_failing_at_a_later_file_puts_every_replaced_file_back(
+        fake: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    d = _made(tmp_path / "m", capsys)
+    (d / "keep.txt").write_text("keep")
+    (d / "config.json").unlink()                         # one file to add, not replace
+    before = _snapshot(d)
+    replace, calls = os.replace, []
+
+    def fails_at_the_fifth(src, dst, *a, **k):
+        calls.append(dst)
+        if len(calls) == 5:
+            raise OSError(errno.EIO, "Input/output error")
+        return replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", fails_at_the_fifth)
+    assert cli.main(["demo-model", str(d), "--force"]) == 2
+    assert _one_error(capsys).startswith(f"error: DIR: cannot write {d}: Input/output error")
+    assert len(calls) > 5 and _snapshot(d) == before and sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_unpinned_versions_check_the_record_only_and_never_hold(
+        fake: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    d = _made(tmp_path / "m", capsys)
+    monkeypatch.setattr(real, "PINS", {})
+    assert real.verify_real(d, pinned=False) == []
+    assert "not the versions of a pinned conversion" in real.verify_real(d)[0]
+    assert not _holds(d, capsys)
+    assert real.cached_real_model(tmp_path / "cache").is_dir() and len(fake) == 2
+
+
+def test_an_existing_dir_swapped_while_converting_is_refused(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys) -> None:
+    out = tmp_path / "m"
+    out.mkdir()
+
+    def someone_swaps(gguf: Path, stage: Path) -> None:
+        out.rename(tmp_path / "old")
+        out.mkdir()
+        for name in MODEL_FILES:
+            (stage / name).write_text("x")
+
+    monkeypatch.setattr(real, "convert_gguf", someone_swaps)
+    assert cli.main(["demo-model", str(out)]) == 2
+    assert "was replaced while writing (now another directory)" in _one_error(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["m", "old"] and os.listdir(out) == []
+    assert os.listdir(tmp_path / "old") == []
+
+
+def test_random_into_an_existing_directory_keeps_it(tmp_path: Path, capsys) -> None:
+    (tmp_path / "m").mkdir(mode=0o750)
+    before = (tmp_path / "m").stat()
+    assert cli.main(["demo-model", "--random", str(tmp_path / "m"), "--family", "swa", *SMALL]) == 0
+    after = (tmp_path / "m").stat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert len(os.listdir(tmp_path / "m")) == 6 and os.listdir(tmp_path) == ["m"]
+
+
+def test_random_still_writes_the_random_model(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo-model", "--random", str(tmp_path / "m"), *SMALL]) == 0
+    assert "(llama, random weights)" in capsys.readouterr().out
+    assert "RANDOM WEIGHTS" in (tmp_path / "m" / "README.md").read_text()
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 1
