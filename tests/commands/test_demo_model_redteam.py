@@ -380,3 +380,19 @@ def test_random_still_writes_the_random_model(tmp_path: Path,
     assert "(llama, random weights)" in capsys.readouterr().out
     assert "RANDOM WEIGHTS" in (tmp_path / "m" / "README.md").read_text()
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_a_mount_point_dir_is_staged_inside_it(fake: list[Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    stat_of = os.stat
+
+    def other_device(path, *a, **k):          # DIR's parent on another file system than DIR
+        st = stat_of(path, *a, **k)
+        return os.stat_result((*st[:2], st.st_dev + 1, *st[3:])) if Path(path) == tmp_path else st
+
+    monkeypatch.setattr(os, "stat", other_device)
+    assert cli.main(["demo-model", str(d)]) == 0
+    assert [p.parent for p in fake] == [d] and os.listdir(tmp_path) == ["m"]
+    assert real.verify_real(d) == []
