@@ -56,8 +56,13 @@ class _SGLang(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        tokens = [[-0.1, 7, None], [-0.2, 8, None]]          # what REQUEST asks for, streamed
+        tops = [[[-0.1, 7, None], [-2.0, 9, None]], [[-0.2, 8, None], [-2.5, 9, None]]]
         for k in (1, 2):
-            chunk = {"text": "ab"[:k], "output_ids": [7, 8][:k], "meta_info": meta}
+            chunk = {"text": "ab"[:k], "output_ids": [7, 8][:k],
+                     "meta_info": {**meta, "completion_tokens": k,
+                                   "output_token_logprobs": tokens[:k],
+                                   "output_top_logprobs": tops[:k]}}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
 
