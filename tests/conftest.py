@@ -45,6 +45,6 @@ def _group(item: pytest.Item, name: str) -> None:
     try:
         from _pytest.nodeid import coerce_node_id  # pytest 9.2: a structured id in `_id`
     except ImportError:                             # older: the string in `_nodeid`
-        item._nodeid = f"{item.nodeid}@{name}"
+        item._nodeid = f"{item.nodeid}@{name}"   # type: ignore[attr-defined]
         return
     item._id = coerce_node_id(f"{item.nodeid}@{name}")   # type: ignore[attr-defined]
