@@ -156,7 +156,7 @@ def deployment(path: Path, model: Path, port: int, store: Path | list[Path],
              else {"path": str(store)})
     context = min(16384, _context_of(model))
     doc = {"sglang": {"model-path": str(model), "device": "cpu", "page-size": PAGE,
-                      "context-length": context, "max-total-tokens": 32768, "hicache-ratio": 4,
+                      "context-length": context, "max-total-tokens": 32768, "hicache-ratio": 2,
                       "enable-fp32-lm-head": True,
                       "enable-metrics": True, "enable-cache-report": True,
                       "host": "127.0.0.1", "port": port, "log-level": "info", **(sglang or {})},

@@ -185,7 +185,11 @@ def test_disk_full_skips_writes_and_keeps_serving(small_fs):
     # is what stops the writes.
     s = open_store(small_fs, 1 << 30, free_bytes=lambda _p: 1 << 40)
     try:
-        results = [s.put_many([key(i)], [[data(key(i), size)]])[0] for i in range(16)]
+        # the first block made durable before the disk fills: a group commit under load (two
+        # xdist workers) could otherwise take it into the commit that meets the full disk
+        results = [s.put_many([key(0)], [[data(key(0), size)]])[0]]
+        s.flush()
+        results += [s.put_many([key(i)], [[data(key(i), size)]])[0] for i in range(1, 16)]
         assert results[0] and not all(results)
         s.flush()
         # A put's True is "accepted"; its index commit may still meet the full disk (SQLite's own
