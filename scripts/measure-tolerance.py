@@ -33,7 +33,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -95,20 +94,6 @@ def config(path: Path, model: str, store: Path, port: int, l1: int, context: int
                                  "io_threads": 2}}}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
-
-
-def flush(server: LaunchedServer, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        req = urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                r.read()
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 400 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
 
 
 def quiet_store(store: Path, still_s: float = 3.0, timeout: float = 120.0) -> int:
@@ -208,9 +193,9 @@ def main() -> int:
                         push_out(server, l1, n, a.seed * 31 + n + k)
                         res["l2"] = row(cold, server.generate(ids, a.new_tokens))
                     quiet_store(work / "store")                     # the write-back landed
-                    flush(server)
+                    server.flush_l1_l2(120.0)
                     res["l3"] = row(cold, server.generate(ids, a.new_tokens))
-                    flush(server)
+                    server.flush_l1_l2(120.0)
                     out["rows"].append(res)
                     if a.json:
                         Path(a.json).write_text(json.dumps(out, indent=2))

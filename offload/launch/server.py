@@ -211,6 +211,22 @@ class LaunchedServer:
                      ttft_s=ttft if ttft is not None else total, total_s=total,
                      answer=answer)
 
+    def flush_l1_l2(self, timeout: float = 60.0) -> None:
+        """SGLang's /flush_cache: L1 and L2 emptied, L3 kept. SGLang answers 400 while its
+        scheduler is not yet idle (the last batch of a finished request is cleared on its next
+        loop turn, late on a loaded box), so it is asked again until done or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    r.read()
+                return
+            except urllib.error.HTTPError as e:
+                if e.code != 400 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+
     def get(self, path: str, timeout: float = 30.0) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()

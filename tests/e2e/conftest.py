@@ -16,8 +16,6 @@ import importlib.util
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -131,20 +129,8 @@ def wait_metric(server: LaunchedServer, name: str, label: str, at_least: float,
 
 
 def flush_l1_l2(server: LaunchedServer, timeout: float = 60.0) -> None:
-    """SGLang's /flush_cache: L1 and L2 emptied, L3 kept. SGLang answers 400 while its scheduler
-    is not yet idle (the last batch of a finished request is cleared on its next loop turn, late
-    on a loaded box), so the flush is asked again until it is done or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        req = urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                r.read()
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 400 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
+    """SGLang's /flush_cache: L1 and L2 emptied, L3 kept (`LaunchedServer.flush_l1_l2`)."""
+    server.flush_l1_l2(timeout)
 
 
 def deployment(path: Path, model: Path, port: int, store: Path | list[Path],

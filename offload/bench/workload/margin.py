@@ -22,9 +22,6 @@ turn is asked again here:
 from __future__ import annotations
 
 import random
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -101,26 +98,11 @@ def parting(tokenizer: Tokenizer, ans: Answer, text: str) -> tuple[int | None, f
     return None, None
 
 
-def flush(server: LaunchedServer, timeout: float = 120.0) -> None:
-    """SGLang's /flush_cache (asked again while its scheduler is not idle: 400)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        req = urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                r.read()
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 400 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
-
-
 def judge(server: LaunchedServer, tokenizer: Any, msgs: list[dict[str, str]], reference: str,
           other: str, max_tokens: int, tolerance: float = TOLERANCE) -> dict[str, Any]:
     """A differing turn asked cold and again on `server` (no L3), judged at the logprob."""
     ids = prompt_ids(tokenizer, msgs)
-    flush(server)
+    server.flush_l1_l2(120.0)
     cold = server.generate(ids, max_tokens, ignore_eos=True)
     hit = server.generate(ids, max_tokens, ignore_eos=True)
     again = compare(cold.answer, hit.answer, tolerance)
